@@ -1,0 +1,62 @@
+// Package keyspace derives every storage key Redfence uses from one function of
+// (namespace, name), so that a tenant is a namespace and nothing else in the
+// protocol changes.
+//
+// Guarantee: for valid names and namespaces, distinct (namespace, name) pairs map
+// to distinct keys. Names are validated by ValidName; namespaces by
+// ValidNamespace. Neither may contain '/', which separates them.
+package keyspace
+
+import (
+	"fmt"
+	"strings"
+)
+
+// MaxNameLen is the longest lock or resource name accepted.
+const MaxNameLen = 200
+
+// RedisPrefix prefixes every lock key on the Redis nodes.
+const RedisPrefix = "redfence:lock:"
+
+// Key returns the storage key of name in namespace ns: the name itself for the
+// default (empty) namespace, otherwise "ns/name". Postgres rows are keyed by it.
+func Key(ns, name string) string {
+	if ns == "" {
+		return name
+	}
+	return ns + "/" + name
+}
+
+// RedisKey returns the Redis key of the lock on key (as returned by Key).
+func RedisKey(key string) string { return RedisPrefix + key }
+
+// ValidName reports why name is not an acceptable lock or resource name, or ""
+// when it is: 1 to 200 characters of A-Z a-z 0-9 . _ - :.
+func ValidName(name string) string {
+	if name == "" {
+		return "must not be empty"
+	}
+	if len(name) > MaxNameLen {
+		return fmt.Sprintf("must be at most %d characters, got %d", MaxNameLen, len(name))
+	}
+	for i := 0; i < len(name); i++ {
+		if !nameByte(name[i]) {
+			return fmt.Sprintf("character %q at offset %d is not allowed (use A-Z a-z 0-9 . _ - :)", name[i], i)
+		}
+	}
+	return ""
+}
+
+// ValidNamespace reports whether ns can be used as a namespace: empty (the
+// default), or the same alphabet as names.
+func ValidNamespace(ns string) bool {
+	return ns == "" || ValidName(ns) == ""
+}
+
+func nameByte(c byte) bool {
+	switch {
+	case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9':
+		return true
+	}
+	return strings.IndexByte("._-:", c) >= 0
+}

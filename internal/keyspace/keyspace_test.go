@@ -1,0 +1,57 @@
+package keyspace
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestValidName(t *testing.T) {
+	tests := []struct {
+		name string
+		ok   bool
+	}{
+		{"a", true},
+		{"orders:42", true},
+		{"A-Z_a.z:0-9", true},
+		{strings.Repeat("x", 200), true},
+		{"", false},
+		{strings.Repeat("x", 201), false},
+		{"a/b", false},
+		{"a b", false},
+		{"é", false},
+		{"a\x00", false},
+		{"%2F", false},
+	}
+	for _, tt := range tests {
+		if got := ValidName(tt.name) == ""; got != tt.ok {
+			t.Errorf("ValidName(%q) ok = %v; want %v", tt.name, got, tt.ok)
+		}
+	}
+}
+
+func TestKey(t *testing.T) {
+	if got := RedisKey(Key("", "orders")); got != "redfence:lock:orders" {
+		t.Errorf("RedisKey(Key(\"\", orders)) = %q; want redfence:lock:orders", got)
+	}
+	if got := Key("team-a", "orders"); got != "team-a/orders" {
+		t.Errorf("Key(team-a, orders) = %q; want team-a/orders", got)
+	}
+}
+
+// FuzzKey checks that distinct valid (namespace, name) pairs never share a key.
+func FuzzKey(f *testing.F) {
+	f.Add("", "a", "a", "")
+	f.Add("a", "b", "", "a/b")
+	f.Add("x:y", "z", "x", "y:z")
+	f.Fuzz(func(t *testing.T, ns1, n1, ns2, n2 string) {
+		if !ValidNamespace(ns1) || !ValidNamespace(ns2) || ValidName(n1) != "" || ValidName(n2) != "" {
+			return
+		}
+		if ns1 == ns2 && n1 == n2 {
+			return
+		}
+		if Key(ns1, n1) == Key(ns2, n2) {
+			t.Fatalf("Key(%q,%q) == Key(%q,%q) == %q", ns1, n1, ns2, n2, Key(ns1, n1))
+		}
+	})
+}

@@ -1,0 +1,130 @@
+package service
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// Sentinel errors. Every error returned by Locker matches exactly one of
+// ErrInvalid, ErrHeld, ErrQuorum, ErrFencing, ErrExpired, ErrLost, ErrNotHolder,
+// or a context error (context.Canceled, context.DeadlineExceeded) with
+// errors.Is; ErrWaitTimeout additionally wraps the last attempt's error.
+var (
+	// ErrInvalid reports a request outside the configured bounds (TTL, wait).
+	ErrInvalid = errors.New("service: invalid request")
+	// ErrHeld reports that another holder owns the lock on a majority of nodes.
+	ErrHeld = errors.New("service: lock held")
+	// ErrQuorum reports that too few nodes answered to decide.
+	ErrQuorum = errors.New("service: quorum not reached")
+	// ErrFencing reports that no fencing token could be issued, so nothing was granted.
+	ErrFencing = errors.New("service: fencing token unavailable")
+	// ErrExpired reports that a quorum was won but the lease ran out (slow
+	// nodes, a stall before issuance) before the grant could be returned.
+	ErrExpired = errors.New("service: lease expired before it could be granted")
+	// ErrLost reports that an extend found the lock no longer held by the token.
+	ErrLost = errors.New("service: lock lost")
+	// ErrNotHolder reports a release by a token that holds the lock nowhere.
+	ErrNotHolder = errors.New("service: not the lock holder")
+	// ErrWaitTimeout reports that a blocking acquire's wait ran out; the error
+	// also matches the reason of its last attempt (usually ErrHeld).
+	ErrWaitTimeout = errors.New("service: wait timed out")
+)
+
+// Outcome is what one node answered in one round.
+type Outcome int
+
+// Node outcomes.
+const (
+	// Yes: the node did what was asked (set, extended, deleted).
+	Yes Outcome = iota + 1
+	// No: the node answered but refused (held by another token, or not held).
+	No
+	// Failed: the node answered with an error or the connection failed.
+	Failed
+	// Timeout: the node did not answer within the per-node timeout.
+	Timeout
+)
+
+// String returns the outcome as shown in API errors: yes, no, error, timeout.
+func (o Outcome) String() string {
+	switch o {
+	case Yes:
+		return "yes"
+	case No:
+		return "no"
+	case Failed:
+		return "error"
+	case Timeout:
+		return "timeout"
+	}
+	return "pending"
+}
+
+// NodeResult is one node's answer in one round.
+type NodeResult struct {
+	Addr    string
+	Outcome Outcome
+	// Remaining is the holder's remaining TTL reported by a node that said No
+	// to an acquire.
+	Remaining time.Duration
+	Latency   time.Duration
+	// Err is set for Failed and Timeout.
+	Err error
+}
+
+// Error is the error type returned by Locker operations. It matches its
+// sentinel (Err) and its Cause with errors.Is/As.
+type Error struct {
+	// Op is "acquire", "extend", "release" or "status".
+	Op string
+	// Key is the lock's storage key.
+	Key string
+	// Err is the sentinel (ErrHeld, ErrQuorum, ...).
+	Err error
+	// Nodes holds each node's answer in the last round, in node order.
+	Nodes []NodeResult
+	// RetryAfter is when trying again may succeed (set for ErrHeld).
+	RetryAfter time.Duration
+	// Cause is the underlying error, if any (node errors, issuer error).
+	Cause error
+}
+
+func (e *Error) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s %q: %v", e.Op, e.Key, e.Err)
+	if len(e.Nodes) > 0 {
+		b.WriteString(" (")
+		for i, n := range e.Nodes {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			fmt.Fprintf(&b, "%s: %s", n.Addr, n.Outcome)
+		}
+		b.WriteString(")")
+	}
+	if e.Cause != nil {
+		fmt.Fprintf(&b, ": %v", e.Cause)
+	}
+	return b.String()
+}
+
+// Unwrap returns the sentinel and the cause.
+func (e *Error) Unwrap() []error {
+	if e.Cause == nil {
+		return []error{e.Err}
+	}
+	return []error{e.Err, e.Cause}
+}
+
+// NodeError is one node's failure, with the node's address.
+type NodeError struct {
+	Addr string
+	Err  error
+}
+
+func (e *NodeError) Error() string { return fmt.Sprintf("node %s: %v", e.Addr, e.Err) }
+
+// Unwrap returns the node's error.
+func (e *NodeError) Unwrap() error { return e.Err }

@@ -1,0 +1,602 @@
+// Package service is Redfence's lock manager: the Redlock algorithm over N
+// independent Redis masters, with a fencing token issued for every grant.
+//
+// Guarantees: a grant is returned only when a majority of nodes accepted the
+// lock within its validity (ttl - elapsed - drift) and a fencing token larger
+// than every earlier one for that key was durably issued; validity is checked
+// again after issuance, so token order equals grant order. Every failed attempt
+// deletes whatever it set on every node before Acquire returns.
+//
+// Not guaranteed: mutual exclusion under process pauses, clock jumps or nodes
+// that forget keys — Redlock is a lease, and leases expire while their holder
+// is paused. That is what the fencing token is for: a storage layer that checks
+// it refuses the stale holder's writes.
+package service
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	mathrand "math/rand/v2"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/keyspace"
+)
+
+// Issuer issues fencing tokens and tells which grant a token belongs to.
+type Issuer interface {
+	fencing.Issuer
+	// Last returns the record of the newest token issued for key; its Token
+	// is 0 when none was ever issued.
+	Last(ctx context.Context, key string) (fencing.Record, error)
+}
+
+// Options tunes a Locker. Zero fields take the documented defaults.
+type Options struct {
+	// NodeTimeout bounds each request to one node. The default is 50ms.
+	NodeTimeout time.Duration
+	// DriftFactor scales the clock-drift allowance: drift = ttl*DriftFactor + 2ms.
+	// The default is 0.01.
+	DriftFactor float64
+	// MinTTL is the shortest TTL accepted. The default is 100ms.
+	MinTTL time.Duration
+	// MaxTTL bounds every TTL and extension. The default is 60s.
+	MaxTTL time.Duration
+	// MaxWait bounds how long Acquire may wait for a held lock. The default is 60s.
+	MaxWait time.Duration
+	// RetryDelayMin and RetryDelayMax bound the random delay between attempts
+	// of a blocking acquire. The defaults are 10ms and 100ms.
+	RetryDelayMin, RetryDelayMax time.Duration
+	// IssueTimeout bounds fencing-token issuance. The default is 2s; issuance
+	// that outlives the lease fails the grant anyway.
+	IssueTimeout time.Duration
+	// Now returns the current time, with a monotonic reading. The default is time.Now.
+	Now func() time.Time
+	// Rand supplies jitter. The default is a ChaCha8 source seeded from crypto/rand.
+	Rand mathrand.Source
+	// TokenSource supplies lock-token bytes. The default is crypto/rand.Reader.
+	TokenSource io.Reader
+	// AfterQuorum, if set, runs after a quorum is won and before the fencing
+	// token is issued. It is a test hook for stalling a grant at that point.
+	AfterQuorum func(ctx context.Context, key string)
+}
+
+func (o *Options) setDefaults() {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	def(&o.NodeTimeout, 50*time.Millisecond)
+	def(&o.MinTTL, 100*time.Millisecond)
+	def(&o.MaxTTL, 60*time.Second)
+	def(&o.MaxWait, 60*time.Second)
+	def(&o.RetryDelayMin, 10*time.Millisecond)
+	def(&o.RetryDelayMax, 100*time.Millisecond)
+	def(&o.IssueTimeout, 2*time.Second)
+	if o.RetryDelayMax < o.RetryDelayMin {
+		o.RetryDelayMax = o.RetryDelayMin
+	}
+	if o.DriftFactor <= 0 {
+		o.DriftFactor = 0.01
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	if o.Rand == nil {
+		var seed [32]byte
+		_, _ = rand.Read(seed[:])
+		o.Rand = mathrand.NewChaCha8(seed)
+	}
+	if o.TokenSource == nil {
+		o.TokenSource = rand.Reader
+	}
+}
+
+// Locker grants, extends and releases locks. It is safe for concurrent use.
+type Locker struct {
+	nodes  []Node
+	issuer Issuer
+	opts   Options
+	quorum int
+
+	randMu sync.Mutex
+	rand   *mathrand.Rand
+
+	// waiters wakes blocked acquires in this process when a lock is released
+	// here; other processes' waiters fall back to jittered retry.
+	waitMu  sync.Mutex
+	waiters map[string]chan struct{}
+}
+
+// New returns a Locker over nodes that issues tokens from issuer.
+func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
+	if len(nodes) == 0 {
+		return nil, errors.New("service: no nodes")
+	}
+	if issuer == nil {
+		return nil, errors.New("service: no fencing-token issuer")
+	}
+	opts.setDefaults()
+	if opts.MinTTL > opts.MaxTTL {
+		return nil, fmt.Errorf("service: min TTL %v above max TTL %v", opts.MinTTL, opts.MaxTTL)
+	}
+	return &Locker{
+		nodes:   nodes,
+		issuer:  issuer,
+		opts:    opts,
+		quorum:  len(nodes)/2 + 1,
+		rand:    mathrand.New(opts.Rand),
+		waiters: make(map[string]chan struct{}),
+	}, nil
+}
+
+// Quorum returns the number of nodes that must agree: N/2+1.
+func (l *Locker) Quorum() int { return l.quorum }
+
+// Options returns the effective options (defaults filled in).
+func (l *Locker) Options() Options { return l.opts }
+
+// Request asks for a lock.
+type Request struct {
+	// TTL is the lease length, within [MinTTL, MaxTTL].
+	TTL time.Duration
+	// Wait is how long to keep trying while the lock is held or no quorum is
+	// reachable; 0 tries once.
+	Wait time.Duration
+	// Owner is a free-form label recorded with the grant (not a secret).
+	Owner string
+}
+
+// Grant is a held lock.
+type Grant struct {
+	// Key is the lock's storage key.
+	Key string
+	// Token is the lock token: the holder's secret, needed to extend and release.
+	Token string
+	// Fencing is the grant's fencing token.
+	Fencing fencing.Token
+	// TTL is the lease length requested.
+	TTL time.Duration
+	// Start is when the winning round began (monotonic).
+	Start time.Time
+	// Expires is when the lease ends at the latest, allowing for drift:
+	// Start + TTL - drift.
+	Expires time.Time
+	// Owner is the label given at acquire.
+	Owner string
+}
+
+// Validity returns how much of the lease is left at now.
+func (g *Grant) Validity(now time.Time) time.Duration { return g.Expires.Sub(now) }
+
+// HolderID returns the non-secret digest of a lock token that is recorded
+// with its fencing token.
+func HolderID(token string) string {
+	sum := sha256.Sum256([]byte(token))
+	return hex.EncodeToString(sum[:16])
+}
+
+func (l *Locker) drift(ttl time.Duration) time.Duration {
+	return time.Duration(float64(ttl)*l.opts.DriftFactor) + 2*time.Millisecond
+}
+
+// CheckTTL returns an error matching ErrInvalid when ttl is out of bounds.
+func (l *Locker) CheckTTL(ttl time.Duration) error {
+	if ttl < l.opts.MinTTL || ttl > l.opts.MaxTTL {
+		return fmt.Errorf("%w: ttl %v outside [%v, %v]", ErrInvalid, ttl, l.opts.MinTTL, l.opts.MaxTTL)
+	}
+	return nil
+}
+
+func (l *Locker) newToken() (string, error) {
+	var b [20]byte
+	if _, err := io.ReadFull(l.opts.TokenSource, b[:]); err != nil {
+		return "", fmt.Errorf("service: lock token: %w", err)
+	}
+	return base64.RawURLEncoding.EncodeToString(b[:]), nil
+}
+
+// Acquire takes the lock on key (see keyspace.Key). It tries once, and keeps
+// trying after a jittered delay while the lock is held or no quorum answers,
+// until req.Wait has passed. A cancelled ctx ends the wait at once with an error
+// matching ctx.Err().
+func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, error) {
+	if err := l.CheckTTL(req.TTL); err != nil {
+		return nil, err
+	}
+	if req.Wait < 0 || req.Wait > l.opts.MaxWait {
+		return nil, fmt.Errorf("%w: wait %v outside [0, %v]", ErrInvalid, req.Wait, l.opts.MaxWait)
+	}
+	token, err := l.newToken()
+	if err != nil {
+		return nil, err
+	}
+	deadline := l.opts.Now().Add(req.Wait)
+	for {
+		wake := l.waiter(key)
+		g, aerr := l.try(ctx, key, token, req)
+		if aerr == nil {
+			return g, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("acquire %q: %w", key, err)
+		}
+		if errors.Is(aerr, ErrInvalid) {
+			return nil, aerr
+		}
+		left := deadline.Sub(l.opts.Now())
+		if left <= 0 {
+			if req.Wait == 0 {
+				return nil, aerr
+			}
+			return nil, &Error{Op: "acquire", Key: key, Err: ErrWaitTimeout, Nodes: aerr.Nodes, RetryAfter: aerr.RetryAfter, Cause: aerr}
+		}
+		delay := min(l.jitter(aerr), left)
+		timer := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return nil, fmt.Errorf("acquire %q: %w", key, ctx.Err())
+		case <-wake:
+			timer.Stop()
+		case <-timer.C:
+		}
+	}
+}
+
+// jitter returns a random delay in [RetryDelayMin, RetryDelayMax), shortened
+// to just past the holder's remaining TTL when that comes sooner.
+func (l *Locker) jitter(aerr *Error) time.Duration {
+	lo, hi := l.opts.RetryDelayMin, l.opts.RetryDelayMax
+	l.randMu.Lock()
+	d := lo
+	if hi > lo {
+		d += time.Duration(l.rand.Int64N(int64(hi - lo)))
+	}
+	small := time.Duration(l.rand.Int64N(int64(lo) + 1))
+	l.randMu.Unlock()
+	if aerr.RetryAfter > 0 && aerr.RetryAfter+small < d {
+		d = aerr.RetryAfter + small
+	}
+	return d
+}
+
+// waiter returns a channel closed when key is next released in this process.
+func (l *Locker) waiter(key string) <-chan struct{} {
+	l.waitMu.Lock()
+	defer l.waitMu.Unlock()
+	ch, ok := l.waiters[key]
+	if !ok {
+		ch = make(chan struct{})
+		l.waiters[key] = ch
+	}
+	return ch
+}
+
+func (l *Locker) wake(key string) {
+	l.waitMu.Lock()
+	defer l.waitMu.Unlock()
+	if ch, ok := l.waiters[key]; ok {
+		close(ch)
+		delete(l.waiters, key)
+	}
+}
+
+// vote is one node's answer, tagged with its index.
+type vote struct {
+	i int
+	NodeResult
+}
+
+func (l *Locker) classify(err error) Outcome {
+	if errors.Is(err, context.DeadlineExceeded) {
+		return Timeout
+	}
+	return Failed
+}
+
+// round sends op to every node in parallel, each bounded by NodeTimeout, and
+// returns the channel the answers arrive on (buffered: senders never block).
+func (l *Locker) round(ctx context.Context, op func(ctx context.Context, n Node) (bool, time.Duration, error), after func(i int)) (<-chan vote, *sync.WaitGroup) {
+	ch := make(chan vote, len(l.nodes))
+	var wg sync.WaitGroup
+	for i, n := range l.nodes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			nctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+			t0 := time.Now()
+			ok, rem, err := op(nctx, n)
+			cancel()
+			v := vote{i: i, NodeResult: NodeResult{Addr: n.Addr(), Latency: time.Since(t0), Remaining: rem}}
+			switch {
+			case err != nil:
+				v.Outcome = l.classify(err)
+				v.Err = &NodeError{Addr: n.Addr(), Err: err}
+			case ok:
+				v.Outcome = Yes
+			default:
+				v.Outcome = No
+			}
+			ch <- v
+			if after != nil {
+				after(i)
+			}
+		}()
+	}
+	return ch, &wg
+}
+
+// tally collects votes until yes reaches the quorum or can no longer reach it.
+type tally struct {
+	results      []NodeResult
+	yes, no, got int
+}
+
+func (l *Locker) collect(ch <-chan vote) *tally {
+	t := &tally{results: make([]NodeResult, len(l.nodes))}
+	for t.yes < l.quorum && t.yes+(len(l.nodes)-t.got) >= l.quorum {
+		l.add(t, <-ch)
+	}
+	return t
+}
+
+func (l *Locker) add(t *tally, v vote) {
+	t.results[v.i] = v.NodeResult
+	t.got++
+	switch v.Outcome {
+	case Yes:
+		t.yes++
+	case No:
+		t.no++
+	}
+}
+
+// drain waits for the remaining votes of a round.
+func (l *Locker) drain(t *tally, ch <-chan vote) {
+	for t.got < len(l.nodes) {
+		l.add(t, <-ch)
+	}
+}
+
+// refused reports whether the No answers alone rule out a majority.
+func (l *Locker) refused(t *tally) bool { return len(l.nodes)-t.no < l.quorum }
+
+func nodeErrors(rs []NodeResult) error {
+	var errs []error
+	for _, r := range rs {
+		if r.Err != nil {
+			errs = append(errs, r.Err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// cleanupContext returns a context for clean-up that outlives ctx's
+// cancellation but not the per-node timeout.
+func (l *Locker) cleanupContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), l.opts.NodeTimeout)
+}
+
+// try runs one Redlock round plus issuance.
+func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Grant, *Error) {
+	rkey := keyspace.RedisKey(key)
+	start := l.opts.Now()
+	expires := start.Add(req.TTL - l.drift(req.TTL))
+
+	// Each node's goroutine, after answering, waits for the decision and on
+	// failure deletes what it may have set, even if it answered No or late.
+	decided := make(chan struct{})
+	var failed bool // written before close(decided), read after
+	ch, wg := l.round(ctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+		return n.Acquire(ctx, rkey, token, req.TTL)
+	}, func(i int) {
+		<-decided
+		if failed {
+			cctx, cancel := l.cleanupContext(ctx)
+			_, _ = l.nodes[i].Release(cctx, rkey, token)
+			cancel()
+		}
+	})
+	t := l.collect(ch)
+
+	fail := func(sentinel error, cause error) *Error {
+		failed = true
+		close(decided)
+		wg.Wait()
+		l.drain(t, ch)
+		e := &Error{Op: "acquire", Key: key, Err: sentinel, Nodes: t.results, Cause: cause}
+		if sentinel == ErrHeld {
+			e.RetryAfter = l.retryAfter(t)
+		}
+		return e
+	}
+
+	if t.yes < l.quorum {
+		if l.refused(t) {
+			return nil, fail(ErrHeld, nil)
+		}
+		return nil, fail(ErrQuorum, nodeErrors(t.results))
+	}
+	if !l.opts.Now().Before(expires) {
+		return nil, fail(ErrExpired, nil)
+	}
+	if l.opts.AfterQuorum != nil {
+		l.opts.AfterQuorum(ctx, key)
+	}
+	ictx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
+	ft, err := l.issuer.Issue(ictx, fencing.Claim{Key: key, Owner: req.Owner, Holder: HolderID(token)})
+	cancel()
+	if err != nil {
+		if ctx.Err() != nil {
+			err = errors.Join(err, ctx.Err())
+		}
+		return nil, fail(ErrFencing, err)
+	}
+	if !l.opts.Now().Before(expires) {
+		return nil, fail(ErrExpired, nil)
+	}
+	close(decided)
+	return &Grant{Key: key, Token: token, Fencing: ft, TTL: req.TTL, Start: start, Expires: expires, Owner: req.Owner}, nil
+}
+
+// retryAfter is when enough holders' keys expire for a majority to be free:
+// the (N-quorum+1)-th longest remaining TTL among the No answers.
+func (l *Locker) retryAfter(t *tally) time.Duration {
+	var rem []time.Duration
+	for _, r := range t.results {
+		if r.Outcome == No {
+			rem = append(rem, r.Remaining)
+		}
+	}
+	k := len(l.nodes) - l.quorum // index of the (N-quorum+1)-th largest
+	if k >= len(rem) {
+		return 0
+	}
+	slices.SortFunc(rem, func(a, b time.Duration) int { return int(b - a) })
+	return rem[k]
+}
+
+// Extend renews the lease of the grant holding key with token to ttl. It
+// succeeds only if a majority renewed within the new validity and the grant
+// is still the newest one issued; the fencing token stays the same. On
+// ErrLost the partial renewals are deleted again: the lock is gone and the
+// client must acquire anew.
+func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duration) (*Grant, error) {
+	if err := l.CheckTTL(ttl); err != nil {
+		return nil, err
+	}
+	rkey := keyspace.RedisKey(key)
+	start := l.opts.Now()
+	expires := start.Add(ttl - l.drift(ttl))
+	ch, _ := l.round(ctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+		ok, err := n.Extend(ctx, rkey, token, ttl)
+		return ok, 0, err
+	}, nil)
+	t := l.collect(ch)
+	lost := func(cause error) (*Grant, error) {
+		l.drain(t, ch)
+		l.releaseAll(ctx, rkey, token)
+		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Nodes: t.results, Cause: cause}
+	}
+	if t.yes < l.quorum {
+		if l.refused(t) {
+			return lost(nil)
+		}
+		l.drain(t, ch)
+		return nil, &Error{Op: "extend", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
+	}
+	rec, err := l.issuer.Last(ctx, key)
+	if err != nil {
+		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Nodes: t.results, Cause: err}
+	}
+	if rec.Holder != HolderID(token) {
+		return lost(errors.New("a newer grant exists"))
+	}
+	if !l.opts.Now().Before(expires) {
+		return lost(errors.New("renewal took longer than the lease"))
+	}
+	return &Grant{Key: key, Token: token, Fencing: rec.Token, TTL: ttl, Start: start, Expires: expires, Owner: rec.Owner}, nil
+}
+
+// releaseAll compare-and-deletes key on every node and waits for all answers.
+func (l *Locker) releaseAll(ctx context.Context, rkey, token string) *tally {
+	cctx, cancel := context.WithoutCancel(ctx), func() {}
+	defer cancel()
+	ch, _ := l.round(cctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+		ok, err := n.Release(ctx, rkey, token)
+		return ok, 0, err
+	}, nil)
+	t := &tally{results: make([]NodeResult, len(l.nodes))}
+	l.drain(t, ch)
+	return t
+}
+
+// Release deletes the lock on key if token holds it on any node, waiting for
+// every node (each within its timeout) even if the caller goes away. It
+// returns an error matching ErrNotHolder when the token held it nowhere that
+// answered, and ErrQuorum when too few nodes answered to tell.
+func (l *Locker) Release(ctx context.Context, key, token string) error {
+	t := l.releaseAll(ctx, keyspace.RedisKey(key), token)
+	if t.yes > 0 {
+		l.wake(key)
+		return nil
+	}
+	if l.refused(t) {
+		return &Error{Op: "release", Key: key, Err: ErrNotHolder, Nodes: t.results}
+	}
+	return &Error{Op: "release", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
+}
+
+// Status describes a lock without revealing its token.
+type Status struct {
+	Key string
+	// Held reports whether a majority of nodes hold the key.
+	Held bool
+	// Remaining is how long a majority will still hold it.
+	Remaining time.Duration
+	// Last is the newest fencing record for key (Token 0 if none).
+	Last fencing.Record
+}
+
+// Status reports whether key is held, by asking every node for its TTL.
+func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
+	rkey := keyspace.RedisKey(key)
+	ch, _ := l.round(ctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+		d, err := n.TTL(ctx, rkey)
+		return d > 0, d, err
+	}, nil)
+	t := &tally{results: make([]NodeResult, len(l.nodes))}
+	l.drain(t, ch)
+	var rem []time.Duration
+	for _, r := range t.results {
+		if r.Outcome == Yes {
+			rem = append(rem, r.Remaining)
+		}
+	}
+	if t.yes < l.quorum && len(l.nodes)-t.no >= l.quorum {
+		return nil, &Error{Op: "status", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
+	}
+	rec, err := l.issuer.Last(ctx, key)
+	if err != nil {
+		return nil, &Error{Op: "status", Key: key, Err: ErrFencing, Cause: err}
+	}
+	st := &Status{Key: key, Last: rec}
+	if t.yes >= l.quorum {
+		slices.SortFunc(rem, func(a, b time.Duration) int { return int(b - a) })
+		st.Held = true
+		st.Remaining = rem[l.quorum-1]
+	}
+	return st, nil
+}
+
+// NodeStatus is one node's health.
+type NodeStatus struct {
+	Addr    string
+	Up      bool
+	Latency time.Duration
+	Err     error
+}
+
+// Nodes pings every node in parallel and reports each one's health.
+func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
+	ch, _ := l.round(ctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+		return true, 0, n.Ping(ctx)
+	}, nil)
+	t := &tally{results: make([]NodeResult, len(l.nodes))}
+	l.drain(t, ch)
+	out := make([]NodeStatus, len(l.nodes))
+	for i, r := range t.results {
+		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}
+	}
+	return out
+}

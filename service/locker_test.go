@@ -1,0 +1,630 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	mathrand "math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence/fencing"
+)
+
+// memNode is an in-memory Node with Redis' SET NX / compare-and-X semantics
+// (keys never expire) and a hook to inject faults per operation.
+type memNode struct {
+	addr string
+	mu   sync.Mutex
+	vals map[string]string
+	ttl  map[string]time.Duration
+	// hook, if set, runs before each operation; a non-nil error is returned
+	// instead of doing it.
+	hook     func(ctx context.Context, op string) error
+	releases []string // tokens passed to Release
+	// acquired receives after every Acquire, so tests can wait for stragglers.
+	acquired chan struct{}
+}
+
+func newMem(addr string) *memNode {
+	return &memNode{addr: addr, vals: map[string]string{}, ttl: map[string]time.Duration{}, acquired: make(chan struct{}, 64)}
+}
+
+func (n *memNode) Addr() string { return n.addr }
+
+func (n *memNode) run(ctx context.Context, op string) error {
+	if n.hook != nil {
+		return n.hook(ctx, op)
+	}
+	return nil
+}
+
+func (n *memNode) Acquire(ctx context.Context, key, token string, ttl time.Duration) (bool, time.Duration, error) {
+	defer func() { n.acquired <- struct{}{} }()
+	if err := n.run(ctx, "acquire"); err != nil {
+		return false, 0, err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if _, ok := n.vals[key]; ok {
+		return false, n.ttl[key], nil
+	}
+	n.vals[key], n.ttl[key] = token, ttl
+	return true, 0, nil
+}
+
+func (n *memNode) Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error) {
+	if err := n.run(ctx, "extend"); err != nil {
+		return false, err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.vals[key] != token {
+		return false, nil
+	}
+	n.ttl[key] = ttl
+	return true, nil
+}
+
+func (n *memNode) Release(ctx context.Context, key, token string) (bool, error) {
+	n.mu.Lock()
+	n.releases = append(n.releases, token)
+	n.mu.Unlock()
+	if err := n.run(ctx, "release"); err != nil {
+		return false, err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.vals[key] != token {
+		return false, nil
+	}
+	delete(n.vals, key)
+	return true, nil
+}
+
+func (n *memNode) TTL(ctx context.Context, key string) (time.Duration, error) {
+	if err := n.run(ctx, "ttl"); err != nil {
+		return 0, err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if _, ok := n.vals[key]; !ok {
+		return 0, nil
+	}
+	return n.ttl[key], nil
+}
+
+func (n *memNode) Ping(ctx context.Context) error { return n.run(ctx, "ping") }
+
+// set stores key with ttl, or deletes it when val is "".
+func (n *memNode) set(key, val string, ttl time.Duration) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if val == "" {
+		delete(n.vals, key)
+		delete(n.ttl, key)
+		return
+	}
+	n.vals[key], n.ttl[key] = val, ttl
+}
+
+func (n *memNode) has(key string) bool {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	_, ok := n.vals[key]
+	return ok
+}
+
+func (n *memNode) released() []string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return append([]string(nil), n.releases...)
+}
+
+// memIssuer is an in-memory Issuer.
+type memIssuer struct {
+	mu   sync.Mutex
+	recs map[string]fencing.Record
+	err  error
+	hook func()
+}
+
+func (m *memIssuer) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error) {
+	if m.hook != nil {
+		m.hook()
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.err != nil {
+		return 0, m.err
+	}
+	if m.recs == nil {
+		m.recs = map[string]fencing.Record{}
+	}
+	r := m.recs[c.Key]
+	r.Claim, r.Token = c, r.Token+1
+	m.recs[c.Key] = r
+	return r.Token, nil
+}
+
+func (m *memIssuer) Last(ctx context.Context, key string) (fencing.Record, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.err != nil {
+		return fencing.Record{}, m.err
+	}
+	return m.recs[key], nil
+}
+
+// clock is a manual clock; the monotonic reading is irrelevant to the Locker
+// as long as Now is consistent.
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *clock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+// settle waits until every node has answered one Acquire.
+func settle(ms []*memNode) {
+	for _, m := range ms {
+		<-m.acquired
+	}
+}
+
+func nodes(n int) ([]Node, []*memNode) {
+	ns := make([]Node, n)
+	ms := make([]*memNode, n)
+	for i := range n {
+		ms[i] = newMem(fmt.Sprintf("node%d", i))
+		ns[i] = ms[i]
+	}
+	return ns, ms
+}
+
+func newLocker(t *testing.T, ns []Node, iss Issuer, opts Options) *Locker {
+	t.Helper()
+	if opts.Rand == nil {
+		opts.Rand = mathrand.NewPCG(1, 2)
+	}
+	l, err := New(ns, iss, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+const key = "orders"
+
+var rkey = "redfence:lock:" + key
+
+func TestLocker_Acquire(t *testing.T) {
+	t.Run("Quorum", func(t *testing.T) {
+		for _, n := range []int{1, 3, 5, 7} {
+			for free := 0; free <= n; free++ {
+				ns, ms := nodes(n)
+				for _, m := range ms[free:] { // the rest are held by someone else
+					m.vals[rkey] = "other"
+					m.ttl[rkey] = time.Second
+				}
+				l := newLocker(t, ns, &memIssuer{}, Options{})
+				g, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+				want := free >= n/2+1
+				if (err == nil) != want {
+					t.Errorf("N=%d free=%d: Acquire err = %v; want granted=%v", n, free, err, want)
+				}
+				if !want && !errors.Is(err, ErrHeld) {
+					t.Errorf("N=%d free=%d: Acquire err = %v; want ErrHeld", n, free, err)
+				}
+				if want && g.Fencing != 1 {
+					t.Errorf("N=%d: fencing = %d; want 1", n, g.Fencing)
+				}
+			}
+		}
+	})
+
+	t.Run("StragglerNotAwaited", func(t *testing.T) {
+		ns, ms := nodes(5)
+		stuck := make(chan struct{})
+		defer close(stuck)
+		// Two nodes never answer (they ignore even their context); with a
+		// per-node timeout of an hour, Acquire could only return by not
+		// waiting for them once three said yes.
+		for _, m := range ms[3:] {
+			m.hook = func(ctx context.Context, op string) error {
+				if op == "acquire" {
+					<-stuck
+				}
+				return nil
+			}
+		}
+		l := newLocker(t, ns, &memIssuer{}, Options{NodeTimeout: time.Hour})
+		if _, err := l.Acquire(context.Background(), key, Request{TTL: time.Second}); err != nil {
+			t.Fatalf("Acquire = %v; want granted", err)
+		}
+	})
+
+	t.Run("TimeoutCountsAsNo", func(t *testing.T) {
+		ns, ms := nodes(3)
+		ms[0].vals[rkey] = "other"
+		ms[2].hook = func(ctx context.Context, op string) error {
+			if op == "acquire" {
+				<-ctx.Done() // blocks until the per-node timeout
+				return ctx.Err()
+			}
+			return nil
+		}
+		l := newLocker(t, ns, &memIssuer{}, Options{NodeTimeout: 20 * time.Millisecond})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		var e *Error
+		if !errors.As(err, &e) || !errors.Is(err, ErrQuorum) {
+			t.Fatalf("Acquire = %v; want *Error matching ErrQuorum", err)
+		}
+		got := []Outcome{e.Nodes[0].Outcome, e.Nodes[1].Outcome, e.Nodes[2].Outcome}
+		if want := []Outcome{No, Yes, Timeout}; fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("outcomes = %v; want %v", got, want)
+		}
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Acquire = %v; want the node's deadline error in the chain", err)
+		}
+		if ms[1].has(rkey) {
+			t.Error("node1 still holds the key after a failed attempt")
+		}
+	})
+
+	t.Run("FailedAttemptReleasesEverywhere", func(t *testing.T) {
+		ns, ms := nodes(5)
+		for _, m := range ms[2:] {
+			m.vals[rkey] = "other"
+			m.ttl[rkey] = 700 * time.Millisecond
+		}
+		ms[3].ttl[rkey] = 300 * time.Millisecond
+		ms[4].ttl[rkey] = 900 * time.Millisecond
+		l := newLocker(t, ns, &memIssuer{}, Options{})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		var e *Error
+		if !errors.As(err, &e) || !errors.Is(err, ErrHeld) {
+			t.Fatalf("Acquire = %v; want ErrHeld", err)
+		}
+		// Majority free once the 3rd longest of {700, 300, 900} ms has passed.
+		if e.RetryAfter != 300*time.Millisecond {
+			t.Errorf("RetryAfter = %v; want 300ms", e.RetryAfter)
+		}
+		for i, m := range ms {
+			if r := m.released(); len(r) != 1 {
+				t.Errorf("node%d: %d releases; want 1 (every node, even those that said no)", i, len(r))
+			}
+		}
+		for i, m := range ms[:2] {
+			if m.has(rkey) {
+				t.Errorf("node%d still holds the key", i)
+			}
+		}
+		for i, m := range ms[2:] {
+			if m.vals[rkey] != "other" { // all attempts are over: no race
+				t.Errorf("node%d: other holder's key was touched", i+2)
+			}
+		}
+	})
+
+	t.Run("ValidityExhausted", func(t *testing.T) {
+		ns, ms := nodes(3)
+		clk := &clock{t: time.Unix(1000, 0)}
+		for _, m := range ms {
+			m.hook = func(ctx context.Context, op string) error {
+				if op == "acquire" {
+					clk.Advance(600 * time.Millisecond) // any 2 x 600ms > 1s TTL
+				}
+				return nil
+			}
+		}
+		iss := &memIssuer{}
+		l := newLocker(t, ns, iss, Options{Now: clk.Now})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		if !errors.Is(err, ErrExpired) {
+			t.Fatalf("Acquire = %v; want ErrExpired", err)
+		}
+		for i, m := range ms {
+			if m.has(rkey) || len(m.released()) != 1 {
+				t.Errorf("node%d: holds=%v releases=%d; want released", i, m.has(rkey), len(m.released()))
+			}
+		}
+		if r, _ := iss.Last(context.Background(), key); r.Token != 0 {
+			t.Errorf("token %d issued for an expired quorum; want none", r.Token)
+		}
+	})
+
+	t.Run("StallBeforeIssuance", func(t *testing.T) {
+		ns, ms := nodes(5)
+		clk := &clock{t: time.Unix(1000, 0)}
+		iss := &memIssuer{}
+		l := newLocker(t, ns, iss, Options{Now: clk.Now, AfterQuorum: func(ctx context.Context, key string) {
+			clk.Advance(2 * time.Second) // a GC pause longer than the TTL
+		}})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		if !errors.Is(err, ErrExpired) {
+			t.Fatalf("Acquire = %v; want ErrExpired", err)
+		}
+		for i, m := range ms {
+			if m.has(rkey) {
+				t.Errorf("node%d still holds the key", i)
+			}
+		}
+	})
+
+	t.Run("IssuerDown", func(t *testing.T) {
+		ns, ms := nodes(5)
+		pgErr := errors.New("connection refused")
+		l := newLocker(t, ns, &memIssuer{err: pgErr}, Options{})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		if !errors.Is(err, ErrFencing) || !errors.Is(err, pgErr) {
+			t.Fatalf("Acquire = %v; want ErrFencing wrapping the issuer's error", err)
+		}
+		for i, m := range ms {
+			if m.has(rkey) {
+				t.Errorf("node%d still holds the key", i)
+			}
+		}
+	})
+
+	t.Run("RetriesUntilWaitEnds", func(t *testing.T) {
+		ns, ms := nodes(3)
+		var mu sync.Mutex
+		attempts := 0
+		for _, m := range ms {
+			m.vals[rkey] = "other"
+			m.ttl[rkey] = time.Hour
+		}
+		ms[0].hook = func(ctx context.Context, op string) error {
+			if op == "acquire" {
+				mu.Lock()
+				attempts++
+				mu.Unlock()
+			}
+			return nil
+		}
+		l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Millisecond, RetryDelayMax: 5 * time.Millisecond})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second, Wait: 100 * time.Millisecond})
+		if !errors.Is(err, ErrWaitTimeout) || !errors.Is(err, ErrHeld) {
+			t.Fatalf("Acquire = %v; want ErrWaitTimeout and ErrHeld", err)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if attempts < 2 {
+			t.Errorf("%d attempts; want retries until the wait ran out", attempts)
+		}
+	})
+
+	t.Run("Jitter", func(t *testing.T) {
+		ns, _ := nodes(1)
+		l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: 10 * time.Millisecond, RetryDelayMax: 100 * time.Millisecond})
+		seen := map[time.Duration]bool{}
+		for range 100 {
+			d := l.jitter(&Error{})
+			if d < 10*time.Millisecond || d >= 100*time.Millisecond {
+				t.Fatalf("jitter = %v; want in [10ms, 100ms)", d)
+			}
+			seen[d] = true
+		}
+		if len(seen) < 50 {
+			t.Errorf("%d distinct delays in 100; want random delays", len(seen))
+		}
+		if d := l.jitter(&Error{RetryAfter: 2 * time.Millisecond}); d > 12*time.Millisecond {
+			t.Errorf("jitter with RetryAfter 2ms = %v; want at most 2ms + RetryDelayMin", d)
+		}
+	})
+
+	t.Run("CancelEndsWait", func(t *testing.T) {
+		ns, ms := nodes(3)
+		for _, m := range ms {
+			m.vals[rkey] = "other"
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		ms[0].hook = func(_ context.Context, op string) error {
+			if op == "acquire" {
+				cancel() // the client goes away during the first attempt
+			}
+			return nil
+		}
+		l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour})
+		_, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: time.Minute})
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("Acquire = %v; want context.Canceled", err)
+		}
+		if errors.Is(err, ErrWaitTimeout) {
+			t.Errorf("Acquire = %v; cancellation must not look like a wait timeout", err)
+		}
+	})
+
+	t.Run("WokenByRelease", func(t *testing.T) {
+		ns, _ := nodes(3)
+		l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour})
+		g, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		started := make(chan struct{})
+		done := make(chan error, 1)
+		go func() {
+			close(started)
+			g2, err := l.Acquire(context.Background(), key, Request{TTL: time.Second, Wait: time.Minute})
+			if err == nil && g2.Fencing != 2 {
+				err = fmt.Errorf("fencing = %d; want 2", g2.Fencing)
+			}
+			done <- err
+		}()
+		<-started
+		if err := l.Release(context.Background(), key, g.Token); err != nil {
+			t.Fatal(err)
+		}
+		// With an hour between retries, only the in-process wake-up can
+		// grant the waiter before the test times out.
+		if err := <-done; err != nil {
+			t.Fatalf("waiter: %v", err)
+		}
+	})
+
+	t.Run("InvalidTTL", func(t *testing.T) {
+		ns, _ := nodes(1)
+		l := newLocker(t, ns, &memIssuer{}, Options{MaxTTL: time.Minute})
+		for _, r := range []Request{{TTL: 0}, {TTL: time.Hour}, {TTL: time.Second, Wait: -1}, {TTL: time.Second, Wait: time.Hour}} {
+			if _, err := l.Acquire(context.Background(), key, r); !errors.Is(err, ErrInvalid) {
+				t.Errorf("Acquire(%+v) = %v; want ErrInvalid", r, err)
+			}
+		}
+	})
+}
+
+func TestLocker_Extend(t *testing.T) {
+	ctx := context.Background()
+	t.Run("KeepsFencingToken", func(t *testing.T) {
+		ns, ms := nodes(5)
+		l := newLocker(t, ns, &memIssuer{}, Options{})
+		g, err := l.Acquire(ctx, key, Request{TTL: time.Second, Owner: "a"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		settle(ms)
+		g2, err := l.Extend(ctx, key, g.Token, 5*time.Second)
+		if err != nil {
+			t.Fatalf("Extend = %v", err)
+		}
+		if g2.Fencing != g.Fencing || g2.Owner != "a" {
+			t.Errorf("Extend fencing, owner = %d, %q; want %d, a", g2.Fencing, g2.Owner, g.Fencing)
+		}
+		renewed := 0
+		for _, m := range ms {
+			m.mu.Lock()
+			if m.ttl[rkey] == 5*time.Second {
+				renewed++
+			}
+			m.mu.Unlock()
+		}
+		if renewed < 3 {
+			t.Errorf("%d nodes renewed to 5s; want at least a majority", renewed)
+		}
+	})
+	t.Run("LostOnMajority", func(t *testing.T) {
+		ns, ms := nodes(5)
+		l := newLocker(t, ns, &memIssuer{}, Options{})
+		g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		settle(ms)
+		for _, m := range ms[:3] { // expired early on 3 of 5 (a clock jump)
+			m.set(rkey, "", 0)
+		}
+		_, err = l.Extend(ctx, key, g.Token, time.Second)
+		if !errors.Is(err, ErrLost) {
+			t.Fatalf("Extend = %v; want ErrLost", err)
+		}
+		for i, m := range ms {
+			if m.has(rkey) {
+				t.Errorf("node%d holds the key after a lost extend", i)
+			}
+		}
+	})
+	t.Run("NewerGrantExists", func(t *testing.T) {
+		ns, _ := nodes(3)
+		iss := &memIssuer{}
+		l := newLocker(t, ns, iss, Options{})
+		g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := iss.Issue(ctx, fencing.Claim{Key: key, Holder: "someone else"}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := l.Extend(ctx, key, g.Token, time.Second); !errors.Is(err, ErrLost) {
+			t.Fatalf("Extend = %v; want ErrLost", err)
+		}
+	})
+	t.Run("NoQuorum", func(t *testing.T) {
+		ns, ms := nodes(3)
+		l := newLocker(t, ns, &memIssuer{}, Options{})
+		g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		settle(ms)
+		down := errors.New("connection refused")
+		for _, m := range ms[1:] {
+			m.hook = func(context.Context, string) error { return down }
+		}
+		if _, err := l.Extend(ctx, key, g.Token, time.Second); !errors.Is(err, ErrQuorum) || !errors.Is(err, down) {
+			t.Fatalf("Extend = %v; want ErrQuorum wrapping the node error", err)
+		}
+		if !ms[0].has(rkey) {
+			t.Error("an undecided extend released the lock")
+		}
+	})
+}
+
+func TestLocker_Release(t *testing.T) {
+	ctx := context.Background()
+	ns, ms := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{})
+	g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	settle(ms)
+	if err := l.Release(ctx, key, "wrong"); !errors.Is(err, ErrNotHolder) {
+		t.Errorf("Release(wrong token) = %v; want ErrNotHolder", err)
+	}
+	for i, m := range ms {
+		if !m.has(rkey) {
+			t.Errorf("node%d: a wrong token deleted the key", i)
+		}
+	}
+	if err := l.Release(ctx, key, g.Token); err != nil {
+		t.Errorf("Release = %v; want nil", err)
+	}
+	if err := l.Release(ctx, key, g.Token); !errors.Is(err, ErrNotHolder) {
+		t.Errorf("second Release = %v; want ErrNotHolder", err)
+	}
+	down := errors.New("down")
+	for _, m := range ms {
+		m.hook = func(context.Context, string) error { return down }
+	}
+	if err := l.Release(ctx, key, g.Token); !errors.Is(err, ErrQuorum) {
+		t.Errorf("Release with every node down = %v; want ErrQuorum", err)
+	}
+}
+
+func TestLocker_Status(t *testing.T) {
+	ctx := context.Background()
+	ns, ms := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{})
+	st, err := l.Status(ctx, key)
+	if err != nil || st.Held || st.Last.Token != 0 {
+		t.Fatalf("Status = %+v, %v; want free, no token", st, err)
+	}
+	if _, err := l.Acquire(ctx, key, Request{TTL: time.Second, Owner: "me"}); err != nil {
+		t.Fatal(err)
+	}
+	settle(ms)
+	for i, m := range ms {
+		m.set(rkey, "x", time.Duration(i+1)*100*time.Millisecond)
+	}
+	st, err = l.Status(ctx, key)
+	if err != nil || !st.Held || st.Last.Token != 1 || st.Last.Owner != "me" {
+		t.Fatalf("Status = %+v, %v; want held by me with token 1", st, err)
+	}
+	if st.Remaining != 300*time.Millisecond {
+		t.Errorf("Remaining = %v; want 300ms (the quorum-th longest)", st.Remaining)
+	}
+}

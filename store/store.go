@@ -1,0 +1,292 @@
+// Package store is Redfence's Postgres layer: it issues fencing tokens
+// (implementing fencing.Issuer), keeps the fenced reference store, and applies
+// the embedded schema migrations.
+//
+// Guarantees: a token is returned only after the statement that issued it has
+// committed with synchronous_commit on (forced per connection), so tokens never
+// go backwards across restarts of Postgres or of Redfence, provided Postgres
+// itself runs with fsync on. A reference-store write is applied only when its
+// token equals the newest token issued for its key, checked and written in one
+// statement that locks the token row, so no write with an older token can land
+// after a newer token was issued.
+//
+// Not guaranteed: anything when fsync is off or a replica that lost
+// acknowledged commits is promoted.
+package store
+
+import (
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
+
+	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/migrations"
+)
+
+// ErrNotFound is returned when a resource does not exist.
+var ErrNotFound = errors.New("store: not found")
+
+// StaleError reports a reference-store write refused because its token is not
+// the newest one issued for the key. It matches fencing.ErrStale.
+type StaleError struct {
+	Key string
+	// Got is the token the write carried.
+	Got fencing.Token
+	// Current is the newest token issued for the key (0 if none).
+	Current fencing.Token
+}
+
+func (e *StaleError) Error() string {
+	if e.Got > e.Current {
+		return fmt.Sprintf("store: write %q: token %d was never issued (newest is %d)", e.Key, e.Got, e.Current)
+	}
+	return fmt.Sprintf("store: write %q: token %d is stale (newest is %d)", e.Key, e.Got, e.Current)
+}
+
+// Unwrap returns fencing.ErrStale.
+func (e *StaleError) Unwrap() error { return fencing.ErrStale }
+
+// Options tunes a DB. Zero fields take the documented defaults.
+type Options struct {
+	// MaxConns is the pool size. The default is pgxpool's (max(4, CPUs)),
+	// unless the URL sets pool_max_conns.
+	MaxConns int32
+	// StatementTimeout bounds every statement on the server. The default is 5s.
+	StatementTimeout time.Duration
+	// Logger receives warnings about unsafe server settings. The default discards.
+	Logger *slog.Logger
+	// Unfenced makes PutResource skip the token check. It exists only so fault
+	// tests can show their checker catches the violations fencing prevents;
+	// never set it elsewhere.
+	Unfenced bool
+}
+
+// DB is a Postgres connection pool with Redfence's queries.
+type DB struct {
+	pool *pgxpool.Pool
+	opts Options
+}
+
+// Open connects to the Postgres at url (a postgres:// URL or DSN) and checks
+// that it answers.
+func Open(ctx context.Context, url string, opts Options) (*DB, error) {
+	if opts.StatementTimeout <= 0 {
+		opts.StatementTimeout = 5 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("store: parse database URL: %w", redactErr(err))
+	}
+	if opts.MaxConns > 0 {
+		cfg.MaxConns = opts.MaxConns
+	}
+	rp := cfg.ConnConfig.RuntimeParams
+	rp["statement_timeout"] = fmt.Sprint(opts.StatementTimeout.Milliseconds())
+	rp["application_name"] = "redfence"
+	// A token acknowledged before its commit is durable could be issued again
+	// after a crash. Force the session to wait for the WAL flush, whatever
+	// the server default is (keep a stricter remote_* setting if configured).
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		var sc string
+		if err := c.QueryRow(ctx, "SHOW synchronous_commit").Scan(&sc); err != nil {
+			return err
+		}
+		if sc == "off" {
+			_, err := c.Exec(ctx, "SET synchronous_commit = on")
+			return err
+		}
+		return nil
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("store: connect: %w", err)
+	}
+	db := &DB{pool: pool, opts: opts}
+	if err := db.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	var fsync string
+	if err := pool.QueryRow(ctx, "SHOW fsync").Scan(&fsync); err == nil && fsync == "off" {
+		opts.Logger.Warn("postgres runs with fsync=off: a crash of its host can lose issued fencing tokens and let them go backwards")
+	}
+	if opts.Unfenced {
+		opts.Logger.Warn("reference store fencing is DISABLED (test-only switch): stale writes will be accepted")
+	}
+	return db, nil
+}
+
+// redactErr avoids echoing a URL (which may hold a password) back in errors.
+func redactErr(err error) error {
+	var pe *pgconn.ParseConfigError
+	if errors.As(err, &pe) {
+		return errors.New("invalid connection string")
+	}
+	return err
+}
+
+// Close closes the pool.
+func (db *DB) Close() { db.pool.Close() }
+
+// Ping checks that Postgres answers a query.
+func (db *DB) Ping(ctx context.Context) error {
+	if err := db.pool.Ping(ctx); err != nil {
+		return fmt.Errorf("store: ping: %w", err)
+	}
+	return nil
+}
+
+// Migrate applies every pending migration. It is safe to run from several
+// processes at once: a Postgres advisory lock, held on one connection,
+// serialises them, and each migration runs in its own transaction.
+func (db *DB) Migrate(ctx context.Context) (applied []string, err error) {
+	sqlDB := stdlib.OpenDBFromPool(db.pool)
+	defer sqlDB.Close()
+	return migrate(ctx, sqlDB)
+}
+
+func migrate(ctx context.Context, sqlDB *sql.DB) ([]string, error) {
+	locker, err := lock.NewPostgresSessionLocker()
+	if err != nil {
+		return nil, fmt.Errorf("store: migrate: %w", err)
+	}
+	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
+		goose.WithSessionLocker(locker),
+		goose.WithTableName("redfence_schema_migrations"),
+		goose.WithDisableGlobalRegistry(true),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("store: migrate: %w", err)
+	}
+	res, err := p.Up(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("store: migrate: %w", err)
+	}
+	var applied []string
+	for _, r := range res {
+		applied = append(applied, r.Source.Path)
+	}
+	return applied, nil
+}
+
+var _ fencing.Issuer = (*DB)(nil)
+
+const issueSQL = `
+INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
+VALUES ($1, 1, $2, $3, now())
+ON CONFLICT (key) DO UPDATE
+   SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
+RETURNING token`
+
+// Issue implements fencing.Issuer: it increments the key's counter in one
+// statement and returns the new token once the commit is durable.
+func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error) {
+	var t int64
+	if err := db.pool.QueryRow(ctx, issueSQL, c.Key, c.Owner, c.Holder).Scan(&t); err != nil {
+		return 0, fmt.Errorf("store: issue token for %q: %w", c.Key, err)
+	}
+	return fencing.Token(t), nil
+}
+
+// Last returns the newest token record for key; its Token is 0 if none.
+func (db *DB) Last(ctx context.Context, key string) (fencing.Record, error) {
+	r := fencing.Record{Claim: fencing.Claim{Key: key}}
+	var t int64
+	err := db.pool.QueryRow(ctx,
+		`SELECT token, owner, holder, issued_at FROM redfence_fencing WHERE key = $1`, key).
+		Scan(&t, &r.Owner, &r.Holder, &r.IssuedAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return r, nil
+	}
+	if err != nil {
+		return r, fmt.Errorf("store: last token for %q: %w", key, err)
+	}
+	r.Token = fencing.Token(t)
+	return r, nil
+}
+
+// Resource is one document of the reference store.
+type Resource struct {
+	Key          string
+	Data         json.RawMessage
+	FencingToken fencing.Token
+	// Version counts accepted writes, starting at 1.
+	Version   int64
+	UpdatedAt time.Time
+}
+
+// The CTE takes a share lock on the token row: an issuance waiting to bump it
+// waits for this write to commit, and a write waiting behind an issuance sees
+// the new token and is refused. So a write either lands before the next
+// token is issued (and its holder's successor reads it) or not at all.
+const putSQL = `
+WITH cur AS (SELECT token FROM redfence_fencing WHERE key = $1 FOR SHARE)
+INSERT INTO redfence_resources AS r (key, data, fencing_token, version, updated_at)
+SELECT $1, $3, $2, 1, now() FROM cur WHERE cur.token = $2
+ON CONFLICT (key) DO UPDATE
+   SET data = excluded.data, fencing_token = excluded.fencing_token,
+       version = r.version + 1, updated_at = excluded.updated_at
+RETURNING data, fencing_token, version, updated_at`
+
+const putUnfencedSQL = `
+INSERT INTO redfence_resources AS r (key, data, fencing_token, version, updated_at)
+VALUES ($1, $3, $2, 1, now())
+ON CONFLICT (key) DO UPDATE
+   SET data = excluded.data, fencing_token = excluded.fencing_token,
+       version = r.version + 1, updated_at = excluded.updated_at
+RETURNING data, fencing_token, version, updated_at`
+
+// PutResource writes data under key if token is the newest token issued for
+// key. Otherwise it changes nothing and returns a *StaleError.
+func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*Resource, error) {
+	q := putSQL
+	if db.opts.Unfenced {
+		q = putUnfencedSQL
+	}
+	r := &Resource{Key: key}
+	var t int64
+	err := db.pool.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		last, lerr := db.Last(ctx, key)
+		if lerr != nil {
+			return nil, fmt.Errorf("store: put %q: refused, and %w", key, lerr)
+		}
+		return nil, &StaleError{Key: key, Got: token, Current: last.Token}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("store: put %q: %w", key, err)
+	}
+	r.FencingToken = fencing.Token(t)
+	return r, nil
+}
+
+// GetResource returns the document under key, or ErrNotFound.
+func (db *DB) GetResource(ctx context.Context, key string) (*Resource, error) {
+	r := &Resource{Key: key}
+	var t int64
+	err := db.pool.QueryRow(ctx,
+		`SELECT data, fencing_token, version, updated_at FROM redfence_resources WHERE key = $1`, key).
+		Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("store: get %q: %w", key, ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("store: get %q: %w", key, err)
+	}
+	r.FencingToken = fencing.Token(t)
+	return r, nil
+}
