@@ -118,6 +118,20 @@ func (e *Error) Unwrap() []error {
 	return []error{e.Err, e.Cause}
 }
 
+// InvalidError reports a request field outside the configured bounds. It
+// matches ErrInvalid.
+type InvalidError struct {
+	// Field is "ttl" or "wait".
+	Field string
+	// Reason says what is allowed.
+	Reason string
+}
+
+func (e *InvalidError) Error() string { return fmt.Sprintf("%v: %s %s", ErrInvalid, e.Field, e.Reason) }
+
+// Unwrap returns ErrInvalid.
+func (e *InvalidError) Unwrap() error { return ErrInvalid }
+
 // NodeError is one node's failure, with the node's address.
 type NodeError struct {
 	Addr string

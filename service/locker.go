@@ -192,7 +192,7 @@ func (l *Locker) drift(ttl time.Duration) time.Duration {
 // CheckTTL returns an error matching ErrInvalid when ttl is out of bounds.
 func (l *Locker) CheckTTL(ttl time.Duration) error {
 	if ttl < l.opts.MinTTL || ttl > l.opts.MaxTTL {
-		return fmt.Errorf("%w: ttl %v outside [%v, %v]", ErrInvalid, ttl, l.opts.MinTTL, l.opts.MaxTTL)
+		return &InvalidError{Field: "ttl", Reason: fmt.Sprintf("%v is outside [%v, %v]", ttl, l.opts.MinTTL, l.opts.MaxTTL)}
 	}
 	return nil
 }
@@ -214,7 +214,7 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 		return nil, err
 	}
 	if req.Wait < 0 || req.Wait > l.opts.MaxWait {
-		return nil, fmt.Errorf("%w: wait %v outside [0, %v]", ErrInvalid, req.Wait, l.opts.MaxWait)
+		return nil, &InvalidError{Field: "wait", Reason: fmt.Sprintf("%v is outside [0, %v]", req.Wait, l.opts.MaxWait)}
 	}
 	token, err := l.newToken()
 	if err != nil {
@@ -510,9 +510,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 
 // releaseAll compare-and-deletes key on every node and waits for all answers.
 func (l *Locker) releaseAll(ctx context.Context, rkey, token string) *tally {
-	cctx, cancel := context.WithoutCancel(ctx), func() {}
-	defer cancel()
-	ch, _ := l.round(cctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(context.WithoutCancel(ctx), func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		ok, err := n.Release(ctx, rkey, token)
 		return ok, 0, err
 	}, nil)

@@ -1,0 +1,111 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/kelseyhightower/envconfig"
+)
+
+// Config is every setting, read from REDFENCE_* environment variables.
+type Config struct {
+	ListenAddr        string        `split_words:"true" default:":8080" desc:"HTTP listen address"`
+	RedisAddrs        []string      `split_words:"true" desc:"comma-separated host:port of the independent Redis masters (serve: required)"`
+	DatabaseURL       string        `envconfig:"DATABASE_URL" desc:"Postgres URL, e.g. postgres://user:pass@host:5432/db (serve, migrate: required)"`
+	MaxTTL            time.Duration `envconfig:"MAX_TTL" default:"60s" desc:"longest TTL or extension; also how long a node that lost its memory is distrusted"`
+	MinTTL            time.Duration `envconfig:"MIN_TTL" default:"100ms" desc:"shortest TTL accepted"`
+	DefaultTTL        time.Duration `envconfig:"DEFAULT_TTL" default:"10s" desc:"TTL when a request gives no ttl_ms"`
+	MaxWait           time.Duration `split_words:"true" default:"60s" desc:"longest wait_ms accepted"`
+	NodeTimeout       time.Duration `split_words:"true" default:"50ms" desc:"timeout of each request to one Redis node"`
+	DriftFactor       float64       `split_words:"true" default:"0.01" desc:"clock drift allowance: drift = ttl*factor + 2ms"`
+	RetryDelayMin     time.Duration `split_words:"true" default:"10ms" desc:"shortest random delay between attempts of a waiting acquire"`
+	RetryDelayMax     time.Duration `split_words:"true" default:"100ms" desc:"longest random delay between attempts of a waiting acquire"`
+	IssueTimeout      time.Duration `split_words:"true" default:"2s" desc:"timeout of fencing-token issuance in Postgres"`
+	RedisUsername     string        `split_words:"true" desc:"Redis ACL user for every node"`
+	RedisPassword     string        `split_words:"true" desc:"Redis password for every node"`
+	DBMaxConns        int32         `envconfig:"DB_MAX_CONNS" desc:"Postgres pool size (default: max(4, CPUs))"`
+	StatementTimeout  time.Duration `split_words:"true" default:"5s" desc:"Postgres statement_timeout"`
+	MaxBodyBytes      int64         `split_words:"true" default:"1048576" desc:"largest request body accepted"`
+	ReadHeaderTimeout time.Duration `split_words:"true" default:"5s" desc:"time to read request headers"`
+	ReadTimeout       time.Duration `split_words:"true" default:"30s" desc:"time to read a whole request"`
+	IdleTimeout       time.Duration `split_words:"true" default:"120s" desc:"keep-alive idle timeout"`
+	ShutdownTimeout   time.Duration `split_words:"true" default:"30s" desc:"grace period for in-flight requests on SIGINT/SIGTERM"`
+	LogLevel          string        `split_words:"true" default:"info" desc:"debug, info, warn or error"`
+	LogFormat         string        `split_words:"true" default:"json" desc:"json or text"`
+}
+
+const envPrefix = "redfence"
+
+// loadConfig reads the REDFENCE_* environment variables.
+func loadConfig() (*Config, error) {
+	var c Config
+	if err := envconfig.Process(envPrefix, &c); err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	if err := c.validate(); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if c.MinTTL <= 0 || c.MaxTTL < c.MinTTL {
+		errs = append(errs, fmt.Errorf("REDFENCE_MIN_TTL (%v) must be positive and at most REDFENCE_MAX_TTL (%v)", c.MinTTL, c.MaxTTL))
+	}
+	if c.DefaultTTL < c.MinTTL || c.DefaultTTL > c.MaxTTL {
+		errs = append(errs, fmt.Errorf("REDFENCE_DEFAULT_TTL (%v) must be within [REDFENCE_MIN_TTL, REDFENCE_MAX_TTL]", c.DefaultTTL))
+	}
+	if c.NodeTimeout <= 0 {
+		errs = append(errs, errors.New("REDFENCE_NODE_TIMEOUT must be positive"))
+	}
+	if c.DriftFactor < 0 || c.DriftFactor >= 0.5 {
+		errs = append(errs, errors.New("REDFENCE_DRIFT_FACTOR must be in [0, 0.5)"))
+	}
+	if c.RetryDelayMin <= 0 || c.RetryDelayMax < c.RetryDelayMin {
+		errs = append(errs, errors.New("REDFENCE_RETRY_DELAY_MIN must be positive and at most REDFENCE_RETRY_DELAY_MAX"))
+	}
+	if c.MaxWait < 0 {
+		errs = append(errs, errors.New("REDFENCE_MAX_WAIT must not be negative"))
+	}
+	if _, err := parseLevel(c.LogLevel); err != nil {
+		errs = append(errs, err)
+	}
+	if c.LogFormat != "json" && c.LogFormat != "text" {
+		errs = append(errs, fmt.Errorf("REDFENCE_LOG_FORMAT %q: want json or text", c.LogFormat))
+	}
+	for i, a := range c.RedisAddrs {
+		c.RedisAddrs[i] = strings.TrimSpace(a)
+	}
+	return errors.Join(errs...)
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(s)); err != nil {
+		return 0, fmt.Errorf("REDFENCE_LOG_LEVEL %q: want debug, info, warn or error", s)
+	}
+	return l, nil
+}
+
+func (c *Config) logger(w io.Writer) *slog.Logger {
+	level, _ := parseLevel(c.LogLevel)
+	opts := &slog.HandlerOptions{Level: level}
+	if c.LogFormat == "text" {
+		return slog.New(slog.NewTextHandler(w, opts))
+	}
+	return slog.New(slog.NewJSONHandler(w, opts))
+}
+
+// printSettings lists every environment variable with its default.
+func printSettings(w io.Writer) {
+	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "VARIABLE\tDEFAULT\tDESCRIPTION")
+	_ = envconfig.Usagef(envPrefix, &Config{}, tw, "{{range .}}{{usage_key .}}\t{{usage_default .}}\t{{usage_description .}}\n{{end}}")
+	_ = tw.Flush()
+}

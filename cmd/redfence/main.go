@@ -1,0 +1,242 @@
+// Command redfence is the Redfence lock service: an HTTP/JSON API that grants
+// locks with Redlock across independent Redis nodes and issues a fencing
+// token with every grant.
+//
+// Usage:
+//
+//	redfence serve       run the service (configured by REDFENCE_* variables)
+//	redfence dev         start local Redis nodes and Postgres, then serve
+//	redfence migrate     apply database migrations and exit
+//	redfence version     print the version
+//	redfence healthcheck exit 0 if the local server answers /healthz
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"syscall"
+	"time"
+
+	"github.com/redfence/redfence/store"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = ""
+
+func main() {
+	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	cancel()
+	if err != nil {
+		if !errors.Is(err, errUsage) {
+			fmt.Fprintln(os.Stderr, "redfence:", err)
+		}
+		os.Exit(exitCode(err))
+	}
+}
+
+// errUsage is returned after usage was printed for a bad command line.
+var errUsage = errors.New("usage")
+
+// exitError carries a specific exit code (for example a child's status).
+type exitError struct{ code int }
+
+func (e *exitError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
+
+func exitCode(err error) int {
+	var ee *exitError
+	if errors.As(err, &ee) {
+		return ee.code
+	}
+	if errors.Is(err, errUsage) {
+		return 2
+	}
+	return 1
+}
+
+func usage(w io.Writer) {
+	fmt.Fprint(w, `redfence: an HTTP lock service with Redlock grants and fencing tokens.
+
+Usage:
+  redfence serve        run the service, configured by the variables below
+  redfence dev          start 5 local redis-server nodes and a throwaway Postgres,
+                        then serve on 127.0.0.1:8080 (see redfence dev -h)
+  redfence migrate      apply database migrations to REDFENCE_DATABASE_URL and exit
+  redfence version      print the version
+  redfence healthcheck  exit 0 if the server on REDFENCE_LISTEN_ADDR answers /healthz
+
+Settings (environment variables):
+`)
+	printSettings(w)
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		usage(stderr)
+		return errUsage
+	}
+	cmd, rest := args[0], args[1:]
+	switch cmd {
+	case "-h", "-help", "--help", "help":
+		usage(stdout)
+		return nil
+	case "version", "-version", "--version":
+		fmt.Fprintln(stdout, "redfence", buildVersion())
+		return nil
+	case "serve":
+		return cmdServe(ctx, rest, stdout, stderr)
+	case "dev":
+		return cmdDev(ctx, rest, stdout, stderr)
+	case "migrate":
+		return cmdMigrate(ctx, rest, stdout, stderr)
+	case "healthcheck":
+		return cmdHealthcheck(ctx, rest, stderr)
+	}
+	fmt.Fprintf(stderr, "redfence: unknown command %q\n\n", cmd)
+	usage(stderr)
+	return errUsage
+}
+
+func buildVersion() string {
+	if version != "" {
+		return version
+	}
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+		return bi.Main.Version
+	}
+	return "dev"
+}
+
+// flags returns a FlagSet whose -h prints the command's help and the settings.
+func flags(name, help string, stdout io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stdout)
+	fs.Usage = func() {
+		fmt.Fprintf(stdout, "Usage: redfence %s\n\n%s\n\nFlags:\n", name, help)
+		fs.PrintDefaults()
+		fmt.Fprintln(stdout, "\nSettings (environment variables):")
+		printSettings(stdout)
+	}
+	return fs
+}
+
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return flag.ErrHelp
+		}
+		return errUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(fs.Output(), "unexpected arguments: %v\n", fs.Args())
+		return errUsage
+	}
+	return nil
+}
+
+func helpOK(err error) error {
+	if errors.Is(err, flag.ErrHelp) {
+		return nil
+	}
+	return err
+}
+
+func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flags("serve", "Runs the service. Applies pending migrations first.", stdout)
+	if err := parseFlags(fs, args); err != nil {
+		return helpOK(err)
+	}
+	cfg, err := loadConfig()
+	if err != nil {
+		return err
+	}
+	log := cfg.logger(stderr)
+	s, err := Open(ctx, cfg, log, ServerOptions{})
+	if err != nil {
+		return err
+	}
+	return serveUntilDone(ctx, s, cfg)
+}
+
+// serveUntilDone waits for a signal (ctx) or a serving error, then shuts down.
+func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
+	var serveErr error
+	select {
+	case <-ctx.Done():
+	case serveErr = <-s.Done():
+	}
+	s.log.Info("shutting down", "grace", cfg.ShutdownTimeout.String())
+	sctx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownTimeout)
+	defer cancel()
+	if err := s.Close(sctx); err != nil {
+		return errors.Join(serveErr, fmt.Errorf("shutdown: %w", err))
+	}
+	if errors.Is(serveErr, http.ErrServerClosed) {
+		serveErr = nil
+	}
+	return serveErr
+}
+
+func cmdMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flags("migrate", "Applies pending migrations to REDFENCE_DATABASE_URL. Safe to run concurrently.", stdout)
+	if err := parseFlags(fs, args); err != nil {
+		return helpOK(err)
+	}
+	cfg, err := loadConfig()
+	if err != nil {
+		return err
+	}
+	if cfg.DatabaseURL == "" {
+		return errors.New("REDFENCE_DATABASE_URL is empty")
+	}
+	db, err := store.Open(ctx, cfg.DatabaseURL, store.Options{Logger: cfg.logger(stderr)})
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	applied, err := db.Migrate(ctx)
+	if err != nil {
+		return err
+	}
+	if len(applied) == 0 {
+		fmt.Fprintln(stdout, "database is up to date")
+	}
+	for _, m := range applied {
+		fmt.Fprintln(stdout, "applied", m)
+	}
+	return nil
+}
+
+func cmdHealthcheck(ctx context.Context, args []string, stderr io.Writer) error {
+	cfg, err := loadConfig()
+	if err != nil {
+		return err
+	}
+	_, port, err := net.SplitHostPort(cfg.ListenAddr)
+	if err != nil {
+		return fmt.Errorf("REDFENCE_LISTEN_ADDR %q: %w", cfg.ListenAddr, err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+net.JoinHostPort("127.0.0.1", port)+"/healthz", nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("healthcheck: %w", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("healthcheck: status %d", resp.StatusCode)
+	}
+	return nil
+}

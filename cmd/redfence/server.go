@@ -1,0 +1,161 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/redfence/redfence"
+	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/service"
+	"github.com/redfence/redfence/store"
+)
+
+// Server is a running Redfence: nodes, Postgres pool, lock manager and HTTP
+// server. Open starts it; Close stops it.
+type Server struct {
+	cfg    *Config
+	log    *slog.Logger
+	nodes  []*service.RedisNode
+	db     *store.DB
+	locker *service.Locker
+	ln     net.Listener
+	http   *http.Server
+	// stop cancels the context of in-flight requests (blocking acquires) once
+	// the shutdown grace period has begun.
+	stop    context.CancelFunc
+	served  chan error
+	Options ServerOptions
+}
+
+// ServerOptions are the parts of a Server that tests replace.
+type ServerOptions struct {
+	// AfterQuorum is service.Options.AfterQuorum (a test hook).
+	AfterQuorum func(ctx context.Context, key string)
+	// Unfenced is store.Options.Unfenced (a test-only switch).
+	Unfenced bool
+}
+
+// Open connects to Postgres and applies migrations, connects the Redis nodes,
+// listens on cfg.ListenAddr (failing at once on a bad address) and starts
+// serving in the background.
+func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions) (*Server, error) {
+	if len(cfg.RedisAddrs) == 0 {
+		return nil, errors.New("REDFENCE_REDIS_ADDRS is empty: list the Redis masters (host:port,...), or run `redfence dev`")
+	}
+	if cfg.DatabaseURL == "" {
+		return nil, errors.New("REDFENCE_DATABASE_URL is empty: give a Postgres URL, or run `redfence dev`")
+	}
+	s := &Server{cfg: cfg, log: log, Options: opts, served: make(chan error, 1)}
+	ok := false
+	defer func() {
+		if !ok {
+			s.closeBackends()
+		}
+	}()
+
+	db, err := store.Open(ctx, cfg.DatabaseURL, store.Options{
+		MaxConns: cfg.DBMaxConns, StatementTimeout: cfg.StatementTimeout, Logger: log, Unfenced: opts.Unfenced,
+	})
+	if err != nil {
+		return nil, err
+	}
+	s.db = db
+	applied, err := db.Migrate(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if len(applied) > 0 {
+		log.Info("migrations applied", slog.Any("migrations", applied))
+	}
+
+	nodes := make([]service.Node, len(cfg.RedisAddrs))
+	for i, a := range cfg.RedisAddrs {
+		n := service.NewRedisNode(a, service.RedisOptions{Username: cfg.RedisUsername, Password: cfg.RedisPassword})
+		s.nodes = append(s.nodes, n)
+		nodes[i] = n
+	}
+	s.locker, err = service.New(nodes, db, service.Options{
+		NodeTimeout:   cfg.NodeTimeout,
+		DriftFactor:   cfg.DriftFactor,
+		MinTTL:        cfg.MinTTL,
+		MaxTTL:        cfg.MaxTTL,
+		MaxWait:       cfg.MaxWait,
+		RetryDelayMin: cfg.RetryDelayMin,
+		RetryDelayMax: cfg.RetryDelayMax,
+		IssueTimeout:  cfg.IssueTimeout,
+		AfterQuorum:   opts.AfterQuorum,
+	})
+	if err != nil {
+		return nil, err
+	}
+
+	reg := prometheus.NewRegistry()
+	h := api.NewHandler(s.locker, db, api.Options{
+		DefaultTTL:   cfg.DefaultTTL,
+		MaxBodyBytes: cfg.MaxBodyBytes,
+		Logger:       log,
+		Registry:     reg,
+		OpenAPI:      redfence.OpenAPI,
+	})
+
+	s.ln, err = net.Listen("tcp", cfg.ListenAddr)
+	if err != nil {
+		return nil, fmt.Errorf("listen %s: %w", cfg.ListenAddr, err)
+	}
+	base, stop := context.WithCancel(context.Background())
+	s.stop = stop
+	s.http = &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
+		ReadTimeout:       cfg.ReadTimeout,
+		// A blocking acquire may wait MaxWait, then run one more round.
+		WriteTimeout:   cfg.MaxWait + cfg.IssueTimeout + 10*time.Second,
+		IdleTimeout:    cfg.IdleTimeout,
+		MaxHeaderBytes: 64 << 10,
+		ErrorLog:       slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+		BaseContext:    func(net.Listener) context.Context { return base },
+	}
+	go func() { s.served <- s.http.Serve(s.ln) }()
+	ok = true
+	log.Info("redfence serving", slog.String("addr", s.Addr()), slog.Int("nodes", len(nodes)),
+		slog.Int("quorum", s.locker.Quorum()), slog.String("max_ttl", cfg.MaxTTL.String()))
+	return s, nil
+}
+
+// Addr returns the address the server listens on.
+func (s *Server) Addr() string { return s.ln.Addr().String() }
+
+// Locker returns the lock manager.
+func (s *Server) Locker() *service.Locker { return s.locker }
+
+// Done receives the error that ended serving, if it ends on its own.
+func (s *Server) Done() <-chan error { return s.served }
+
+// Close stops accepting requests, gives in-flight ones until ctx ends (then
+// cancels them: waiting acquires end), and closes the backends.
+func (s *Server) Close(ctx context.Context) error {
+	err := s.http.Shutdown(ctx)
+	if err != nil {
+		s.stop()
+		err = s.http.Close()
+	}
+	s.stop()
+	s.closeBackends()
+	return err
+}
+
+func (s *Server) closeBackends() {
+	for _, n := range s.nodes {
+		_ = n.Close()
+	}
+	if s.db != nil {
+		s.db.Close()
+	}
+}
