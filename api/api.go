@@ -128,7 +128,7 @@ func (h *Handler) routes() *chi.Mux {
 		}
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeProblem(w, &Problem{Type: ProblemTypePrefix + kMethod.slug, Title: kMethod.title, Status: kMethod.status,
-			Detail: fmt.Sprintf("%s is not allowed here; use %s", req.Method, strings.Join(allow, ", ")),
+			Detail:   fmt.Sprintf("%s is not allowed here; use %s", req.Method, strings.Join(allow, ", ")),
 			Instance: req.URL.Path, RequestID: requestID(req.Context())})
 	})
 

@@ -44,7 +44,7 @@ type LockStatus struct {
 
 // PutResourceRequest is the body of PUT /v1/resources/{name}.
 type PutResourceRequest struct {
-	FencingToken *int64         `json:"fencing_token"`
+	FencingToken *int64          `json:"fencing_token"`
 	Data         json.RawMessage `json:"data"`
 }
 
