@@ -196,6 +196,9 @@ func (h *Handler) decode(w http.ResponseWriter, r *http.Request, v any, optional
 	if mt, _, err := mime.ParseMediaType(ct); err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
 		return &requestError{kind: kMediaType, detail: fmt.Sprintf("Content-Type %q is not application/json", ct)}
 	}
+	if body := bytes.TrimSpace(body); body[0] != '{' {
+		return invalid("the body must be a JSON object", InvalidParam{Name: "body", Reason: "must be a JSON object"})
+	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {

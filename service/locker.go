@@ -395,9 +395,12 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 
 	// Each node's goroutine, after answering, waits for the decision and on
 	// failure deletes what it may have set, even if it answered No or late.
+	// The round runs on a context the client cannot cancel (each call is
+	// still bounded by NodeTimeout): a straggler's SET completes even after
+	// the grant was returned, so the lock lives on as many nodes as possible.
 	decided := make(chan struct{})
 	var failed bool // written before close(decided), read after
-	ch, wg := l.round(ctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, wg := l.round(context.WithoutCancel(ctx), func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		return n.Acquire(ctx, rkey, token, req.TTL)
 	}, func(i int) {
 		<-decided
@@ -426,6 +429,9 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 			return nil, fail(ErrHeld, nil)
 		}
 		return nil, fail(ErrQuorum, nodeErrors(t.results))
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, fail(ErrQuorum, err)
 	}
 	if !l.opts.Now().Before(expires) {
 		return nil, fail(ErrExpired, nil)
@@ -478,7 +484,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	rkey := keyspace.RedisKey(key)
 	start := l.opts.Now()
 	expires := start.Add(ttl - l.drift(ttl))
-	ch, _ := l.round(ctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(context.WithoutCancel(ctx), func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		ok, err := n.Extend(ctx, rkey, token, ttl)
 		return ok, 0, err
 	}, nil)

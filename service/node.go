@@ -82,6 +82,7 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 			DialTimeout:           opts.DialTimeout,
 			ContextTimeoutEnabled: true,
 			MaxRetries:            -1,
+			DialerRetries:         1,
 			DisableIdentity:       true,
 		}),
 	}

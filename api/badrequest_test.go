@@ -1,0 +1,144 @@
+package api_test
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/redfence/redfence/api"
+)
+
+// TestAPI_BadRequests sends malformed and refused requests and checks each gets
+// its documented problem+json and changes nothing in Redis or Postgres.
+func TestAPI_BadRequests(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	// Some state for refusals to leave alone: a held lock and a document.
+	held := e.mustAcquire("held", map[string]any{"ttl_ms": 60000, "owner": "keeper"})
+	if r := e.put("held", held.FencingToken, map[string]any{"v": 1}); r.status != 200 {
+		t.Fatalf("seed PUT = %d %s", r.status, r.body)
+	}
+	validToken := held.LockToken
+	wrongToken := strings.Repeat("A", 27)
+	long := strings.Repeat("n", 201)
+
+	const json = "application/json"
+	tests := []struct {
+		name         string
+		method, path string
+		body         string
+		ctype        string
+		hdr          []string
+		status       int
+		slug         string
+	}{
+		// names
+		{"NameWithSpace", "POST", "/v1/locks/bad%20name", "", "", nil, 400, "invalid-request"},
+		{"NameTooLong", "POST", "/v1/locks/" + long, "", "", nil, 400, "invalid-request"},
+		{"NameWithEncodedSlash", "POST", "/v1/locks/a%2Fb", "", "", nil, 400, "invalid-request"},
+		{"NameNonASCII", "POST", "/v1/locks/%C3%A9t%C3%A9", "", "", nil, 400, "invalid-request"},
+		{"NameWithPercent", "GET", "/v1/locks/100%25", "", "", nil, 400, "invalid-request"},
+		{"ResourceNameBang", "GET", "/v1/resources/bad!name", "", "", nil, 400, "invalid-request"},
+		{"ResourceNameTooLong", "PUT", "/v1/resources/" + long, `{"fencing_token":1,"data":1}`, json, nil, 400, "invalid-request"},
+		// acquire bodies
+		{"NotJSON", "POST", "/v1/locks/x", "not json", json, nil, 400, "invalid-request"},
+		{"Truncated", "POST", "/v1/locks/x", `{"ttl_ms": 1000`, json, nil, 400, "invalid-request"},
+		{"NullBody", "POST", "/v1/locks/x", `null`, json, nil, 400, "invalid-request"},
+		{"ArrayBody", "POST", "/v1/locks/x", `[1,2]`, json, nil, 400, "invalid-request"},
+		{"UnknownField", "POST", "/v1/locks/x", `{"ttl_ms":1000,"bogus":1}`, json, nil, 400, "invalid-request"},
+		{"TrailingData", "POST", "/v1/locks/x", `{"ttl_ms":1000} {"ttl_ms":2000}`, json, nil, 400, "invalid-request"},
+		{"TTLString", "POST", "/v1/locks/x", `{"ttl_ms":"1000"}`, json, nil, 400, "invalid-request"},
+		{"TTLFraction", "POST", "/v1/locks/x", `{"ttl_ms":1.5}`, json, nil, 400, "invalid-request"},
+		{"TTLNegative", "POST", "/v1/locks/x", `{"ttl_ms":-1}`, json, nil, 400, "invalid-request"},
+		{"TTLZero", "POST", "/v1/locks/x", `{"ttl_ms":0}`, json, nil, 400, "invalid-request"},
+		{"TTLBelowMin", "POST", "/v1/locks/x", `{"ttl_ms":50}`, json, nil, 400, "invalid-request"},
+		{"TTLAboveMax", "POST", "/v1/locks/x", `{"ttl_ms":3600000}`, json, nil, 400, "invalid-request"},
+		{"TTLOverflow", "POST", "/v1/locks/x", `{"ttl_ms":99999999999999999999}`, json, nil, 400, "invalid-request"},
+		{"WaitNegative", "POST", "/v1/locks/x", `{"wait_ms":-5}`, json, nil, 400, "invalid-request"},
+		{"WaitAboveMax", "POST", "/v1/locks/x", `{"wait_ms":3600000}`, json, nil, 400, "invalid-request"},
+		{"OwnerNotString", "POST", "/v1/locks/x", `{"owner":5}`, json, nil, 400, "invalid-request"},
+		{"OwnerTooLong", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("o", 257) + `"}`, json, nil, 400, "invalid-request"},
+		{"OwnerControlChar", "POST", "/v1/locks/x", `{"owner":"bell\u0007"}`, json, nil, 400, "invalid-request"},
+		{"WrongContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/plain", nil, 415, "unsupported-media-type"},
+		{"NoContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "", nil, 415, "unsupported-media-type"},
+		{"BodyTooLarge", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("x", 2<<20) + `"}`, json, nil, 413, "request-too-large"},
+		// lock tokens
+		{"ExtendNoToken", "POST", "/v1/locks/held/extend", "", "", nil, 400, "invalid-request"},
+		{"ExtendShortToken", "POST", "/v1/locks/held/extend", "", "", []string{api.LockTokenHeader, "abc"}, 400, "invalid-request"},
+		{"ExtendTokenBadChars", "POST", "/v1/locks/held/extend", "", "", []string{api.LockTokenHeader, strings.Repeat("+", 27)}, 400, "invalid-request"},
+		{"ExtendTwoTokens", "POST", "/v1/locks/held/extend", "", "", []string{api.LockTokenHeader, validToken, api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"ExtendTTLTooShort", "POST", "/v1/locks/held/extend", `{"ttl_ms":1}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"ExtendTTLAboveMax", "POST", "/v1/locks/held/extend", `{"ttl_ms":86400000}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"ExtendUnknownField", "POST", "/v1/locks/held/extend", `{"ttl":1000}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"ExtendWrongToken", "POST", "/v1/locks/held/extend", "", "", []string{api.LockTokenHeader, wrongToken}, 409, "lock-lost"},
+		{"ReleaseNoToken", "DELETE", "/v1/locks/held", "", "", nil, 400, "invalid-request"},
+		{"ReleasePaddedToken", "DELETE", "/v1/locks/held", "", "", []string{api.LockTokenHeader, validToken + "="}, 400, "invalid-request"},
+		{"ReleaseWrongToken", "DELETE", "/v1/locks/held", "", "", []string{api.LockTokenHeader, wrongToken}, 409, "not-holder"},
+		// resources
+		{"PutNoBody", "PUT", "/v1/resources/held", "", "", nil, 400, "invalid-request"},
+		{"PutNoToken", "PUT", "/v1/resources/held", `{"data":1}`, json, nil, 400, "invalid-request"},
+		{"PutTokenZero", "PUT", "/v1/resources/held", `{"fencing_token":0,"data":1}`, json, nil, 400, "invalid-request"},
+		{"PutTokenNegative", "PUT", "/v1/resources/held", `{"fencing_token":-3,"data":1}`, json, nil, 400, "invalid-request"},
+		{"PutTokenString", "PUT", "/v1/resources/held", `{"fencing_token":"1","data":1}`, json, nil, 400, "invalid-request"},
+		{"PutNoData", "PUT", "/v1/resources/held", `{"fencing_token":1}`, json, nil, 400, "invalid-request"},
+		{"PutUnknownField", "PUT", "/v1/resources/held", `{"fencing_token":1,"data":1,"version":3}`, json, nil, 400, "invalid-request"},
+		{"PutUnissuedToken", "PUT", "/v1/resources/held", `{"fencing_token":999,"data":1}`, json, nil, 409, "stale-token"},
+		{"PutNeverLocked", "PUT", "/v1/resources/never", `{"fencing_token":1,"data":1}`, json, nil, 409, "stale-token"},
+		// routes and methods
+		{"PatchLock", "PATCH", "/v1/locks/held", "", "", nil, 405, "method-not-allowed"},
+		{"PutLock", "PUT", "/v1/locks/held", `{}`, json, nil, 405, "method-not-allowed"},
+		{"DeleteResource", "DELETE", "/v1/resources/held", "", "", nil, 405, "method-not-allowed"},
+		{"GetExtend", "GET", "/v1/locks/held/extend", "", "", nil, 405, "method-not-allowed"},
+		{"UnknownRoute", "GET", "/v1/nope", "", "", nil, 404, "not-found"},
+		{"EmptyName", "POST", "/v1/locks/", "", "", nil, 404, "not-found"},
+	}
+	if len(tests) < 30 {
+		t.Fatalf("only %d cases; want at least 30", len(tests))
+	}
+	before := e.snapshot()
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req, err := http.NewRequest(tt.method, e.srv.URL+tt.path, strings.NewReader(tt.body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tt.ctype != "" {
+				req.Header.Set("Content-Type", tt.ctype)
+			}
+			for i := 0; i+1 < len(tt.hdr); i += 2 {
+				req.Header.Add(tt.hdr[i], tt.hdr[i+1])
+			}
+			client := e.loose
+			if tt.status == 404 || tt.status == 405 {
+				client = http.DefaultClient // the spec has no such operation to check against
+			}
+			resp, err := client.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			r := &response{status: resp.StatusCode, header: resp.Header}
+			r.body, _ = io.ReadAll(resp.Body)
+			p := r.problem(t)
+			if r.status != tt.status || p.Type != api.ProblemTypePrefix+tt.slug || p.Status != tt.status {
+				t.Errorf("%s %s = %d %s; want %d %s", tt.method, tt.path, r.status, p.Type, tt.status, tt.slug)
+			}
+			if p.Title == "" || p.Detail == "" && tt.status != 405 && tt.status != 404 {
+				t.Errorf("problem %+v lacks title or detail", p)
+			}
+			if tt.slug == "invalid-request" && len(p.InvalidParams) == 0 {
+				t.Errorf("invalid-request without invalid_params: %s", r.body)
+			}
+			if tt.status == 405 && resp.Header.Get("Allow") == "" {
+				t.Error("405 without Allow")
+			}
+			if strings.Contains(string(r.body), validToken) {
+				t.Error("error body contains the lock token")
+			}
+		})
+	}
+	if after := e.snapshot(); after != before {
+		t.Errorf("bad requests changed state:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+}

@@ -1,0 +1,355 @@
+package api_test
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/service"
+)
+
+func TestAPI_RoundTrip(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	g := e.mustAcquire("orders", map[string]any{"ttl_ms": 30000, "owner": "alice"})
+	if g.FencingToken != 1 || g.Owner != "alice" || g.TTLMS != 30000 || len(g.LockToken) != 27 {
+		t.Fatalf("acquire = %+v; want token 1, owner alice, ttl 30000, a 27-char lock token", g)
+	}
+	if g.ValidityMS <= 0 || g.ValidityMS > 30000 {
+		t.Errorf("validity_ms = %d; want in (0, 30000]", g.ValidityMS)
+	}
+
+	r := e.do(e.client, http.MethodGet, "/v1/locks/orders", nil)
+	var st api.LockStatus
+	r.decode(t, &st)
+	if r.status != 200 || !st.Held || st.Owner != "alice" || st.LastFencingToken != 1 || st.RemainingMS <= 0 {
+		t.Errorf("GET = %d %+v; want held by alice, token 1", r.status, st)
+	}
+	if strings.Contains(string(r.body), g.LockToken) {
+		t.Error("GET response contains the lock token")
+	}
+
+	r = e.do(e.client, http.MethodPost, "/v1/locks/orders/extend", map[string]any{"ttl_ms": 20000}, api.LockTokenHeader, g.LockToken)
+	var ext api.LockResponse
+	r.decode(t, &ext)
+	if r.status != 200 || ext.FencingToken != 1 || ext.TTLMS != 20000 || ext.LockToken != "" {
+		t.Errorf("extend = %d %+v; want 200, same fencing token, no lock token", r.status, ext)
+	}
+	// A majority holds the lock with the new TTL (within 20s).
+	renewed := 0
+	for _, c := range e.rdb {
+		if d := c.PTTL(context.Background(), "redfence:lock:orders").Val(); d > 0 && d <= 20*time.Second {
+			renewed++
+		}
+	}
+	if renewed < 3 {
+		t.Errorf("%d nodes hold the lock with the new TTL; want at least 3", renewed)
+	}
+
+	if r := e.put("orders", 1, map[string]any{"total": 42}); r.status != 200 {
+		t.Fatalf("PUT = %d %s; want 200", r.status, r.body)
+	}
+	var res api.Resource
+	r = e.do(e.client, http.MethodGet, "/v1/resources/orders", nil)
+	r.decode(t, &res)
+	if r.status != 200 || string(res.Data) != `{"total":42}` || res.FencingToken != 1 || res.Version != 1 {
+		t.Errorf("GET resource = %d %+v; want the written data, token 1, version 1", r.status, res)
+	}
+
+	if r := e.release("orders", g.LockToken); r.status != http.StatusNoContent {
+		t.Fatalf("release = %d %s; want 204", r.status, r.body)
+	}
+	r = e.release("orders", g.LockToken)
+	if p := r.problem(t); r.status != 409 || p.Type != api.ProblemTypePrefix+"not-holder" {
+		t.Errorf("second release = %d %s; want 409 not-holder", r.status, p.Type)
+	}
+	r = e.do(e.client, http.MethodPost, "/v1/locks/orders/extend", nil, api.LockTokenHeader, g.LockToken)
+	if p := r.problem(t); r.status != 409 || p.Type != api.ProblemTypePrefix+"lock-lost" {
+		t.Errorf("extend after release = %d %s; want 409 lock-lost", r.status, p.Type)
+	}
+	r = e.do(e.client, http.MethodGet, "/v1/locks/orders", nil)
+	st = api.LockStatus{}
+	r.decode(t, &st)
+	if st.Held || st.Owner != "" || st.LastFencingToken != 1 {
+		t.Errorf("GET after release = %+v; want free, last token 1, no owner", st)
+	}
+	for i, keys := range e.lockKeys() {
+		if len(keys) != 0 {
+			t.Errorf("node %d keys after release = %v; want none", i, keys)
+		}
+	}
+	if r := e.do(e.client, http.MethodGet, "/v1/resources/nothing-here", nil); r.status != 404 || r.problem(t).Type != api.ProblemTypePrefix+"resource-not-found" {
+		t.Errorf("GET missing resource = %d %s; want 404 resource-not-found", r.status, r.body)
+	}
+}
+
+func TestAPI_TokensIncreasePerName(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	for want := int64(1); want <= 3; want++ {
+		for _, name := range []string{"a", "b:c"} {
+			g := e.mustAcquire(name, nil)
+			if g.FencingToken != want {
+				t.Errorf("acquire %s #%d: fencing token %d; want %d", name, want, g.FencingToken, want)
+			}
+			if r := e.release(name, g.LockToken); r.status != 204 {
+				t.Fatalf("release = %d %s", r.status, r.body)
+			}
+		}
+	}
+}
+
+// TestAPI_Contention has 64 clients contend for one name. Each holder does a
+// read-modify-write of one document with its token and checks nobody else
+// wrote in between; the document's history must show every grant once, in
+// token order, with no lost update.
+func TestAPI_Contention(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{service: service.Options{RetryDelayMin: 5 * time.Millisecond, RetryDelayMax: 20 * time.Millisecond}})
+	const clients = 64
+	type doc struct {
+		Count  int    `json:"count"`
+		Holder string `json:"holder"`
+		Prev   int64  `json:"prev"` // fencing token of the previous writer
+	}
+	var mu sync.Mutex
+	tokens := map[int64]string{}
+	var wg sync.WaitGroup
+	for i := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			me := fmt.Sprintf("client-%d", i)
+			g, r := e.acquire("hot", map[string]any{"ttl_ms": 10000, "wait_ms": 60000, "owner": me})
+			if g == nil {
+				t.Errorf("%s: acquire = %d %s", me, r.status, r.body)
+				return
+			}
+			mu.Lock()
+			if other, dup := tokens[g.FencingToken]; dup {
+				t.Errorf("fencing token %d granted to %s and %s", g.FencingToken, other, me)
+			}
+			tokens[g.FencingToken] = me
+			mu.Unlock()
+
+			var cur doc
+			var prevToken int64
+			if r := e.do(e.client, http.MethodGet, "/v1/resources/hot", nil); r.status == 200 {
+				var res api.Resource
+				r.decode(t, &res)
+				r.decode(t, &struct{ Data *doc }{&cur})
+				prevToken = res.FencingToken
+			}
+			if prevToken >= g.FencingToken {
+				t.Errorf("%s holds token %d but the document was last written with %d", me, g.FencingToken, prevToken)
+			}
+			next := doc{Count: cur.Count + 1, Holder: me, Prev: prevToken}
+			if r := e.put("hot", g.FencingToken, next); r.status != 200 {
+				t.Errorf("%s: PUT with a live grant = %d %s", me, r.status, r.body)
+			}
+			var after doc
+			r = e.do(e.client, http.MethodGet, "/v1/resources/hot", nil)
+			r.decode(t, &struct{ Data *doc }{&after})
+			if after != next {
+				t.Errorf("%s: document changed under a live holder: %+v; want %+v", me, after, next)
+			}
+			if r := e.release("hot", g.LockToken); r.status != 204 {
+				t.Errorf("%s: release = %d %s", me, r.status, r.body)
+			}
+		}()
+	}
+	wg.Wait()
+	if len(tokens) != clients {
+		t.Fatalf("%d grants; want %d", len(tokens), clients)
+	}
+	for tok := int64(1); tok <= clients; tok++ {
+		if _, ok := tokens[tok]; !ok {
+			t.Errorf("token %d never granted; want exactly 1..%d", tok, clients)
+		}
+	}
+	var res api.Resource
+	var final doc
+	r := e.do(e.client, http.MethodGet, "/v1/resources/hot", nil)
+	r.decode(t, &res)
+	r.decode(t, &struct{ Data *doc }{&final})
+	if final.Count != clients || res.Version != clients {
+		t.Errorf("final count %d, version %d; want %d (no lost update)", final.Count, res.Version, clients)
+	}
+}
+
+// TestAPI_GCPause is the story the fencing token exists for: A's lease runs
+// out while it is paused; B is granted the next token and writes; A wakes up
+// and writes with its old token, and the store refuses it.
+func TestAPI_GCPause(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	a := e.mustAcquire("account", map[string]any{"ttl_ms": 300, "owner": "A"})
+	// B waits for A's lease to run out (A is "paused" and never releases).
+	b := e.mustAcquire("account", map[string]any{"ttl_ms": 10000, "wait_ms": 10000, "owner": "B"})
+	if b.FencingToken != a.FencingToken+1 {
+		t.Fatalf("B's token = %d; want A's + 1 = %d", b.FencingToken, a.FencingToken+1)
+	}
+	if r := e.put("account", b.FencingToken, "written by B"); r.status != 200 {
+		t.Fatalf("B's PUT = %d %s", r.status, r.body)
+	}
+	r := e.put("account", a.FencingToken, "written by A after its pause")
+	p := r.problem(t)
+	if r.status != 409 || p.Type != api.ProblemTypePrefix+"stale-token" || p.CurrentFencingToken == nil || *p.CurrentFencingToken != b.FencingToken {
+		t.Fatalf("A's late PUT = %d %s; want 409 stale-token with current %d", r.status, r.body, b.FencingToken)
+	}
+	var res api.Resource
+	e.do(e.client, http.MethodGet, "/v1/resources/account", nil).decode(t, &res)
+	if string(res.Data) != `"written by B"` || res.FencingToken != b.FencingToken {
+		t.Errorf("stored = %s (token %d); want B's write", res.Data, res.FencingToken)
+	}
+	// A's lock token no longer does anything either.
+	if r := e.do(e.client, http.MethodPost, "/v1/locks/account/extend", nil, api.LockTokenHeader, a.LockToken); r.status != 409 {
+		t.Errorf("A's extend = %d; want 409", r.status)
+	}
+	if r := e.release("account", a.LockToken); r.status != 409 {
+		t.Errorf("A's release = %d; want 409", r.status)
+	}
+	var st api.LockStatus
+	e.do(e.client, http.MethodGet, "/v1/locks/account", nil).decode(t, &st)
+	if !st.Held || st.Owner != "B" {
+		t.Errorf("after A's attempts: %+v; want still held by B", st)
+	}
+}
+
+// TestAPI_StallBeforeIssuance stalls a grant between winning the quorum and
+// issuing its token for longer than the TTL: the grant must be refused and
+// leave nothing behind (DESIGN step 3).
+func TestAPI_StallBeforeIssuance(t *testing.T) {
+	t.Parallel()
+	const ttl = 200 * time.Millisecond
+	e := newEnv(t, envOptions{service: service.Options{AfterQuorum: func(ctx context.Context, key string) {
+		if key == "stalled" {
+			time.Sleep(ttl + 50*time.Millisecond) // the injected fault: a pause longer than the lease
+		}
+	}}})
+	r := e.do(e.client, http.MethodPost, "/v1/locks/stalled", map[string]any{"ttl_ms": ttl.Milliseconds()})
+	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"lease-expired" {
+		t.Fatalf("stalled acquire = %d %s; want 503 lease-expired", r.status, r.body)
+	}
+	if r.header.Get("Retry-After") == "" {
+		t.Error("503 without Retry-After")
+	}
+	for i, keys := range e.lockKeys() {
+		if len(keys) != 0 {
+			t.Errorf("node %d keeps %v after a refused grant", i, keys)
+		}
+	}
+	// Other names are unaffected.
+	e.mustAcquire("not-stalled", map[string]any{"ttl_ms": ttl.Milliseconds()})
+}
+
+func TestAPI_NodeFailures(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	ctx := context.Background()
+	for _, n := range e.nodes[:2] {
+		if err := n.Kill(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g := e.mustAcquire("n1", nil) // 3 of 5 up: still a majority
+	if r := e.release("n1", g.LockToken); r.status != 204 {
+		t.Errorf("release with 2 nodes down = %d %s", r.status, r.body)
+	}
+	var nodes api.NodeList
+	e.do(e.client, http.MethodGet, "/v1/nodes", nil).decode(t, &nodes)
+	if nodes.Up != 3 || nodes.Quorum != 3 || nodes.Nodes[0].Up || nodes.Nodes[0].Error == "" {
+		t.Errorf("nodes = %+v; want 3 up of 5, node 0 down with an error", nodes)
+	}
+	if r := e.do(e.client, http.MethodGet, "/readyz", nil); r.status != 200 {
+		t.Errorf("readyz with 3 of 5 = %d; want 200", r.status)
+	}
+
+	if err := e.nodes[2].Kill(); err != nil {
+		t.Fatal(err)
+	}
+	before := e.snapshot()
+	start := time.Now()
+	r := e.do(e.client, http.MethodPost, "/v1/locks/n2", map[string]any{"wait_ms": 300})
+	t.Logf("3 of 5 down: answered %d after %v (wait 300ms, node timeout 1s)", r.status, time.Since(start))
+	p := r.problem(t)
+	if r.status != 503 || p.Type != api.ProblemTypePrefix+"quorum-unavailable" || r.header.Get("Retry-After") == "" {
+		t.Fatalf("acquire with 3 of 5 down = %d %s; want 503 quorum-unavailable with Retry-After", r.status, r.body)
+	}
+	failed := 0
+	for _, n := range p.Nodes {
+		if n.Outcome == "error" || n.Outcome == "timeout" {
+			failed++
+		}
+	}
+	if len(p.Nodes) != 5 || failed != 3 {
+		t.Errorf("problem nodes = %+v; want 5 outcomes, 3 failed", p.Nodes)
+	}
+	if after := e.snapshot(); after != before {
+		t.Errorf("a refused acquire changed state:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+	if r := e.do(e.client, http.MethodGet, "/readyz", nil); r.status != 503 {
+		t.Errorf("readyz with 2 of 5 = %d; want 503", r.status)
+	}
+
+	for _, n := range e.nodes[:3] {
+		if err := n.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g = e.mustAcquire("n2", map[string]any{"wait_ms": 5000})
+	if g.FencingToken != 1 {
+		t.Errorf("first grant of n2 after recovery has token %d; want 1 (nothing was issued while down)", g.FencingToken)
+	}
+}
+
+func TestAPI_PostgresDown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg, err := cluster.StartPostgres(ctx, cluster.PostgresOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pg.Close() })
+	url, err := pg.CreateDatabase(ctx, t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := newEnv(t, envOptions{databaseURL: url})
+	var last int64
+	for range 3 {
+		g := e.mustAcquire("pg", nil)
+		last = g.FencingToken
+		e.release("pg", g.LockToken)
+	}
+	if err := pg.Stop(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	r := e.do(e.client, http.MethodPost, "/v1/locks/pg", nil)
+	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" {
+		t.Fatalf("acquire with Postgres down = %d %s; want 503 fencing-unavailable", r.status, r.body)
+	}
+	for i, keys := range e.lockKeys() {
+		if len(keys) != 0 {
+			t.Errorf("node %d keeps %v after a grant refused for lack of a token", i, keys)
+		}
+	}
+	if r := e.do(e.client, http.MethodGet, "/readyz", nil); r.status != 503 {
+		t.Errorf("readyz with Postgres down = %d; want 503", r.status)
+	}
+	if err := pg.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The pool may hold connections broken by the restart: a waiting acquire
+	// retries past them.
+	g := e.mustAcquire("pg", map[string]any{"wait_ms": 10000})
+	if g.FencingToken <= last {
+		t.Errorf("token after Postgres restart = %d; want above %d", g.FencingToken, last)
+	}
+}
