@@ -115,6 +115,12 @@ type Locker struct {
 	// here; other processes' waiters fall back to jittered retry.
 	waitMu  sync.Mutex
 	waiters map[string]chan struct{}
+
+	// stragglers holds, per lock token, the acquire round of a grant whose
+	// slower nodes had not answered when it was returned. Release and Extend
+	// wait for it, so a late SET cannot land after the DEL that releases it.
+	stragMu    sync.Mutex
+	stragglers map[string]*sync.WaitGroup
 }
 
 // New returns a Locker over nodes that issues tokens from issuer.
@@ -130,12 +136,13 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		return nil, fmt.Errorf("service: min TTL %v above max TTL %v", opts.MinTTL, opts.MaxTTL)
 	}
 	return &Locker{
-		nodes:   nodes,
-		issuer:  issuer,
-		opts:    opts,
-		quorum:  len(nodes)/2 + 1,
-		rand:    mathrand.New(opts.Rand),
-		waiters: make(map[string]chan struct{}),
+		nodes:      nodes,
+		issuer:     issuer,
+		opts:       opts,
+		quorum:     len(nodes)/2 + 1,
+		rand:       mathrand.New(opts.Rand),
+		waiters:    make(map[string]chan struct{}),
+		stragglers: make(map[string]*sync.WaitGroup),
 	}, nil
 }
 
@@ -452,6 +459,17 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		return nil, fail(ErrExpired, nil)
 	}
 	close(decided)
+	if t.got < len(l.nodes) {
+		l.stragMu.Lock()
+		l.stragglers[token] = wg
+		l.stragMu.Unlock()
+		go func() {
+			wg.Wait()
+			l.stragMu.Lock()
+			delete(l.stragglers, token)
+			l.stragMu.Unlock()
+		}()
+	}
 	return &Grant{Key: key, Token: token, Fencing: ft, TTL: req.TTL, Start: start, Expires: expires, Owner: req.Owner}, nil
 }
 
@@ -482,6 +500,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		return nil, err
 	}
 	rkey := keyspace.RedisKey(key)
+	l.settle(token)
 	start := l.opts.Now()
 	expires := start.Add(ttl - l.drift(ttl))
 	ch, _ := l.round(context.WithoutCancel(ctx), func(ctx context.Context, n Node) (bool, time.Duration, error) {
@@ -514,8 +533,20 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	return &Grant{Key: key, Token: token, Fencing: rec.Token, TTL: ttl, Start: start, Expires: expires, Owner: rec.Owner}, nil
 }
 
+// settle waits until the acquire round that granted token, if it still runs
+// in this process, has heard from every node (each within NodeTimeout).
+func (l *Locker) settle(token string) {
+	l.stragMu.Lock()
+	wg := l.stragglers[token]
+	l.stragMu.Unlock()
+	if wg != nil {
+		wg.Wait()
+	}
+}
+
 // releaseAll compare-and-deletes key on every node and waits for all answers.
 func (l *Locker) releaseAll(ctx context.Context, rkey, token string) *tally {
+	l.settle(token)
 	ch, _ := l.round(context.WithoutCancel(ctx), func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		ok, err := n.Release(ctx, rkey, token)
 		return ok, 0, err

@@ -605,6 +605,44 @@ func TestLocker_Release(t *testing.T) {
 	}
 }
 
+// TestLocker_ReleaseAfterStraggler: a release must not overtake the still
+// running SET of the round that granted the lock, or that SET could land after
+// the DEL and the key would outlive the release.
+func TestLocker_ReleaseAfterStraggler(t *testing.T) {
+	ctx := context.Background()
+	ns, ms := nodes(5)
+	var mu sync.Mutex
+	acquireDone, overtaken := false, false
+	ms[4].hook = func(ctx context.Context, op string) error {
+		switch op {
+		case "acquire": // a straggler: answers only at its per-node timeout
+			<-ctx.Done()
+			mu.Lock()
+			acquireDone = true
+			mu.Unlock()
+			return ctx.Err()
+		case "release":
+			mu.Lock()
+			overtaken = overtaken || !acquireDone
+			mu.Unlock()
+		}
+		return nil
+	}
+	l := newLocker(t, ns, &memIssuer{}, Options{NodeTimeout: 50 * time.Millisecond})
+	g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx, key, g.Token); err != nil {
+		t.Fatalf("Release = %v", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if overtaken {
+		t.Error("Release reached the straggling node before its SET had finished")
+	}
+}
+
 func TestLocker_Status(t *testing.T) {
 	ctx := context.Background()
 	ns, ms := nodes(5)
