@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"mime"
 	"net/http"
+	"net/url"
 	"strings"
 	"time"
 	"unicode"
@@ -151,7 +152,10 @@ func (h *Handler) routes() *chi.Mux {
 
 // key validates the {name} path parameter and returns its storage key.
 func (h *Handler) key(r *http.Request) (name, key string, err error) {
-	name = chi.URLParam(r, "name")
+	name, err = url.PathUnescape(chi.URLParam(r, "name"))
+	if err != nil {
+		return name, "", invalid("the name in the path is not valid percent-encoding", InvalidParam{Name: "name", Reason: "bad percent-encoding"})
+	}
 	if reason := keyspace.ValidName(name); reason != "" {
 		return name, "", invalid("the name in the path is invalid: "+reason, InvalidParam{Name: "name", Reason: reason})
 	}

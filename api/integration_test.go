@@ -89,6 +89,29 @@ func TestAPI_RoundTrip(t *testing.T) {
 	}
 }
 
+// TestAPI_EncodedNames: SDKs percent-encode path segments (":" becomes
+// "%3A"); the name is the decoded segment either way.
+func TestAPI_EncodedNames(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	// The validator matches the raw path and would check "%3A" against the
+	// name pattern, so only the response is validated here.
+	r := e.do(e.loose, http.MethodPost, "/v1/locks/orders%3Ainvoice-7", nil)
+	var g api.LockResponse
+	r.decode(t, &g)
+	if r.status != 201 || g.Name != "orders:invoice-7" {
+		t.Errorf("acquire orders%%3Ainvoice-7 = %d %s; want 201 for orders:invoice-7", r.status, r.body)
+	}
+	var st api.LockStatus
+	e.do(e.client, http.MethodGet, "/v1/locks/orders:invoice-7", nil).decode(t, &st)
+	if !st.Held {
+		t.Error("the lock taken through the encoded name is not held under the plain one")
+	}
+	if r := e.put("orders:invoice-7", g.FencingToken, "nul \u0000 inside"); r.status != 400 || r.problem(t).Type != api.ProblemTypePrefix+"invalid-request" {
+		t.Errorf("PUT data Postgres cannot store = %d %s; want 400 invalid-request", r.status, r.body)
+	}
+}
+
 func TestAPI_TokensIncreasePerName(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
@@ -330,6 +353,11 @@ func TestAPI_PostgresDown(t *testing.T) {
 	}
 	if err := pg.Stop(ctx, true); err != nil {
 		t.Fatal(err)
+	}
+	for _, r := range []*response{e.put("pg", last, 1), e.do(e.client, http.MethodGet, "/v1/resources/pg", nil)} {
+		if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"store-unavailable" || r.header.Get("Retry-After") == "" {
+			t.Errorf("reference store with Postgres down = %d %s; want 503 store-unavailable", r.status, r.body)
+		}
 	}
 	r := e.do(e.client, http.MethodPost, "/v1/locks/pg", nil)
 	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" {

@@ -75,6 +75,7 @@ var (
 	kQuorum      = kind{"quorum-unavailable", http.StatusServiceUnavailable, "Too few Redis nodes answered to decide"}
 	kFencing     = kind{"fencing-unavailable", http.StatusServiceUnavailable, "No fencing token could be issued"}
 	kExpired     = kind{"lease-expired", http.StatusServiceUnavailable, "The lease ran out before it could be granted"}
+	kStore       = kind{"store-unavailable", http.StatusServiceUnavailable, "The reference store (Postgres) is unavailable"}
 	kCancelled   = kind{"cancelled", 499, "The client closed the request"}
 	kInternal    = kind{"internal-error", http.StatusInternalServerError, "Internal server error"}
 )
@@ -83,7 +84,7 @@ var (
 func ProblemTypes() []string {
 	var out []string
 	for _, k := range []kind{kInvalid, kTooLarge, kMediaType, kNotFound, kMethod, kNoResource, kHeld, kWaitTimeout,
-		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kCancelled, kInternal} {
+		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kCancelled, kInternal} {
 		out = append(out, k.slug)
 	}
 	return out
@@ -129,6 +130,10 @@ func classify(err error) kind {
 		return kStale
 	case errors.Is(err, store.ErrNotFound):
 		return kNoResource
+	case errors.Is(err, store.ErrInvalidData):
+		return kInvalid
+	case errors.Is(err, store.ErrUnavailable):
+		return kStore
 	case errors.Is(err, context.Canceled):
 		return kCancelled
 	}
@@ -156,6 +161,11 @@ func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		p.Detail = stale.Error()[len("store: "):]
 	case k == kNoResource:
 		p.Detail = "no document has been written under this name"
+	case errors.Is(err, store.ErrInvalidData):
+		p.Detail = "Postgres cannot store this data (for example a string holding \\u0000)"
+		p.InvalidParams = []InvalidParam{{Name: "data", Reason: "not storable as jsonb"}}
+	case k == kStore:
+		p.Detail = "Postgres did not answer; nothing was written"
 	case errors.Is(err, service.ErrInvalid):
 		p.Detail = err.Error()
 	}

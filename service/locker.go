@@ -23,6 +23,7 @@ import (
 	"fmt"
 	"io"
 	mathrand "math/rand/v2"
+	"net"
 	"slices"
 	"sync"
 	"time"
@@ -305,10 +306,18 @@ type vote struct {
 }
 
 func (l *Locker) classify(err error) Outcome {
-	if errors.Is(err, context.DeadlineExceeded) {
+	var ne net.Error
+	if errors.Is(err, context.DeadlineExceeded) || errors.As(err, &ne) && ne.Timeout() {
 		return Timeout
 	}
 	return Failed
+}
+
+// last looks up the newest fencing record of key, bounded by IssueTimeout.
+func (l *Locker) last(ctx context.Context, key string) (fencing.Record, error) {
+	ctx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
+	defer cancel()
+	return l.issuer.Last(ctx, key)
 }
 
 // round sends op to every node in parallel, each bounded by NodeTimeout, and
@@ -520,8 +529,9 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		l.drain(t, ch)
 		return nil, &Error{Op: "extend", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
 	}
-	rec, err := l.issuer.Last(ctx, key)
+	rec, err := l.last(ctx, key)
 	if err != nil {
+		l.drain(t, ch)
 		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Nodes: t.results, Cause: err}
 	}
 	if rec.Holder != HolderID(token) {
@@ -601,9 +611,9 @@ func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	if t.yes < l.quorum && len(l.nodes)-t.no >= l.quorum {
 		return nil, &Error{Op: "status", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
 	}
-	rec, err := l.issuer.Last(ctx, key)
+	rec, err := l.last(ctx, key)
 	if err != nil {
-		return nil, &Error{Op: "status", Key: key, Err: ErrFencing, Cause: err}
+		return nil, &Error{Op: "status", Key: key, Err: ErrFencing, Nodes: t.results, Cause: err}
 	}
 	st := &Status{Key: key, Last: rec}
 	if t.yes >= l.quorum {

@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -36,6 +37,27 @@ import (
 
 // ErrNotFound is returned when a resource does not exist.
 var ErrNotFound = errors.New("store: not found")
+
+// ErrUnavailable is returned (wrapped with the cause) when Postgres could not
+// be reached or did not answer in time.
+var ErrUnavailable = errors.New("store: unavailable")
+
+// ErrInvalidData is returned when Postgres refuses the data itself (for
+// example a JSON string holding \u0000, which jsonb cannot store).
+var ErrInvalidData = errors.New("store: data rejected")
+
+// classify wraps a failed statement's error with ErrInvalidData for data
+// exceptions (SQLSTATE class 22) and ErrUnavailable otherwise.
+func classify(err error) error {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) && strings.HasPrefix(pe.Code, "22") {
+		return fmt.Errorf("%w: %s", ErrInvalidData, pe.Message)
+	}
+	if errors.Is(err, context.Canceled) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrUnavailable, err)
+}
 
 // StaleError reports a reference-store write refused because its token is not
 // the newest one issued for the key. It matches fencing.ErrStale.
@@ -263,12 +285,12 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	if errors.Is(err, pgx.ErrNoRows) {
 		last, lerr := db.Last(ctx, key)
 		if lerr != nil {
-			return nil, fmt.Errorf("store: put %q: refused, and %w", key, lerr)
+			return nil, fmt.Errorf("store: put %q: refused, and %w", key, classify(lerr))
 		}
 		return nil, &StaleError{Key: key, Got: token, Current: last.Token}
 	}
 	if err != nil {
-		return nil, fmt.Errorf("store: put %q: %w", key, err)
+		return nil, fmt.Errorf("store: put %q: %w", key, classify(err))
 	}
 	r.FencingToken = fencing.Token(t)
 	return r, nil
@@ -285,7 +307,7 @@ func (db *DB) GetResource(ctx context.Context, key string) (*Resource, error) {
 		return nil, fmt.Errorf("store: get %q: %w", key, ErrNotFound)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("store: get %q: %w", key, err)
+		return nil, fmt.Errorf("store: get %q: %w", key, classify(err))
 	}
 	r.FencingToken = fencing.Token(t)
 	return r, nil

@@ -31,10 +31,13 @@ func Key(ns, name string) string {
 func RedisKey(key string) string { return RedisPrefix + key }
 
 // ValidName reports why name is not an acceptable lock or resource name, or ""
-// when it is: 1 to 200 characters of A-Z a-z 0-9 . _ - :.
+// when it is: 1 to 200 characters of A-Z a-z 0-9 . _ - :, other than "." and "..".
 func ValidName(name string) string {
 	if name == "" {
 		return "must not be empty"
+	}
+	if name == "." || name == ".." {
+		return "must not be . or .. (URL paths normalise them away)"
 	}
 	if len(name) > MaxNameLen {
 		return fmt.Sprintf("must be at most %d characters, got %d", MaxNameLen, len(name))

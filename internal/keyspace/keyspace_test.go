@@ -21,6 +21,9 @@ func TestValidName(t *testing.T) {
 		{"é", false},
 		{"a\x00", false},
 		{"%2F", false},
+		{".", false},
+		{"..", false},
+		{"...", true},
 	}
 	for _, tt := range tests {
 		if got := ValidName(tt.name) == ""; got != tt.ok {

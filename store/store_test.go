@@ -1,0 +1,735 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"reflect"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/migrations"
+)
+
+// waitTimeout bounds every wait for an observable condition.
+const waitTimeout = 30 * time.Second
+
+// open opens url with opts and closes the DB in t.Cleanup.
+func open(t testing.TB, url string, opts Options) *DB {
+	t.Helper()
+	db, err := Open(t.Context(), url, opts)
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	t.Cleanup(db.Close)
+	return db
+}
+
+// newDB returns a migrated DB on a fresh database, and the database URL.
+func newDB(t testing.TB, opts Options) (*DB, string) {
+	t.Helper()
+	url := clustertest.Database(t)
+	db := open(t, url, opts)
+	if _, err := db.Migrate(t.Context()); err != nil {
+		t.Fatalf("Migrate: %v", err)
+	}
+	return db, url
+}
+
+// connect opens a plain connection (not through the store) for setting up
+// and observing, closed in t.Cleanup.
+func connect(t testing.TB, url string) *pgx.Conn {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.RuntimeParams["application_name"] = "store_test"
+	conn, err := pgx.ConnectConfig(t.Context(), cfg)
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
+}
+
+// migrationFiles returns the names of the embedded migrations.
+func migrationFiles(t testing.TB) []string {
+	t.Helper()
+	names, err := fs.Glob(migrations.FS, "*.sql")
+	if err != nil || len(names) == 0 {
+		t.Fatalf("embedded migrations = %v, %v; want at least one", names, err)
+	}
+	return names
+}
+
+// issue issues a token for key and fails the test on error.
+func issue(t testing.TB, db *DB, key string) fencing.Token {
+	t.Helper()
+	tok, err := db.Issue(t.Context(), fencing.Claim{Key: key})
+	if err != nil {
+		t.Fatalf("Issue(%q): %v", key, err)
+	}
+	return tok
+}
+
+// waitFor polls cond until it returns true, fails the test when it returns
+// an error or waitTimeout passes.
+func waitFor(t testing.TB, what string, cond func() (bool, error)) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		ok, err := cond()
+		if err != nil {
+			t.Fatalf("waiting for %s: %v", what, err)
+		}
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up waiting for %s after %v", what, waitTimeout)
+		}
+		time.Sleep(5 * time.Millisecond) // polling interval, not synchronisation
+	}
+}
+
+// blockedBy counts the backends that wait for a lock held by the backend
+// with the given pid.
+func blockedBy(ctx context.Context, conn *pgx.Conn, pid uint32) (int, error) {
+	var n int
+	err := conn.QueryRow(ctx,
+		`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, int64(pid)).Scan(&n)
+	return n, err
+}
+
+func TestDB_Migrate(t *testing.T) {
+	t.Parallel()
+	files := migrationFiles(t)
+
+	t.Run("Idempotent", func(t *testing.T) {
+		t.Parallel()
+		db := open(t, clustertest.Database(t), Options{})
+		applied, err := db.Migrate(t.Context())
+		if err != nil {
+			t.Fatalf("first Migrate: %v", err)
+		}
+		if !slices.Equal(applied, files) {
+			t.Errorf("first Migrate applied %v; want %v", applied, files)
+		}
+		applied, err = db.Migrate(t.Context())
+		if err != nil {
+			t.Fatalf("second Migrate: %v", err)
+		}
+		if len(applied) != 0 {
+			t.Errorf("second Migrate applied %v; want nothing", applied)
+		}
+	})
+
+	t.Run("Concurrent", func(t *testing.T) {
+		t.Parallel()
+		const n = 4
+		url := clustertest.Database(t)
+		dbs := make([]*DB, n)
+		for i := range dbs {
+			dbs[i] = open(t, url, Options{})
+		}
+		start := make(chan struct{})
+		applied := make([][]string, n)
+		errs := make([]error, n)
+		var wg sync.WaitGroup
+		for i, db := range dbs {
+			wg.Go(func() {
+				<-start
+				applied[i], errs[i] = db.Migrate(t.Context())
+			})
+		}
+		close(start)
+		wg.Wait()
+		var all []string
+		for i := range n {
+			if errs[i] != nil {
+				t.Errorf("Migrate #%d: %v", i, errs[i])
+			}
+			all = append(all, applied[i]...)
+		}
+		slices.Sort(all)
+		if !slices.Equal(all, files) {
+			t.Errorf("%d concurrent Migrate calls applied %v in all; want each of %v once", n, all, files)
+		}
+
+		conn := connect(t, url)
+		var tables int
+		if err := conn.QueryRow(t.Context(), `
+SELECT count(*) FROM pg_tables
+ WHERE tablename IN ('redfence_fencing', 'redfence_resources')`).Scan(&tables); err != nil {
+			t.Fatal(err)
+		}
+		if tables != 2 {
+			t.Errorf("redfence tables = %d; want 2", tables)
+		}
+		var recorded int
+		if err := conn.QueryRow(t.Context(),
+			`SELECT count(*) FROM redfence_schema_migrations WHERE version_id > 0 AND is_applied`).Scan(&recorded); err != nil {
+			t.Fatal(err)
+		}
+		if recorded != len(files) {
+			t.Errorf("recorded migrations = %d; want %d", recorded, len(files))
+		}
+		// The schema works.
+		if tok := issue(t, dbs[n-1], "k"); tok != 1 {
+			t.Errorf("Issue after concurrent migrations = %d; want 1", tok)
+		}
+	})
+}
+
+func TestDB_Issue(t *testing.T) {
+	t.Parallel()
+	db, _ := newDB(t, Options{})
+
+	t.Run("SequencePerKey", func(t *testing.T) {
+		t.Parallel()
+		a, b := t.Name()+"/a", t.Name()+"/b"
+		for _, step := range []struct {
+			key  string
+			want fencing.Token
+		}{
+			{a, 1}, {a, 2}, {b, 1}, {a, 3}, {b, 2}, {b, 3}, {a, 4},
+		} {
+			if got := issue(t, db, step.key); got != step.want {
+				t.Errorf("Issue(%q) = %d; want %d", step.key, got, step.want)
+			}
+		}
+	})
+
+	t.Run("Concurrent", func(t *testing.T) {
+		t.Parallel()
+		const n = 200
+		key := t.Name()
+		tokens := make([]fencing.Token, n)
+		errs := make([]error, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				tokens[i], errs[i] = db.Issue(t.Context(), fencing.Claim{Key: key})
+			})
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			t.Fatalf("concurrent Issue: %v", err)
+		}
+		slices.Sort(tokens)
+		for i, tok := range tokens {
+			if tok != fencing.Token(i+1) {
+				t.Fatalf("sorted tokens[%d] = %d; want %d (tokens: %v)", i, tok, i+1, tokens)
+			}
+		}
+		last, err := db.Last(t.Context(), key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if last.Token != n {
+			t.Errorf("Last(%q).Token = %d; want %d", key, last.Token, n)
+		}
+	})
+
+	t.Run("Last", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		if _, err := db.Issue(t.Context(), fencing.Claim{Key: key, Owner: "alice", Holder: "h-alice"}); err != nil {
+			t.Fatal(err)
+		}
+		tok, err := db.Issue(t.Context(), fencing.Claim{Key: key, Owner: "bob", Holder: "h-bob"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := db.Last(t.Context(), key)
+		if err != nil {
+			t.Fatalf("Last(%q): %v", key, err)
+		}
+		want := fencing.Record{Claim: fencing.Claim{Key: key, Owner: "bob", Holder: "h-bob"}, Token: tok}
+		if got.IssuedAt.IsZero() {
+			t.Errorf("Last(%q).IssuedAt is zero; want the issue time", key)
+		}
+		got.IssuedAt = time.Time{}
+		if got != want {
+			t.Errorf("Last(%q) = %+v; want %+v", key, got, want)
+		}
+	})
+
+	t.Run("LastUnknown", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		got, err := db.Last(t.Context(), key)
+		if err != nil {
+			t.Fatalf("Last(%q): %v", key, err)
+		}
+		if want := (fencing.Record{Claim: fencing.Claim{Key: key}}); got != want {
+			t.Errorf("Last(%q) = %+v; want %+v", key, got, want)
+		}
+	})
+}
+
+// wantStale checks that err is a *StaleError for key with the given tokens
+// that matches fencing.ErrStale.
+func wantStale(t testing.TB, err error, key string, got, current fencing.Token) {
+	t.Helper()
+	var se *StaleError
+	if !errors.As(err, &se) {
+		t.Fatalf("PutResource(%q, %d) error = %v; want a *StaleError", key, got, err)
+	}
+	if !errors.Is(err, fencing.ErrStale) {
+		t.Errorf("errors.Is(%v, fencing.ErrStale) = false; want true", err)
+	}
+	want := StaleError{Key: key, Got: got, Current: current}
+	if *se != want {
+		t.Errorf("StaleError = %+v; want %+v", *se, want)
+	}
+}
+
+// put writes data and fails the test on error.
+func put(t testing.TB, db *DB, key string, tok fencing.Token, data string) *Resource {
+	t.Helper()
+	r, err := db.PutResource(t.Context(), key, tok, json.RawMessage(data))
+	if err != nil {
+		t.Fatalf("PutResource(%q, %d, %s): %v", key, tok, data, err)
+	}
+	return r
+}
+
+// wantResource checks the stored document under key.
+func wantResource(t testing.TB, db *DB, key string, data string, tok fencing.Token, version int64) {
+	t.Helper()
+	r, err := db.GetResource(t.Context(), key)
+	if err != nil {
+		t.Fatalf("GetResource(%q): %v", key, err)
+	}
+	if !jsonEqual(t, r.Data, json.RawMessage(data)) || r.FencingToken != tok || r.Version != version {
+		t.Errorf("GetResource(%q) = data %s, token %d, version %d; want %s, %d, %d",
+			key, r.Data, r.FencingToken, r.Version, data, tok, version)
+	}
+}
+
+// jsonEqual compares two JSON texts by value.
+func jsonEqual(t testing.TB, a, b json.RawMessage) bool {
+	t.Helper()
+	var va, vb any
+	if err := json.Unmarshal(a, &va); err != nil {
+		t.Errorf("invalid JSON %q: %v", a, err)
+		return false
+	}
+	if err := json.Unmarshal(b, &vb); err != nil {
+		t.Errorf("invalid JSON %q: %v", b, err)
+		return false
+	}
+	return reflect.DeepEqual(va, vb)
+}
+
+func TestDB_PutResource(t *testing.T) {
+	t.Parallel()
+	db, _ := newDB(t, Options{})
+
+	t.Run("Unissued", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		_, err := db.PutResource(t.Context(), key, 1, json.RawMessage(`{"a":1}`))
+		wantStale(t, err, key, 1, 0)
+		if _, err := db.GetResource(t.Context(), key); !errors.Is(err, ErrNotFound) {
+			t.Errorf("GetResource after refused write: %v; want ErrNotFound", err)
+		}
+	})
+
+	t.Run("NewestAcceptedRepeatedly", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		tok := issue(t, db, key)
+		for i := range int64(3) {
+			data := fmt.Sprintf(`{"n":%d}`, i)
+			r := put(t, db, key, tok, data)
+			if r.Key != key || r.FencingToken != tok || r.Version != i+1 || !jsonEqual(t, r.Data, json.RawMessage(data)) {
+				t.Errorf("PutResource #%d = %+v; want key %q, token %d, version %d, data %s", i, r, key, tok, i+1, data)
+			}
+			if r.UpdatedAt.IsZero() {
+				t.Errorf("PutResource #%d UpdatedAt is zero", i)
+			}
+		}
+		wantResource(t, db, key, `{"n":2}`, tok, 3)
+	})
+
+	t.Run("Older", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		old := issue(t, db, key)
+		put(t, db, key, old, `"by old"`)
+		newest := issue(t, db, key)
+		_, err := db.PutResource(t.Context(), key, old, json.RawMessage(`"stale"`))
+		wantStale(t, err, key, old, newest)
+		wantResource(t, db, key, `"by old"`, old, 1)
+		put(t, db, key, newest, `"by newest"`)
+		wantResource(t, db, key, `"by newest"`, newest, 2)
+	})
+
+	t.Run("NeverIssued", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		newest := issue(t, db, key)
+		_, err := db.PutResource(t.Context(), key, newest+1, json.RawMessage(`1`))
+		wantStale(t, err, key, newest+1, newest)
+		if _, err := db.GetResource(t.Context(), key); !errors.Is(err, ErrNotFound) {
+			t.Errorf("GetResource after refused write: %v; want ErrNotFound", err)
+		}
+	})
+
+	t.Run("GetMissing", func(t *testing.T) {
+		t.Parallel()
+		r, err := db.GetResource(t.Context(), t.Name())
+		if !errors.Is(err, ErrNotFound) {
+			t.Errorf("GetResource(missing) = %+v, %v; want ErrNotFound", r, err)
+		}
+	})
+
+	t.Run("JSONKinds", func(t *testing.T) {
+		t.Parallel()
+		for _, tc := range []struct{ name, data string }{
+			{"Object", `{"b":[1,2],"a":{"x":null},"u":"\u00e9"}`},
+			{"EmptyObject", `{}`},
+			{"Array", `[1,"two",{"three":3},[],null]`},
+			{"String", `"hello, \"world\""`},
+			{"Number", `-12.5e3`},
+			{"Integer", `42`},
+			{"True", `true`},
+			{"False", `false`},
+			{"Null", `null`},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				t.Parallel()
+				key := t.Name()
+				tok := issue(t, db, key)
+				r := put(t, db, key, tok, tc.data)
+				if !jsonEqual(t, r.Data, json.RawMessage(tc.data)) {
+					t.Errorf("PutResource data = %s; want %s", r.Data, tc.data)
+				}
+				wantResource(t, db, key, tc.data, tok, 1)
+			})
+		}
+	})
+}
+
+// TestDB_PutResource_Race closes the lost-update window deterministically: a
+// write and an issuance for the same key are made to overlap by holding one
+// of them open in a transaction until the other is seen waiting on its lock.
+func TestDB_PutResource_Race(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{})
+
+	t.Run("IssueBeforeWrite", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		old := issue(t, db, key)
+		conn := connect(t, url)
+		tx, err := conn.Begin(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(context.Background())
+		var newest fencing.Token
+		if err := tx.QueryRow(t.Context(), issueSQL, key, "next", "h-next").Scan(&newest); err != nil {
+			t.Fatal(err)
+		}
+
+		type result struct {
+			r   *Resource
+			err error
+		}
+		done := make(chan result, 1)
+		go func() {
+			r, err := db.PutResource(t.Context(), key, old, json.RawMessage(`"from the paused holder"`))
+			done <- result{r, err}
+		}()
+		obs := connect(t, url)
+		waitFor(t, "the write to wait on the token row lock", func() (bool, error) {
+			select {
+			case res := <-done:
+				if res.err != nil {
+					return false, fmt.Errorf("PutResource returned %v while the issuance was uncommitted; want it to wait", res.err)
+				}
+				return false, fmt.Errorf("PutResource stored %s with token %d while the issuance was uncommitted; want it to wait", res.r.Data, res.r.FencingToken)
+			default:
+			}
+			n, err := blockedBy(t.Context(), obs, conn.PgConn().PID())
+			return n > 0, err
+		})
+		if err := tx.Commit(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		res := <-done
+		wantStale(t, res.err, key, old, newest)
+		if _, err := db.GetResource(t.Context(), key); !errors.Is(err, ErrNotFound) {
+			t.Errorf("GetResource after the refused write: %v; want ErrNotFound", err)
+		}
+	})
+
+	t.Run("WriteBeforeIssue", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		old := issue(t, db, key)
+		conn := connect(t, url)
+		tx, err := conn.Begin(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(context.Background())
+		if _, err := tx.Exec(t.Context(), putSQL, key, int64(old), []byte(`"written first"`)); err != nil {
+			t.Fatal(err)
+		}
+
+		type result struct {
+			tok fencing.Token
+			err error
+		}
+		done := make(chan result, 1)
+		go func() {
+			tok, err := db.Issue(t.Context(), fencing.Claim{Key: key})
+			done <- result{tok, err}
+		}()
+		obs := connect(t, url)
+		waitFor(t, "the issuance to wait on the writer's row lock", func() (bool, error) {
+			select {
+			case res := <-done:
+				return false, fmt.Errorf("Issue returned %d, %v while a write was uncommitted; want it to wait", res.tok, res.err)
+			default:
+			}
+			n, err := blockedBy(t.Context(), obs, conn.PgConn().PID())
+			return n > 0, err
+		})
+		if err := tx.Commit(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		res := <-done
+		if res.err != nil || res.tok != old+1 {
+			t.Fatalf("Issue = %d, %v; want %d", res.tok, res.err, old+1)
+		}
+		wantResource(t, db, key, `"written first"`, old, 1)
+		_, err = db.PutResource(t.Context(), key, old, json.RawMessage(`"late"`))
+		wantStale(t, err, key, old, res.tok)
+	})
+}
+
+func TestDB_Unfenced(t *testing.T) {
+	t.Parallel()
+	url := clustertest.Database(t)
+	fenced := open(t, url, Options{})
+	if _, err := fenced.Migrate(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	unfenced := open(t, url, Options{Unfenced: true})
+
+	for _, tc := range []struct {
+		name      string
+		db        *DB
+		wantStale bool
+	}{
+		{"Fenced", fenced, true},
+		{"Unfenced", unfenced, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			key := t.Name()
+			old := issue(t, tc.db, key)
+			newest := issue(t, tc.db, key)
+			_, err := tc.db.PutResource(t.Context(), key, old, json.RawMessage(`"stale"`))
+			if tc.wantStale {
+				wantStale(t, err, key, old, newest)
+				return
+			}
+			if err != nil {
+				t.Fatalf("unfenced PutResource(%q, %d) = %v; want the stale write accepted", key, old, err)
+			}
+			wantResource(t, tc.db, key, `"stale"`, old, 1)
+		})
+	}
+}
+
+func TestDB_PostgresRestart(t *testing.T) {
+	t.Parallel()
+	pg, err := cluster.StartPostgres(t.Context(), cluster.PostgresOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := pg.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	url, err := pg.CreateDatabase(t.Context(), t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := open(t, url, Options{})
+	if _, err := db.Migrate(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	const key = "k"
+	var before fencing.Token
+	for range 5 {
+		before = issue(t, db, key)
+	}
+
+	if err := pg.Stop(t.Context(), true); err != nil {
+		t.Fatal(err)
+	}
+
+	// Each call must fail rather than hang: the context deadline is the bound,
+	// and a call that outlives it by far is reported as a hang.
+	const callTimeout = 10 * time.Second
+	for _, tc := range []struct {
+		name string
+		call func(ctx context.Context) error
+	}{
+		{"Issue", func(ctx context.Context) error {
+			tok, err := db.Issue(ctx, fencing.Claim{Key: key})
+			if err == nil {
+				return fmt.Errorf("got token %d", tok)
+			}
+			return nil
+		}},
+		{"Ping", func(ctx context.Context) error {
+			if db.Ping(ctx) == nil {
+				return errors.New("got nil error")
+			}
+			return nil
+		}},
+		{"Last", func(ctx context.Context) error {
+			if _, err := db.Last(ctx, key); err == nil {
+				return errors.New("got nil error")
+			}
+			return nil
+		}},
+	} {
+		ctx, cancel := context.WithTimeout(t.Context(), callTimeout)
+		done := make(chan error, 1)
+		go func() { done <- tc.call(ctx) }()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("%s on a stopped Postgres: %v; want an error", tc.name, err)
+			}
+		case <-time.After(callTimeout + waitTimeout):
+			t.Fatalf("%s on a stopped Postgres did not return %v after its context ended", tc.name, waitTimeout)
+		}
+		cancel()
+	}
+
+	if err := pg.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	// Connections of the pool died with the server; the pool replaces them
+	// as they fail. Poll until an issuance succeeds.
+	var after fencing.Token
+	waitFor(t, "Issue to succeed after the restart", func() (bool, error) {
+		tok, err := db.Issue(t.Context(), fencing.Claim{Key: key})
+		if err != nil {
+			t.Logf("Issue after restart: %v", err)
+			return false, nil
+		}
+		after = tok
+		return true, nil
+	})
+	if after <= before {
+		t.Errorf("Issue after restart = %d; want above %d, the last token issued before", after, before)
+	}
+	if err := db.Ping(t.Context()); err != nil {
+		t.Errorf("Ping after restart: %v", err)
+	}
+}
+
+func TestOpen_RedactsPassword(t *testing.T) {
+	t.Parallel()
+	const secret = "s3cr3t-Pa55w0rd"
+	// A loopback port nobody listens on.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closedPort := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+
+	for _, tc := range []struct{ name, url string }{
+		{"BadPort", "postgres://user:" + secret + "@localhost:notaport/db"},
+		{"BadEscape", "postgres://user:" + secret + "%zz@localhost/db"},
+		{"BadSSLMode", "postgres://user:" + secret + "@localhost/db?sslmode=bogus"},
+		{"BadPoolParam", "postgres://user:" + secret + "@localhost/db?pool_max_conns=many"},
+		{"BadDSN", "host=localhost user=user password=" + secret + " port=notaport"},
+		{"Unreachable", fmt.Sprintf("postgres://user:%s@127.0.0.1:%d/db?sslmode=disable&connect_timeout=5", secret, closedPort)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+			defer cancel()
+			db, err := Open(ctx, tc.url, Options{})
+			if err == nil {
+				db.Close()
+				t.Fatalf("Open(%q) succeeded; want an error", tc.url)
+			}
+			if strings.Contains(err.Error(), secret) {
+				t.Errorf("Open error = %q; want it without the password", err)
+			}
+		})
+	}
+}
+
+func TestOpen_SynchronousCommit(t *testing.T) {
+	t.Parallel()
+	url := clustertest.Database(t)
+	admin := connect(t, url)
+	var dbName string
+	if err := admin.QueryRow(t.Context(), "SELECT current_database()").Scan(&dbName); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(t.Context(),
+		"ALTER DATABASE "+pgx.Identifier{dbName}.Sanitize()+" SET synchronous_commit = off"); err != nil {
+		t.Fatal(err)
+	}
+	// Control: a plain new session gets the database default.
+	var sc string
+	if err := connect(t, url).QueryRow(t.Context(), "SHOW synchronous_commit").Scan(&sc); err != nil {
+		t.Fatal(err)
+	}
+	if sc != "off" {
+		t.Fatalf("synchronous_commit of a plain session = %q; want off (the ALTER DATABASE did not apply)", sc)
+	}
+
+	const conns = 3
+	db := open(t, url, Options{MaxConns: conns})
+	// Hold every connection of the pool at once so each one is checked.
+	held := make([]*pgxpool.Conn, 0, conns)
+	defer func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}()
+	for i := range conns {
+		c, err := db.pool.Acquire(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+		if err := c.QueryRow(t.Context(), "SHOW synchronous_commit").Scan(&sc); err != nil {
+			t.Fatal(err)
+		}
+		if sc != "on" {
+			t.Errorf("pool connection %d: synchronous_commit = %q; want on", i, sc)
+		}
+	}
+}
