@@ -35,6 +35,7 @@ serves. Ctrl-C stops everything it started and removes its temporary data.`, std
 	}
 	cfg.ListenAddr = *addr
 	log := cfg.logger(stderr)
+	quietRedis(log)
 
 	if len(cfg.RedisAddrs) == 0 || cfg.DatabaseURL == "" {
 		fmt.Fprintf(stdout, "Starting %d redis-server nodes and Postgres on loopback...\n", *n)

@@ -159,6 +159,7 @@ func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	log := cfg.logger(stderr)
+	quietRedis(log)
 	s, err := Open(ctx, cfg, log, ServerOptions{})
 	if err != nil {
 		return err
