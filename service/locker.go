@@ -40,6 +40,25 @@ type Issuer interface {
 	Last(ctx context.Context, key string) (fencing.Record, error)
 }
 
+// Observer receives measurements from a Locker (for metrics). Its methods
+// must be cheap and safe for concurrent use.
+type Observer interface {
+	// NodeOp reports one request to one node: op is acquire, extend, release,
+	// ttl or ping.
+	NodeOp(addr, op string, outcome Outcome, d time.Duration)
+	// Waiting reports a blocking acquire starting (+1) or ending (-1) a wait.
+	Waiting(delta int)
+	// Quarantine reports that a node's votes are not counted until until
+	// (a zero time: counted again).
+	Quarantine(addr string, until time.Time)
+}
+
+type nopObserver struct{}
+
+func (nopObserver) NodeOp(string, string, Outcome, time.Duration) {}
+func (nopObserver) Waiting(int)                                   {}
+func (nopObserver) Quarantine(string, time.Time)                  {}
+
 // Options tunes a Locker. Zero fields take the documented defaults.
 type Options struct {
 	// NodeTimeout bounds each request to one node. The default is 50ms.
@@ -65,6 +84,8 @@ type Options struct {
 	Rand mathrand.Source
 	// TokenSource supplies lock-token bytes. The default is crypto/rand.Reader.
 	TokenSource io.Reader
+	// Observer receives measurements. The default discards them.
+	Observer Observer
 	// AfterQuorum, if set, runs after a quorum is won and before the fencing
 	// token is issued. It is a test hook for stalling a grant at that point.
 	AfterQuorum func(ctx context.Context, key string)
@@ -96,6 +117,9 @@ func (o *Options) setDefaults() {
 		var seed [32]byte
 		_, _ = rand.Read(seed[:])
 		o.Rand = mathrand.NewChaCha8(seed)
+	}
+	if o.Observer == nil {
+		o.Observer = nopObserver{}
 	}
 	if o.TokenSource == nil {
 		o.TokenSource = rand.Reader
@@ -249,16 +273,25 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			return nil, &Error{Op: "acquire", Key: key, Err: ErrWaitTimeout, Nodes: aerr.Nodes, RetryAfter: aerr.RetryAfter, Cause: aerr}
 		}
 		delay := min(l.jitter(aerr), left)
-		timer := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return nil, fmt.Errorf("acquire %q: %w", key, ctx.Err())
-		case <-wake:
-			timer.Stop()
-		case <-timer.C:
+		if err := l.pause(ctx, delay, wake); err != nil {
+			return nil, fmt.Errorf("acquire %q: %w", key, err)
 		}
 	}
+}
+
+// pause waits for d, a wake-up or the end of ctx, counted as waiting.
+func (l *Locker) pause(ctx context.Context, d time.Duration, wake <-chan struct{}) error {
+	l.opts.Observer.Waiting(1)
+	defer l.opts.Observer.Waiting(-1)
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-wake:
+	case <-timer.C:
+	}
+	return nil
 }
 
 // jitter returns a random delay in [RetryDelayMin, RetryDelayMax), shortened
@@ -322,7 +355,7 @@ func (l *Locker) last(ctx context.Context, key string) (fencing.Record, error) {
 
 // round sends op to every node in parallel, each bounded by NodeTimeout, and
 // returns the channel the answers arrive on (buffered: senders never block).
-func (l *Locker) round(ctx context.Context, op func(ctx context.Context, n Node) (bool, time.Duration, error), after func(i int)) (<-chan vote, *sync.WaitGroup) {
+func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Context, n Node) (bool, time.Duration, error), after func(i int)) (<-chan vote, *sync.WaitGroup) {
 	ch := make(chan vote, len(l.nodes))
 	var wg sync.WaitGroup
 	for i, n := range l.nodes {
@@ -343,6 +376,7 @@ func (l *Locker) round(ctx context.Context, op func(ctx context.Context, n Node)
 			default:
 				v.Outcome = No
 			}
+			l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
 			ch <- v
 			if after != nil {
 				after(i)
@@ -416,7 +450,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	// the grant was returned, so the lock lives on as many nodes as possible.
 	decided := make(chan struct{})
 	var failed bool // written before close(decided), read after
-	ch, wg := l.round(context.WithoutCancel(ctx), func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		return n.Acquire(ctx, rkey, token, req.TTL)
 	}, func(i int) {
 		<-decided
@@ -512,7 +546,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	l.settle(token)
 	start := l.opts.Now()
 	expires := start.Add(ttl - l.drift(ttl))
-	ch, _ := l.round(context.WithoutCancel(ctx), func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(context.WithoutCancel(ctx), "extend", func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		ok, err := n.Extend(ctx, rkey, token, ttl)
 		return ok, 0, err
 	}, nil)
@@ -557,7 +591,7 @@ func (l *Locker) settle(token string) {
 // releaseAll compare-and-deletes key on every node and waits for all answers.
 func (l *Locker) releaseAll(ctx context.Context, rkey, token string) *tally {
 	l.settle(token)
-	ch, _ := l.round(context.WithoutCancel(ctx), func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(context.WithoutCancel(ctx), "release", func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		ok, err := n.Release(ctx, rkey, token)
 		return ok, 0, err
 	}, nil)
@@ -596,7 +630,7 @@ type Status struct {
 // Status reports whether key is held, by asking every node for its TTL.
 func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	rkey := keyspace.RedisKey(key)
-	ch, _ := l.round(ctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(ctx, "ttl", func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		d, err := n.TTL(ctx, rkey)
 		return d > 0, d, err
 	}, nil)
@@ -634,7 +668,7 @@ type NodeStatus struct {
 
 // Nodes pings every node in parallel and reports each one's health.
 func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
-	ch, _ := l.round(ctx, func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(ctx, "ping", func(ctx context.Context, n Node) (bool, time.Duration, error) {
 		return true, 0, n.Ping(ctx)
 	}, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
