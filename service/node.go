@@ -2,6 +2,7 @@ package service
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"time"
@@ -59,6 +60,8 @@ type RedisOptions struct {
 	Username, Password string
 	// PoolSize is the connection pool size. The default is 10 per CPU.
 	PoolSize int
+	// TLSConfig, if set, connects over TLS.
+	TLSConfig *tls.Config
 	// DialTimeout bounds connecting. The default is 1s; each call's own
 	// context deadline still applies.
 	DialTimeout time.Duration
@@ -80,6 +83,7 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 			Password:              opts.Password,
 			PoolSize:              opts.PoolSize,
 			DialTimeout:           opts.DialTimeout,
+			TLSConfig:             opts.TLSConfig,
 			ContextTimeoutEnabled: true,
 			MaxRetries:            -1,
 			DialerRetries:         1,
