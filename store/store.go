@@ -181,8 +181,14 @@ func (db *DB) Migrate(ctx context.Context) (applied []string, err error) {
 	return migrate(ctx, sqlDB)
 }
 
+// migrationLockID is the Postgres advisory lock key that serialises migrations
+// ("redfence" in ASCII).
+const migrationLockID = 0x72656466656e6365
+
 func migrate(ctx context.Context, sqlDB *sql.DB) ([]string, error) {
-	locker, err := lock.NewPostgresSessionLocker()
+	// A Redfence-specific advisory lock id (so other goose users of the same
+	// database do not contend with us), polled every second for up to 5 minutes.
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(migrationLockID), lock.WithLockTimeout(1, 300))
 	if err != nil {
 		return nil, fmt.Errorf("store: migrate: %w", err)
 	}

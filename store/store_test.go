@@ -399,6 +399,23 @@ func TestDB_PutResource(t *testing.T) {
 		}
 	})
 
+	t.Run("InvalidData", func(t *testing.T) {
+		t.Parallel()
+		key := t.Name()
+		tok := issue(t, db, key)
+		// Valid JSON that jsonb cannot store.
+		_, err := db.PutResource(t.Context(), key, tok, json.RawMessage(`"nul \u0000 inside"`))
+		if !errors.Is(err, ErrInvalidData) {
+			t.Errorf("PutResource(JSON with \\u0000) = %v; want ErrInvalidData", err)
+		}
+		if errors.Is(err, ErrUnavailable) {
+			t.Errorf("PutResource(JSON with \\u0000) = %v; want it not to match ErrUnavailable", err)
+		}
+		if _, err := db.GetResource(t.Context(), key); !errors.Is(err, ErrNotFound) {
+			t.Errorf("GetResource after the refused write: %v; want ErrNotFound", err)
+		}
+	})
+
 	t.Run("JSONKinds", func(t *testing.T) {
 		t.Parallel()
 		for _, tc := range []struct{ name, data string }{
@@ -600,19 +617,33 @@ func TestDB_PostgresRestart(t *testing.T) {
 		{"Issue", func(ctx context.Context) error {
 			tok, err := db.Issue(ctx, fencing.Claim{Key: key})
 			if err == nil {
-				return fmt.Errorf("got token %d", tok)
+				return fmt.Errorf("got token %d; want an error", tok)
 			}
 			return nil
 		}},
 		{"Ping", func(ctx context.Context) error {
 			if db.Ping(ctx) == nil {
-				return errors.New("got nil error")
+				return errors.New("got nil; want an error")
+			}
+			return nil
+		}},
+		{"PutResource", func(ctx context.Context) error {
+			_, err := db.PutResource(ctx, key, before, json.RawMessage(`1`))
+			if !errors.Is(err, ErrUnavailable) {
+				return fmt.Errorf("got %v; want ErrUnavailable", err)
+			}
+			return nil
+		}},
+		{"GetResource", func(ctx context.Context) error {
+			_, err := db.GetResource(ctx, key)
+			if !errors.Is(err, ErrUnavailable) {
+				return fmt.Errorf("got %v; want ErrUnavailable", err)
 			}
 			return nil
 		}},
 		{"Last", func(ctx context.Context) error {
 			if _, err := db.Last(ctx, key); err == nil {
-				return errors.New("got nil error")
+				return errors.New("got nil; want an error")
 			}
 			return nil
 		}},
@@ -623,7 +654,7 @@ func TestDB_PostgresRestart(t *testing.T) {
 		select {
 		case err := <-done:
 			if err != nil {
-				t.Errorf("%s on a stopped Postgres: %v; want an error", tc.name, err)
+				t.Errorf("%s on a stopped Postgres: %v", tc.name, err)
 			}
 		case <-time.After(callTimeout + waitTimeout):
 			t.Fatalf("%s on a stopped Postgres did not return %v after its context ended", tc.name, waitTimeout)

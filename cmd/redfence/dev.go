@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/url"
 	"os"
 	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/redfence/redfence/internal/cluster"
 )
@@ -96,16 +99,22 @@ Press Ctrl-C to stop.
 	return b.String()
 }
 
-// redactURL hides a password in a database URL.
+// redactURL hides the password of a database URL or DSN (userinfo, a
+// password= query parameter or key=value setting).
 func redactURL(u string) string {
-	at := strings.LastIndex(u, "@")
-	scheme := strings.Index(u, "://")
-	if at < 0 || scheme < 0 {
+	if cfg, err := pgconn.ParseConfig(u); err == nil && cfg.Password == "" {
 		return u
 	}
-	userinfo := u[scheme+3 : at]
-	if i := strings.Index(userinfo, ":"); i >= 0 {
-		return u[:scheme+3] + userinfo[:i] + ":xxxxx" + u[at:]
+	if pu, err := url.Parse(u); err == nil && pu.Scheme != "" {
+		if _, ok := pu.User.Password(); ok {
+			pu.User = url.UserPassword(pu.User.Username(), "xxxxx")
+		}
+		q := pu.Query()
+		if q.Has("password") {
+			q.Set("password", "xxxxx")
+			pu.RawQuery = q.Encode()
+		}
+		return pu.String()
 	}
-	return u
+	return "(connection string with a password)"
 }

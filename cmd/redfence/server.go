@@ -144,7 +144,7 @@ func (s *Server) Close(ctx context.Context) error {
 	err := s.http.Shutdown(ctx)
 	if err != nil {
 		s.stop()
-		err = s.http.Close()
+		err = errors.Join(err, s.http.Close())
 	}
 	s.stop()
 	s.closeBackends()

@@ -1,0 +1,659 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/migrations"
+)
+
+// waitTimeout bounds every wait for an observable condition, and serves as
+// a hang guard for calls that must return on their own.
+const waitTimeout = 60 * time.Second
+
+// envName derives the environment variable of a Config field the way
+// envconfig does: the envconfig tag if set, else the field name split into
+// words when split_words is set, upper-cased and prefixed with REDFENCE_.
+func envName(f reflect.StructField) string {
+	key := f.Name
+	if f.Tag.Get("split_words") == "true" {
+		var words []string
+		for _, w := range regexp.MustCompile("([^A-Z]+|[A-Z]+[^A-Z]+|[A-Z]+)").FindAllString(f.Name, -1) {
+			if m := regexp.MustCompile("([A-Z]+)([A-Z][^A-Z]+)").FindStringSubmatch(w); m != nil {
+				words = append(words, m[1], m[2])
+			} else {
+				words = append(words, w)
+			}
+		}
+		key = strings.Join(words, "_")
+	}
+	if alt := f.Tag.Get("envconfig"); alt != "" {
+		key = alt
+	}
+	return strings.ToUpper(envPrefix + "_" + key)
+}
+
+func TestEnvName(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		field string
+		want  string
+	}{
+		{"ListenAddr", "REDFENCE_LISTEN_ADDR"},
+		{"RedisAddrs", "REDFENCE_REDIS_ADDRS"},
+		{"DatabaseURL", "REDFENCE_DATABASE_URL"},
+		{"MaxTTL", "REDFENCE_MAX_TTL"},
+	} {
+		f, ok := reflect.TypeFor[Config]().FieldByName(tc.field)
+		if !ok {
+			t.Errorf("Config has no field %s", tc.field)
+			continue
+		}
+		if got := envName(f); got != tc.want {
+			t.Errorf("envName(Config.%s) = %s; want %s", tc.field, got, tc.want)
+		}
+	}
+}
+
+func TestRun(t *testing.T) {
+	t.Parallel()
+
+	t.Run("Help", func(t *testing.T) {
+		t.Parallel()
+		var stdout, stderr bytes.Buffer
+		if err := run(t.Context(), []string{"-h"}, &stdout, &stderr); err != nil {
+			t.Fatalf("run -h = %v; want nil", err)
+		}
+		out := stdout.String()
+		typ := reflect.TypeFor[Config]()
+		for i := range typ.NumField() {
+			name := envName(typ.Field(i))
+			if !regexp.MustCompile(`\b` + name + `\b`).MatchString(out) {
+				t.Errorf("run -h output lacks %s (Config.%s):\n%s", name, typ.Field(i).Name, out)
+			}
+		}
+		for _, cmd := range []string{"serve", "dev", "migrate", "version"} {
+			if !strings.Contains(out, "redfence "+cmd) {
+				t.Errorf("run -h output lacks the command %q", cmd)
+			}
+		}
+	})
+
+	t.Run("Version", func(t *testing.T) {
+		t.Parallel()
+		var stdout, stderr bytes.Buffer
+		if err := run(t.Context(), []string{"version"}, &stdout, &stderr); err != nil {
+			t.Fatalf("run version = %v; want nil", err)
+		}
+		if got := strings.Fields(stdout.String()); len(got) != 2 || got[0] != "redfence" {
+			t.Errorf("run version printed %q; want \"redfence <version>\"", stdout.String())
+		}
+	})
+
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"NoCommand", nil},
+		{"UnknownCommand", []string{"frobnicate"}},
+		{"UnknownFlag", []string{"migrate", "--frobnicate"}},
+		{"ExtraArgs", []string{"serve", "extra"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var stdout, stderr bytes.Buffer
+			err := run(t.Context(), tc.args, &stdout, &stderr)
+			if !errors.Is(err, errUsage) {
+				t.Fatalf("run %q = %v; want errUsage", tc.args, err)
+			}
+			if code := exitCode(err); code != 2 {
+				t.Errorf("exitCode(run %q) = %d; want 2", tc.args, code)
+			}
+			if stdout.Len()+stderr.Len() == 0 {
+				t.Errorf("run %q printed nothing; want usage", tc.args)
+			}
+		})
+	}
+}
+
+// testConfig returns the default configuration with the given backends,
+// listening on a free loopback port, and with a node timeout generous
+// enough for a loaded test machine.
+func testConfig(t testing.TB, redisAddrs []string, databaseURL string) *Config {
+	t.Helper()
+	cfg, err := loadConfig()
+	if err != nil {
+		t.Fatalf("loadConfig: %v", err)
+	}
+	cfg.ListenAddr = "127.0.0.1:0"
+	cfg.RedisAddrs = redisAddrs
+	cfg.DatabaseURL = databaseURL
+	cfg.NodeTimeout = 2 * time.Second
+	cfg.ShutdownTimeout = 10 * time.Second
+	return cfg
+}
+
+func addrs(nodes []*cluster.Redis) []string {
+	a := make([]string, len(nodes))
+	for i, n := range nodes {
+		a[i] = n.Addr()
+	}
+	return a
+}
+
+// discard is a logger that drops everything.
+var discard = slog.New(slog.DiscardHandler)
+
+// open runs Open and closes the server in t.Cleanup. The returned close
+// function closes it earlier; it may be called once.
+func open(t testing.TB, cfg *Config, log *slog.Logger) (*Server, func(context.Context) error) {
+	t.Helper()
+	s, err := Open(t.Context(), cfg, log, ServerOptions{})
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	var once sync.Once
+	closeFn := func(ctx context.Context) error {
+		err := errors.New("closed twice")
+		once.Do(func() { err = s.Close(ctx) })
+		return err
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+		defer cancel()
+		once.Do(func() {
+			if err := s.Close(ctx); err != nil {
+				t.Errorf("Close: %v", err)
+			}
+		})
+	})
+	return s, closeFn
+}
+
+var httpClient = &http.Client{Timeout: waitTimeout}
+
+// response is a received HTTP response with its body read.
+type response struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// call sends a request to the server at addr; body, if not empty, is sent as
+// JSON. hdr holds header name, value pairs.
+func call(t testing.TB, method, addr, path, body string, hdr ...string) response {
+	t.Helper()
+	var r io.Reader
+	if body != "" {
+		r = strings.NewReader(body)
+	}
+	req, err := http.NewRequestWithContext(t.Context(), method, "http://"+addr+path, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Add(hdr[i], hdr[i+1])
+	}
+	resp, err := httpClient.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, path, err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatalf("%s %s: reading body: %v", method, path, err)
+	}
+	return response{resp.StatusCode, resp.Header, b}
+}
+
+// expect checks the status of r and decodes its body into v (if not nil).
+func expect(t testing.TB, what string, r response, status int, v any) {
+	t.Helper()
+	if r.status != status {
+		t.Fatalf("%s: status %d (body %s); want %d", what, r.status, r.body, status)
+	}
+	if v != nil {
+		if err := json.Unmarshal(r.body, v); err != nil {
+			t.Fatalf("%s: decoding %s: %v", what, r.body, err)
+		}
+	}
+}
+
+// acquire takes the lock name on the server at addr and returns the grant.
+func acquire(t testing.TB, addr, name string) api.LockResponse {
+	t.Helper()
+	var g api.LockResponse
+	expect(t, "acquire "+name, call(t, http.MethodPost, addr, "/v1/locks/"+name, `{"ttl_ms":30000,"owner":"tester"}`), http.StatusCreated, &g)
+	if g.LockToken == "" {
+		t.Fatalf("acquire %s: empty lock_token", name)
+	}
+	return g
+}
+
+// waitFor polls cond until it returns true; it fails the test on error or
+// after waitTimeout.
+func waitFor(t testing.TB, what string, cond func() (bool, error)) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		ok, err := cond()
+		if err != nil {
+			t.Fatalf("waiting for %s: %v", what, err)
+		}
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("gave up waiting for %s after %v", what, waitTimeout)
+		}
+		time.Sleep(10 * time.Millisecond) // polling interval, not synchronisation
+	}
+}
+
+// redfenceConns counts the connections the store (application_name
+// redfence) holds to the database at url.
+func redfenceConns(ctx context.Context, url string) (int, error) {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var n int
+	err = conn.QueryRow(ctx, `
+SELECT count(*) FROM pg_stat_activity
+ WHERE datname = current_database() AND application_name = 'redfence'`).Scan(&n)
+	return n, err
+}
+
+func TestOpen(t *testing.T) {
+	t.Parallel()
+
+	t.Run("ServeAndClose", func(t *testing.T) {
+		t.Parallel()
+		nodes := clustertest.Redis(t, 5, cluster.RedisOptions{})
+		url := clustertest.Database(t)
+		s, closeFn := open(t, testConfig(t, addrs(nodes), url), discard)
+		addr := s.Addr()
+
+		expect(t, "GET /healthz", call(t, http.MethodGet, addr, "/healthz", ""), http.StatusOK, nil)
+		if g := acquire(t, addr, "x"); g.FencingToken != 1 || g.Name != "x" {
+			t.Errorf("acquire x = name %q, fencing_token %d; want x, 1", g.Name, g.FencingToken)
+		}
+
+		ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
+		defer cancel()
+		if err := closeFn(ctx); err != nil {
+			t.Fatalf("Close = %v; want nil", err)
+		}
+		if c, err := net.Dial("tcp", addr); err == nil {
+			c.Close()
+			t.Errorf("dial %s after Close succeeded; want connection refused", addr)
+		}
+		waitFor(t, "the store's connections to close", func() (bool, error) {
+			n, err := redfenceConns(t.Context(), url)
+			return n == 0, err
+		})
+	})
+
+	t.Run("Errors", func(t *testing.T) {
+		t.Parallel()
+		nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
+		taken, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { taken.Close() })
+
+		for _, tc := range []struct {
+			name   string
+			change func(*Config)
+			want   string // in the error text
+		}{
+			{"NoRedis", func(c *Config) { c.RedisAddrs = nil }, "REDFENCE_REDIS_ADDRS"},
+			{"NoDatabase", func(c *Config) { c.DatabaseURL = "" }, "REDFENCE_DATABASE_URL"},
+			{"BadListenAddr", func(c *Config) { c.ListenAddr = "127.0.0.1:notaport" }, "127.0.0.1:notaport"},
+			{"ListenAddrTaken", func(c *Config) { c.ListenAddr = taken.Addr().String() }, taken.Addr().String()},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				t.Parallel()
+				url := clustertest.Database(t)
+				cfg := testConfig(t, addrs(nodes), url)
+				tc.change(cfg)
+				s, err := Open(t.Context(), cfg, discard, ServerOptions{})
+				if err == nil {
+					s.Close(context.Background())
+					t.Fatalf("Open succeeded; want an error mentioning %s", tc.want)
+				}
+				if !strings.Contains(err.Error(), tc.want) {
+					t.Errorf("Open error = %q; want it to mention %s", err, tc.want)
+				}
+				// Whatever Open connected to is closed again.
+				waitFor(t, "the store's connections to close", func() (bool, error) {
+					n, err := redfenceConns(t.Context(), url)
+					return n == 0, err
+				})
+			})
+		}
+	})
+
+	t.Run("TwoServers", func(t *testing.T) {
+		t.Parallel()
+		nodes := clustertest.Redis(t, 5, cluster.RedisOptions{})
+		url := clustertest.Database(t)
+		// Both Open at once: their migrations race on the fresh database.
+		var servers [2]*Server
+		var errs [2]error
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for i := range servers {
+			wg.Go(func() {
+				<-start
+				servers[i], errs[i] = Open(t.Context(), testConfig(t, addrs(nodes), url), discard, ServerOptions{})
+			})
+		}
+		close(start)
+		wg.Wait()
+		for i, s := range servers {
+			if s != nil {
+				t.Cleanup(func() {
+					ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+					defer cancel()
+					if err := s.Close(ctx); err != nil {
+						t.Errorf("Close server %d: %v", i, err)
+					}
+				})
+			}
+		}
+		if err := errors.Join(errs[:]...); err != nil {
+			t.Fatalf("concurrent Open: %v", err)
+		}
+		a, b := servers[0].Addr(), servers[1].Addr()
+
+		g := acquire(t, a, "x")
+		if g.FencingToken != 1 {
+			t.Errorf("acquire x on A: fencing_token %d; want 1", g.FencingToken)
+		}
+		var st api.LockStatus
+		expect(t, "GET x on B", call(t, http.MethodGet, b, "/v1/locks/x", ""), http.StatusOK, &st)
+		if !st.Held || st.LastFencingToken != 1 {
+			t.Errorf("GET x on B = held %v, last_fencing_token %d; want true, 1", st.Held, st.LastFencingToken)
+		}
+		expect(t, "acquire x on B while A holds it", call(t, http.MethodPost, b, "/v1/locks/x", `{"ttl_ms":30000}`), http.StatusConflict, nil)
+		expect(t, "release x on A", call(t, http.MethodDelete, a, "/v1/locks/x", "", api.LockTokenHeader, g.LockToken), http.StatusNoContent, nil)
+		if g2 := acquire(t, b, "x"); g2.FencingToken != 2 {
+			t.Errorf("acquire x on B after release: fencing_token %d; want 2", g2.FencingToken)
+		}
+	})
+}
+
+// TestRun_Migrate sets the environment, so it cannot run in parallel.
+func TestRun_Migrate(t *testing.T) {
+	names, err := fs.Glob(migrations.FS, "*.sql")
+	if err != nil || len(names) == 0 {
+		t.Fatalf("embedded migrations = %v, %v; want at least one", names, err)
+	}
+
+	t.Run("NoURL", func(t *testing.T) {
+		t.Setenv("REDFENCE_DATABASE_URL", "")
+		var stdout, stderr bytes.Buffer
+		err := run(t.Context(), []string{"migrate"}, &stdout, &stderr)
+		if err == nil || !strings.Contains(err.Error(), "REDFENCE_DATABASE_URL") {
+			t.Errorf("run migrate without a URL = %v; want an error naming REDFENCE_DATABASE_URL", err)
+		}
+	})
+
+	t.Run("Twice", func(t *testing.T) {
+		t.Setenv("REDFENCE_DATABASE_URL", clustertest.Database(t))
+		var stdout, stderr bytes.Buffer
+		if err := run(t.Context(), []string{"migrate"}, &stdout, &stderr); err != nil {
+			t.Fatalf("run migrate = %v; want nil (stderr: %s)", err, stderr.String())
+		}
+		for _, name := range names {
+			if want := "applied " + name; !strings.Contains(stdout.String(), want) {
+				t.Errorf("run migrate printed %q; want it to contain %q", stdout.String(), want)
+			}
+		}
+		stdout.Reset()
+		if err := run(t.Context(), []string{"migrate"}, &stdout, &stderr); err != nil {
+			t.Fatalf("second run migrate = %v; want nil (stderr: %s)", err, stderr.String())
+		}
+		if got, want := strings.TrimSpace(stdout.String()), "database is up to date"; got != want {
+			t.Errorf("second run migrate printed %q; want %q", got, want)
+		}
+	})
+}
+
+// lockedBuffer is a bytes.Buffer safe for concurrent use.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// buildBinary builds the redfence command into a temporary directory.
+func buildBinary(t testing.TB) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "redfence")
+	cmd := exec.Command("go", "build", "-o", bin, ".")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// logLine is the part of a JSON log record the tests look at.
+type logLine struct {
+	Msg  string `json:"msg"`
+	Addr string `json:"addr"`
+}
+
+func TestServe_SIGTERM(t *testing.T) {
+	t.Parallel()
+	bin := buildBinary(t)
+	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
+	url := clustertest.Database(t)
+
+	cmd := exec.Command(bin, "serve")
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "REDFENCE_") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	cmd.Env = append(cmd.Env,
+		"REDFENCE_LISTEN_ADDR=127.0.0.1:0",
+		"REDFENCE_REDIS_ADDRS="+strings.Join(addrs(nodes), ","),
+		"REDFENCE_DATABASE_URL="+url,
+		"REDFENCE_NODE_TIMEOUT=2s",
+		"REDFENCE_SHUTDOWN_TIMEOUT=10s",
+		"REDFENCE_LOG_FORMAT=json",
+		"REDFENCE_LOG_LEVEL=info",
+	)
+	// The kernel kills the server if the test binary dies.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	var stdout bytes.Buffer
+	cmd.Stdout = &stdout
+	stderrPipe, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+
+	var logs lockedBuffer
+	serving := make(chan string, 1)
+	exited := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(stderrPipe)
+		for sc.Scan() {
+			fmt.Fprintln(&logs, sc.Text())
+			var l logLine
+			if json.Unmarshal(sc.Bytes(), &l) == nil && l.Msg == "redfence serving" {
+				select {
+				case serving <- l.Addr:
+				default:
+				}
+			}
+		}
+		exited <- cmd.Wait()
+	}()
+	done := false
+	t.Cleanup(func() {
+		if !done {
+			_ = cmd.Process.Kill()
+			<-exited
+		}
+	})
+
+	var addr string
+	select {
+	case addr = <-serving:
+	case err := <-exited:
+		done = true
+		t.Fatalf("redfence serve exited before serving: %v\nstderr:\n%s", err, logs.String())
+	case <-time.After(waitTimeout):
+		t.Fatalf("no \"redfence serving\" log line after %v; stderr:\n%s", waitTimeout, logs.String())
+	}
+	if addr == "" {
+		t.Fatalf("\"redfence serving\" log line has no addr; stderr:\n%s", logs.String())
+	}
+	expect(t, "GET /healthz", call(t, http.MethodGet, addr, "/healthz", ""), http.StatusOK, nil)
+	acquire(t, addr, "before-shutdown")
+
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-exited:
+		done = true
+		if err != nil {
+			t.Errorf("redfence serve after SIGTERM: %v; want exit status 0\nstderr:\n%s", err, logs.String())
+		}
+	case <-time.After(waitTimeout):
+		t.Fatalf("redfence serve still running %v after SIGTERM; stderr:\n%s", waitTimeout, logs.String())
+	}
+
+	var shutdown bool
+	for line := range strings.Lines(logs.String()) {
+		var l logLine
+		if json.Unmarshal([]byte(line), &l) == nil && l.Msg == "shutting down" {
+			shutdown = true
+		}
+	}
+	if !shutdown {
+		t.Errorf("no JSON log line \"shutting down\"; stderr:\n%s", logs.String())
+	}
+	if c, err := net.Dial("tcp", addr); err == nil {
+		c.Close()
+		t.Errorf("dial %s after exit succeeded; want connection refused", addr)
+	}
+}
+
+func TestServer_NoSecretsInLogs(t *testing.T) {
+	t.Parallel()
+	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
+	var logs lockedBuffer
+	log := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	s, closeFn := open(t, testConfig(t, addrs(nodes), clustertest.Database(t)), log)
+	addr := s.Addr()
+
+	var secrets []string
+	var bodies []response // responses that must not carry a lock token either
+	lockHdr := api.LockTokenHeader
+
+	g := acquire(t, addr, "s")
+	secrets = append(secrets, g.LockToken)
+	r := call(t, http.MethodPost, addr, "/v1/locks/s/extend", `{"ttl_ms":20000}`, lockHdr, g.LockToken)
+	expect(t, "extend", r, http.StatusOK, nil)
+	bodies = append(bodies, r)
+	r = call(t, http.MethodGet, addr, "/v1/locks/s", "")
+	expect(t, "status", r, http.StatusOK, nil)
+	bodies = append(bodies, r)
+	r = call(t, http.MethodPut, addr, "/v1/resources/s", fmt.Sprintf(`{"fencing_token":%d,"data":{"v":1}}`, g.FencingToken))
+	expect(t, "put", r, http.StatusOK, nil)
+	bodies = append(bodies, r)
+	r = call(t, http.MethodGet, addr, "/v1/resources/s", "")
+	expect(t, "get resource", r, http.StatusOK, nil)
+	bodies = append(bodies, r)
+	r = call(t, http.MethodPost, addr, "/v1/locks/s", `{"ttl_ms":20000}`)
+	expect(t, "acquire while held", r, http.StatusConflict, nil)
+	bodies = append(bodies, r)
+	expect(t, "release", call(t, http.MethodDelete, addr, "/v1/locks/s", "", lockHdr, g.LockToken), http.StatusNoContent, nil)
+	// Error paths with the now-invalid token.
+	r = call(t, http.MethodDelete, addr, "/v1/locks/s", "", lockHdr, g.LockToken)
+	expect(t, "release again", r, http.StatusConflict, nil)
+	bodies = append(bodies, r)
+	r = call(t, http.MethodPost, addr, "/v1/locks/s/extend", `{"ttl_ms":20000}`, lockHdr, g.LockToken)
+	expect(t, "extend after release", r, http.StatusConflict, nil)
+	bodies = append(bodies, r)
+	r = call(t, http.MethodPut, addr, "/v1/resources/s", fmt.Sprintf(`{"fencing_token":%d,"data":{"v":2}}`, g.FencingToken+5))
+	expect(t, "put with a never-issued token", r, http.StatusConflict, nil)
+	bodies = append(bodies, r)
+	// A second grant, and a request with its token under the wrong name.
+	g2 := acquire(t, addr, "s")
+	secrets = append(secrets, g2.LockToken)
+	r = call(t, http.MethodDelete, addr, "/v1/locks/other", "", lockHdr, g2.LockToken)
+	expect(t, "release another name", r, http.StatusConflict, nil)
+	bodies = append(bodies, r)
+	expect(t, "release second grant", call(t, http.MethodDelete, addr, "/v1/locks/s", "", lockHdr, g2.LockToken), http.StatusNoContent, nil)
+
+	// Close flushes: every handler, and so every access log line, is done.
+	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
+	defer cancel()
+	if err := closeFn(ctx); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+
+	text := logs.String()
+	if n := strings.Count(text, `"msg":"http request"`); n < 12 {
+		t.Fatalf("captured %d access log lines; want at least 12 (is the logger wired?):\n%s", n, text)
+	}
+	for _, secret := range secrets {
+		if strings.Contains(text, secret) {
+			t.Errorf("log contains lock token %q:\n%s", secret, text)
+		}
+		for _, r := range bodies {
+			if bytes.Contains(r.body, []byte(secret)) {
+				t.Errorf("a %d response body contains lock token %q: %s", r.status, secret, r.body)
+			}
+		}
+	}
+}
