@@ -27,6 +27,10 @@ var (
 	ErrLost = errors.New("service: lock lost")
 	// ErrNotHolder reports a release by a token that holds the lock nowhere.
 	ErrNotHolder = errors.New("service: not the lock holder")
+	// ErrMemoryLost reports that a node no longer holds the epoch marker it
+	// was given: it restarted without its data (or was replaced) and may have
+	// forgotten locks that are still live.
+	ErrMemoryLost = errors.New("service: node lost its memory")
 	// ErrWaitTimeout reports that a blocking acquire's wait ran out; the error
 	// also matches the reason of its last attempt (usually ErrHeld).
 	ErrWaitTimeout = errors.New("service: wait timed out")
@@ -45,9 +49,13 @@ const (
 	Failed
 	// Timeout: the node did not answer within the per-node timeout.
 	Timeout
+	// Quarantined: the node lost its memory recently; its answer is not
+	// counted until every lease it may have forgotten has expired.
+	Quarantined
 )
 
-// String returns the outcome as shown in API errors: yes, no, error, timeout.
+// String returns the outcome as shown in API errors: yes, no, error, timeout,
+// quarantined.
 func (o Outcome) String() string {
 	switch o {
 	case Yes:
@@ -58,6 +66,8 @@ func (o Outcome) String() string {
 		return "error"
 	case Timeout:
 		return "timeout"
+	case Quarantined:
+		return "quarantined"
 	}
 	return "pending"
 }

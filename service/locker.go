@@ -22,10 +22,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	mathrand "math/rand/v2"
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redfence/redfence/fencing"
@@ -38,6 +40,20 @@ type Issuer interface {
 	// Last returns the record of the newest token issued for key; its Token
 	// is 0 when none was ever issued.
 	Last(ctx context.Context, key string) (fencing.Record, error)
+}
+
+// Registry records, for every server sharing the nodes, each node's epoch (the
+// marker that proves it kept its memory) and how long it is quarantined after
+// losing it.
+type Registry interface {
+	// RegisterNode records addr with epoch unless addr is known, and returns
+	// addr's epoch and quarantine end; created reports that addr was unknown.
+	RegisterNode(ctx context.Context, addr, epoch string) (cur string, until time.Time, created bool, err error)
+	// QuarantineNode records that addr no longer holds the marker expected:
+	// if addr's epoch is still expected and no quarantine is running, it sets
+	// next as the epoch and quarantines addr for d from now. It returns addr's
+	// epoch and quarantine end after that.
+	QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (cur string, until time.Time, err error)
 }
 
 // Observer receives measurements from a Locker (for metrics). Its methods
@@ -86,6 +102,13 @@ type Options struct {
 	TokenSource io.Reader
 	// Observer receives measurements. The default discards them.
 	Observer Observer
+	// Registry makes the Locker detect nodes that restarted without their
+	// data and not count their votes until MaxTTL (+ drift) has passed, so
+	// no lease they forgot can still be live. Nil disables that protection:
+	// only fault tests that show what it prevents may leave it nil.
+	Registry Registry
+	// Logger receives node quarantine events. The default discards them.
+	Logger *slog.Logger
 	// AfterQuorum, if set, runs after a quorum is won and before the fencing
 	// token is issued. It is a test hook for stalling a grant at that point.
 	AfterQuorum func(ctx context.Context, key string)
@@ -118,6 +141,9 @@ func (o *Options) setDefaults() {
 		_, _ = rand.Read(seed[:])
 		o.Rand = mathrand.NewChaCha8(seed)
 	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
 	if o.Observer == nil {
 		o.Observer = nopObserver{}
 	}
@@ -126,12 +152,35 @@ func (o *Options) setDefaults() {
 	}
 }
 
+// member is a node with what this server knows of its memory.
+type member struct {
+	Node
+	mu    sync.Mutex
+	epoch string    // the marker the node must hold; "" checks nothing
+	until time.Time // votes do not count before this
+	// recovering makes handling a lost memory single-flight per node.
+	recovering atomic.Bool
+}
+
+func (m *member) state() (epoch string, until time.Time) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.epoch, m.until
+}
+
+func (m *member) set(epoch string, until time.Time) {
+	m.mu.Lock()
+	m.epoch, m.until = epoch, until
+	m.mu.Unlock()
+}
+
 // Locker grants, extends and releases locks. It is safe for concurrent use.
 type Locker struct {
-	nodes  []Node
-	issuer Issuer
-	opts   Options
-	quorum int
+	nodes   []Node
+	members []*member
+	issuer  Issuer
+	opts    Options
+	quorum  int
 
 	randMu sync.Mutex
 	rand   *mathrand.Rand
@@ -160,8 +209,13 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 	if opts.MinTTL > opts.MaxTTL {
 		return nil, fmt.Errorf("service: min TTL %v above max TTL %v", opts.MinTTL, opts.MaxTTL)
 	}
+	members := make([]*member, len(nodes))
+	for i, n := range nodes {
+		members[i] = &member{Node: n}
+	}
 	return &Locker{
 		nodes:      nodes,
+		members:    members,
 		issuer:     issuer,
 		opts:       opts,
 		quorum:     len(nodes)/2 + 1,
@@ -169,6 +223,99 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		waiters:    make(map[string]chan struct{}),
 		stragglers: make(map[string]*sync.WaitGroup),
 	}, nil
+}
+
+// Init registers the nodes with the Registry (a no-op without one): a node
+// never seen before is marked with a fresh epoch; a known node keeps the
+// epoch on record, so if it restarted without its data while no server ran,
+// the first acquire that reaches it finds the marker missing.
+func (l *Locker) Init(ctx context.Context) error {
+	if l.opts.Registry == nil {
+		return nil
+	}
+	for _, m := range l.members {
+		epoch, err := newEpoch()
+		if err != nil {
+			return err
+		}
+		cur, until, created, err := l.opts.Registry.RegisterNode(ctx, m.Addr(), epoch)
+		if err != nil {
+			return fmt.Errorf("service: register node %s: %w", m.Addr(), err)
+		}
+		m.set(cur, until)
+		if until.After(l.opts.Now()) {
+			l.opts.Observer.Quarantine(m.Addr(), until)
+		}
+		if created {
+			// Best effort: a node that is down now gets its marker when it
+			// is first found without one (and is then quarantined once).
+			mctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+			_, _ = m.Mark(mctx, cur)
+			cancel()
+		}
+	}
+	return nil
+}
+
+func newEpoch() (string, error) {
+	var b [12]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("service: epoch: %w", err)
+	}
+	return base64.RawURLEncoding.EncodeToString(b[:]), nil
+}
+
+// quarantineFor is how long a node that lost its memory is not counted: every
+// lease it may have held ends within MaxTTL (TTLs and extensions are bounded
+// by it), plus the drift allowance and one node timeout.
+func (l *Locker) quarantineFor() time.Duration {
+	return l.opts.MaxTTL + l.drift(l.opts.MaxTTL) + l.opts.NodeTimeout
+}
+
+// recover handles node i answering that it lacks the marker seen: it records
+// the loss in the Registry (starting a quarantine unless another server did
+// already or one is running), adopts the recorded epoch, and marks the node.
+// It runs in the background, once at a time per node; meanwhile the node's
+// answers do not count.
+func (l *Locker) recover(i int, seen string) {
+	m := l.members[i]
+	if l.opts.Registry == nil || !m.recovering.CompareAndSwap(false, true) {
+		return
+	}
+	go func() {
+		defer m.recovering.Store(false)
+		ctx, cancel := context.WithTimeout(context.Background(), l.opts.IssueTimeout)
+		defer cancel()
+		next, err := newEpoch()
+		if err != nil {
+			return
+		}
+		cur, until, err := l.opts.Registry.QuarantineNode(ctx, m.Addr(), seen, next, l.quarantineFor())
+		if err != nil {
+			l.opts.Logger.Warn("node lost its memory; could not record the quarantine", slog.String("node", m.Addr()), slog.String("error", err.Error()))
+			return
+		}
+		prev, _ := m.state()
+		m.set(cur, until)
+		if until.After(l.opts.Now()) {
+			l.opts.Observer.Quarantine(m.Addr(), until)
+			if cur != prev {
+				l.opts.Logger.Warn("node restarted without its data: its votes do not count until every lease it may have held has expired",
+					slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
+			}
+		}
+		mctx, mcancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+		defer mcancel()
+		if _, err := m.Mark(mctx, cur); err != nil {
+			l.opts.Logger.Warn("could not mark node", slog.String("node", m.Addr()), slog.String("error", err.Error()))
+		}
+	}()
+}
+
+// counts reports whether node i's votes count at now.
+func (l *Locker) counts(i int, now time.Time) bool {
+	_, until := l.members[i].state()
+	return !now.Before(until)
 }
 
 // Quorum returns the number of nodes that must agree: N/2+1.
@@ -355,7 +502,8 @@ func (l *Locker) last(ctx context.Context, key string) (fencing.Record, error) {
 
 // round sends op to every node in parallel, each bounded by NodeTimeout, and
 // returns the channel the answers arrive on (buffered: senders never block).
-func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Context, n Node) (bool, time.Duration, error), after func(i int)) (<-chan vote, *sync.WaitGroup) {
+func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Context, i int, n Node) (bool, time.Duration, error), after func(i int)) (<-chan vote, *sync.WaitGroup) {
+	voting := name == "acquire" || name == "extend"
 	ch := make(chan vote, len(l.nodes))
 	var wg sync.WaitGroup
 	for i, n := range l.nodes {
@@ -364,13 +512,18 @@ func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Con
 			defer wg.Done()
 			nctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
 			t0 := time.Now()
-			ok, rem, err := op(nctx, n)
+			ok, rem, err := op(nctx, i, n)
 			cancel()
 			v := vote{i: i, NodeResult: NodeResult{Addr: n.Addr(), Latency: time.Since(t0), Remaining: rem}}
 			switch {
+			case errors.Is(err, ErrMemoryLost):
+				v.Outcome = Quarantined
+				v.Err = &NodeError{Addr: n.Addr(), Err: err}
 			case err != nil:
 				v.Outcome = l.classify(err)
 				v.Err = &NodeError{Addr: n.Addr(), Err: err}
+			case ok && voting && !l.counts(i, l.opts.Now()):
+				v.Outcome = Quarantined
 			case ok:
 				v.Outcome = Yes
 			default:
@@ -450,8 +603,13 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	// the grant was returned, so the lock lives on as many nodes as possible.
 	decided := make(chan struct{})
 	var failed bool // written before close(decided), read after
-	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", func(ctx context.Context, n Node) (bool, time.Duration, error) {
-		return n.Acquire(ctx, rkey, token, req.TTL)
+	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
+		epoch, _ := l.members[i].state()
+		ok, rem, err := n.Acquire(ctx, rkey, token, req.TTL, epoch)
+		if errors.Is(err, ErrMemoryLost) {
+			l.recover(i, epoch)
+		}
+		return ok, rem, err
 	}, func(i int) {
 		<-decided
 		if failed {
@@ -546,7 +704,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	l.settle(token)
 	start := l.opts.Now()
 	expires := start.Add(ttl - l.drift(ttl))
-	ch, _ := l.round(context.WithoutCancel(ctx), "extend", func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(context.WithoutCancel(ctx), "extend", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		ok, err := n.Extend(ctx, rkey, token, ttl)
 		return ok, 0, err
 	}, nil)
@@ -591,7 +749,7 @@ func (l *Locker) settle(token string) {
 // releaseAll compare-and-deletes key on every node and waits for all answers.
 func (l *Locker) releaseAll(ctx context.Context, rkey, token string) *tally {
 	l.settle(token)
-	ch, _ := l.round(context.WithoutCancel(ctx), "release", func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(context.WithoutCancel(ctx), "release", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		ok, err := n.Release(ctx, rkey, token)
 		return ok, 0, err
 	}, nil)
@@ -630,7 +788,7 @@ type Status struct {
 // Status reports whether key is held, by asking every node for its TTL.
 func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	rkey := keyspace.RedisKey(key)
-	ch, _ := l.round(ctx, "ttl", func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(ctx, "ttl", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		d, err := n.TTL(ctx, rkey)
 		return d > 0, d, err
 	}, nil)
@@ -664,11 +822,14 @@ type NodeStatus struct {
 	Up      bool
 	Latency time.Duration
 	Err     error
+	// QuarantinedUntil is when the node's votes count again after it lost
+	// its memory; zero when they count now.
+	QuarantinedUntil time.Time
 }
 
 // Nodes pings every node in parallel and reports each one's health.
 func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
-	ch, _ := l.round(ctx, "ping", func(ctx context.Context, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(ctx, "ping", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		return true, 0, n.Ping(ctx)
 	}, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
@@ -676,6 +837,9 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	out := make([]NodeStatus, len(l.nodes))
 	for i, r := range t.results {
 		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}
+		if _, until := l.members[i].state(); until.After(l.opts.Now()) {
+			out[i].QuarantinedUntil = until
+		}
 	}
 	return out
 }

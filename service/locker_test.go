@@ -19,6 +19,8 @@ type memNode struct {
 	mu   sync.Mutex
 	vals map[string]string
 	ttl  map[string]time.Duration
+	// marker is the epoch marker; a restart without data clears it.
+	marker string
 	// hook, if set, runs before each operation; a non-nil error is returned
 	// instead of doing it.
 	hook     func(ctx context.Context, op string) error
@@ -40,18 +42,42 @@ func (n *memNode) run(ctx context.Context, op string) error {
 	return nil
 }
 
-func (n *memNode) Acquire(ctx context.Context, key, token string, ttl time.Duration) (bool, time.Duration, error) {
+func (n *memNode) Acquire(ctx context.Context, key, token string, ttl time.Duration, epoch string) (bool, time.Duration, error) {
 	defer func() { n.acquired <- struct{}{} }()
 	if err := n.run(ctx, "acquire"); err != nil {
 		return false, 0, err
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	if epoch != "" && n.marker != epoch {
+		return false, 0, ErrMemoryLost
+	}
 	if _, ok := n.vals[key]; ok {
 		return false, n.ttl[key], nil
 	}
 	n.vals[key], n.ttl[key] = token, ttl
 	return true, 0, nil
+}
+
+func (n *memNode) Mark(ctx context.Context, epoch string) (bool, error) {
+	if err := n.run(ctx, "mark"); err != nil {
+		return false, err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.marker != "" {
+		return false, nil
+	}
+	n.marker = epoch
+	return true, nil
+}
+
+// restart simulates a restart without persistence: every key and the marker
+// are gone.
+func (n *memNode) restart() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.vals, n.ttl, n.marker = map[string]string{}, map[string]time.Duration{}, ""
 }
 
 func (n *memNode) Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error) {
@@ -665,4 +691,163 @@ func TestLocker_Status(t *testing.T) {
 	if st.Remaining != 300*time.Millisecond {
 		t.Errorf("Remaining = %v; want 300ms (the quorum-th longest)", st.Remaining)
 	}
+}
+
+// memRegistry is an in-memory Registry on a manual clock.
+type memRegistry struct {
+	clk    *clock
+	mu     sync.Mutex
+	epochs map[string]string
+	until  map[string]time.Time
+}
+
+func newRegistry(clk *clock) *memRegistry {
+	return &memRegistry{clk: clk, epochs: map[string]string{}, until: map[string]time.Time{}}
+}
+
+// marked returns a channel that receives each time n is marked: the last step
+// of handling a lost memory, after the Locker adopted the quarantine.
+func marked(n *memNode) <-chan struct{} {
+	ch := make(chan struct{}, 16)
+	n.hook = func(_ context.Context, op string) error {
+		if op == "mark" {
+			ch <- struct{}{}
+		}
+		return nil
+	}
+	return ch
+}
+
+func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (string, time.Time, bool, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if cur, ok := r.epochs[addr]; ok {
+		return cur, r.until[addr], false, nil
+	}
+	r.epochs[addr] = epoch
+	return epoch, time.Time{}, true, nil
+}
+
+func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Time, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := r.clk.Now()
+	if r.epochs[addr] == expected && !now.Before(r.until[addr]) {
+		r.epochs[addr], r.until[addr] = next, now.Add(d)
+	}
+	return r.epochs[addr], r.until[addr], nil
+}
+
+func TestLocker_Quarantine(t *testing.T) {
+	ctx := context.Background()
+	// setup: A holds the lock on nodes 0-2 only (3 and 4 were held by
+	// someone else whose keys then expired); node 0 restarts without data.
+	setup := func(t *testing.T, reg Registry, clk *clock) (*Locker, []*memNode) {
+		ns, ms := nodes(5)
+		l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now, MaxTTL: time.Minute})
+		if err := l.Init(ctx); err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range ms[3:] {
+			m.set(rkey, "other", time.Second)
+		}
+		if _, err := l.Acquire(ctx, key, Request{TTL: 30 * time.Second}); err != nil {
+			t.Fatalf("A: %v", err)
+		}
+		settle(ms)
+		for _, m := range ms[3:] {
+			m.set(rkey, "", 0)
+		}
+		ms[0].restart()
+		return l, ms
+	}
+
+	t.Run("NoSecondHolder", func(t *testing.T) {
+		clk := &clock{t: time.Unix(1000, 0)}
+		reg := newRegistry(clk)
+		l, ms := setup(t, reg, clk)
+		recovered := marked(ms[0])
+		_, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+		var e *Error
+		if !errors.As(err, &e) {
+			t.Fatalf("B = %v; want refused while A's lease is live", err)
+		}
+		if e.Nodes[0].Outcome != Quarantined {
+			t.Errorf("restarted node's outcome = %v; want quarantined", e.Nodes[0].Outcome)
+		}
+		<-recovered
+		// The recorded quarantine covers every lease the node may have held.
+		_, until := l.members[0].state()
+		if want := clk.Now().Add(time.Minute); until.Before(want) {
+			t.Errorf("quarantined until %v; want at least MaxTTL later, %v", until, want)
+		}
+		if st := l.Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
+			t.Error("Nodes does not show the quarantine")
+		}
+		// Even once re-marked, its yes does not count until the end.
+		if _, err := l.Acquire(ctx, "other-name", Request{TTL: time.Second}); err != nil {
+			t.Errorf("other names still get a majority of 4 counted nodes: %v", err)
+		}
+		clk.Advance(time.Minute + time.Second)
+		if !l.counts(0, clk.Now()) {
+			t.Error("node still not counted after the quarantine ended")
+		}
+	})
+
+	t.Run("NegativeControl", func(t *testing.T) {
+		clk := &clock{t: time.Unix(1000, 0)}
+		l, _ := setup(t, nil, clk)
+		if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err != nil {
+			t.Fatalf("without a registry B = %v; want granted (two holders: what quarantine prevents)", err)
+		}
+	})
+
+	t.Run("NewClusterNotQuarantined", func(t *testing.T) {
+		clk := &clock{t: time.Unix(1000, 0)}
+		ns, ms := nodes(5)
+		l := newLocker(t, ns, &memIssuer{}, Options{Registry: newRegistry(clk), Now: clk.Now})
+		if err := l.Init(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err != nil {
+			t.Fatal(err)
+		}
+		settle(ms)
+		for i, st := range l.Nodes(ctx) {
+			if !st.QuarantinedUntil.IsZero() || !st.Up {
+				t.Errorf("node %d = %+v; want up, not quarantined", i, st)
+			}
+		}
+	})
+
+	t.Run("ServersAgree", func(t *testing.T) {
+		clk := &clock{t: time.Unix(1000, 0)}
+		reg := newRegistry(clk)
+		ns, ms := nodes(3)
+		l1 := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now, MaxTTL: time.Minute})
+		l2 := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now, MaxTTL: time.Minute})
+		for _, l := range []*Locker{l1, l2} {
+			if err := l.Init(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ms[0].restart()
+		recovered := marked(ms[0])
+		if _, err := l1.Acquire(ctx, "a", Request{TTL: time.Second}); err != nil {
+			t.Fatal(err)
+		}
+		<-recovered
+		_, until1 := l1.members[0].state()
+		clk.Advance(10 * time.Second)
+		// l2 still expects the old epoch: the node's new marker tells it to
+		// look the quarantine up, and it adopts the same end.
+		if _, err := l2.Acquire(ctx, "b", Request{TTL: time.Second}); err != nil {
+			t.Fatal(err)
+		}
+		<-recovered
+		_, until2 := l2.members[0].state()
+		if !until2.Equal(until1) {
+			t.Errorf("second server's quarantine ends %v; want the first's %v", until2, until1)
+		}
+	})
 }

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/redfence/redfence/internal/keyspace"
 )
 
 // Node is one independent Redis master as the Locker uses it. Every method is
@@ -16,8 +18,12 @@ type Node interface {
 	// Addr identifies the node in errors and status.
 	Addr() string
 	// Acquire sets key to token with a TTL if key is absent. When another
-	// value holds key it returns false and the holder's remaining TTL.
-	Acquire(ctx context.Context, key, token string, ttl time.Duration) (ok bool, remaining time.Duration, err error)
+	// value holds key it returns false and the holder's remaining TTL. If
+	// epoch is not empty, it first checks, atomically with the set, that the
+	// node still holds epoch as its marker, and returns ErrMemoryLost if not.
+	Acquire(ctx context.Context, key, token string, ttl time.Duration, epoch string) (ok bool, remaining time.Duration, err error)
+	// Mark sets the node's epoch marker if it has none, and reports whether it did.
+	Mark(ctx context.Context, epoch string) (bool, error)
 	// Extend sets key's TTL if key holds token, and reports whether it did.
 	Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error)
 	// Release deletes key if it holds token, and reports whether it did.
@@ -31,7 +37,10 @@ type Node interface {
 // Lua scripts. Each runs atomically on one node.
 var (
 	// acquireScript: SET NX PX; on refusal return the holder's PTTL (>= 1).
+	// With an epoch (ARGV[3]), first check the node's marker (KEYS[2]): -1
+	// means the node lost its memory.
 	acquireScript = redis.NewScript(`
+if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[3] then return -1 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 local t = redis.call('PTTL', KEYS[1])
 if t < 1 then return 1 end
@@ -39,6 +48,10 @@ return t`)
 	// extendScript: compare-and-pexpire; never creates the key.
 	extendScript = redis.NewScript(`
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0`)
+	// markScript: set the epoch marker if there is none.
+	markScript = redis.NewScript(`
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
 return 0`)
 	// releaseScript: compare-and-delete.
 	releaseScript = redis.NewScript(`
@@ -99,15 +112,27 @@ func (n *RedisNode) Addr() string { return n.addr }
 func (n *RedisNode) Close() error { return n.client.Close() }
 
 // Acquire implements Node.
-func (n *RedisNode) Acquire(ctx context.Context, key, token string, ttl time.Duration) (bool, time.Duration, error) {
-	v, err := acquireScript.Run(ctx, n.client, []string{key}, token, ttl.Milliseconds()).Int64()
+func (n *RedisNode) Acquire(ctx context.Context, key, token string, ttl time.Duration, epoch string) (bool, time.Duration, error) {
+	v, err := acquireScript.Run(ctx, n.client, []string{key, keyspace.NodeEpochKey}, token, ttl.Milliseconds(), epoch).Int64()
 	if err != nil {
 		return false, 0, fmt.Errorf("acquire: %w", err)
+	}
+	if v < 0 {
+		return false, 0, ErrMemoryLost
 	}
 	if v == 0 {
 		return true, 0, nil
 	}
 	return false, time.Duration(v) * time.Millisecond, nil
+}
+
+// Mark implements Node.
+func (n *RedisNode) Mark(ctx context.Context, epoch string) (bool, error) {
+	v, err := markScript.Run(ctx, n.client, []string{keyspace.NodeEpochKey}, epoch).Int64()
+	if err != nil {
+		return false, fmt.Errorf("mark: %w", err)
+	}
+	return v == 1, nil
 }
 
 // Extend implements Node.

@@ -764,3 +764,37 @@ func TestOpen_SynchronousCommit(t *testing.T) {
 		}
 	}
 }
+
+func TestDB_Nodes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _ := newDB(t, Options{})
+	epoch, until, created, err := db.RegisterNode(ctx, "n1:6379", "e1")
+	if err != nil || epoch != "e1" || !until.IsZero() || !created {
+		t.Fatalf("RegisterNode(new) = %q, %v, %v, %v; want e1, zero, created", epoch, until, created, err)
+	}
+	epoch, _, created, err = db.RegisterNode(ctx, "n1:6379", "e2")
+	if err != nil || epoch != "e1" || created {
+		t.Fatalf("RegisterNode(known) = %q, %v, %v; want e1 kept, not created", epoch, created, err)
+	}
+	// A stale expectation changes nothing.
+	epoch, until, err = db.QuarantineNode(ctx, "n1:6379", "old", "e3", time.Minute)
+	if err != nil || epoch != "e1" || !until.IsZero() {
+		t.Fatalf("QuarantineNode(stale) = %q, %v, %v; want e1 unchanged", epoch, until, err)
+	}
+	before := time.Now()
+	epoch, until, err = db.QuarantineNode(ctx, "n1:6379", "e1", "e3", time.Minute)
+	if err != nil || epoch != "e3" || until.Before(before.Add(50*time.Second)) {
+		t.Fatalf("QuarantineNode = %q, %v, %v; want e3 until about a minute from now", epoch, until, err)
+	}
+	// While quarantined, a second loss keeps the running quarantine.
+	epoch2, until2, err := db.QuarantineNode(ctx, "n1:6379", "e3", "e4", time.Hour)
+	if err != nil || epoch2 != "e3" || !until2.Equal(until) {
+		t.Fatalf("QuarantineNode(during) = %q, %v, %v; want e3 and the same end", epoch2, until2, err)
+	}
+	// A restarted server sees the running quarantine.
+	_, until3, _, err := db.RegisterNode(ctx, "n1:6379", "e9")
+	if err != nil || !until3.Equal(until) {
+		t.Fatalf("RegisterNode after quarantine = %v, %v; want %v", until3, err, until)
+	}
+}

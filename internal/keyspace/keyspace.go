@@ -15,6 +15,10 @@ import (
 // MaxNameLen is the longest lock or resource name accepted.
 const MaxNameLen = 200
 
+// NodeEpochKey is the key of each Redis node's epoch marker: a node that
+// lost it restarted without its data.
+const NodeEpochKey = "redfence:node-epoch"
+
 // RedisPrefix prefixes every lock key on the Redis nodes.
 const RedisPrefix = "redfence:lock:"
 

@@ -1,0 +1,220 @@
+package service_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/service"
+	"github.com/redfence/redfence/store"
+)
+
+// restartEnv is 5 real redis-server nodes and a real Postgres registry.
+type restartEnv struct {
+	nodes []*cluster.Redis
+	raw   []*redis.Client
+	db    *store.DB
+}
+
+func newRestartEnv(t *testing.T, persist bool) *restartEnv {
+	t.Helper()
+	e := &restartEnv{nodes: clustertest.Redis(t, 5, cluster.RedisOptions{Persist: persist})}
+	db, err := store.Open(t.Context(), clustertest.Database(t), store.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(db.Close)
+	if _, err := db.Migrate(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	e.db = db
+	for _, n := range e.nodes {
+		c := redis.NewClient(&redis.Options{Addr: n.Addr(), MaxRetries: -1})
+		t.Cleanup(func() { c.Close() })
+		e.raw = append(e.raw, c)
+	}
+	return e
+}
+
+// locker returns a Locker on the nodes; reg nil disables restart detection.
+func (e *restartEnv) locker(t *testing.T, reg service.Registry) *service.Locker {
+	t.Helper()
+	var ns []service.Node
+	for _, n := range e.nodes {
+		rn := service.NewRedisNode(n.Addr(), service.RedisOptions{})
+		t.Cleanup(func() { rn.Close() })
+		ns = append(ns, rn)
+	}
+	l, err := service.New(ns, e.db, service.Options{Registry: reg, MaxTTL: 3 * time.Second, NodeTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Init(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// holdOnFirstThree makes A hold key on nodes 0-2 only: nodes 3 and 4 are
+// held by someone else while A acquires, and freed afterwards.
+func (e *restartEnv) holdOnFirstThree(t *testing.T, l *service.Locker, key string) *service.Grant {
+	t.Helper()
+	ctx := t.Context()
+	rkey := "redfence:lock:" + key
+	for _, c := range e.raw[3:] {
+		if err := c.Set(ctx, rkey, "someone-else", time.Minute).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, err := l.Acquire(ctx, key, service.Request{TTL: 3 * time.Second})
+	if err != nil {
+		t.Fatalf("A: %v", err)
+	}
+	// Extend waits for the granting round's stragglers, so A's refused SETs
+	// on nodes 3 and 4 are over before someone-else's keys are removed.
+	if _, err := l.Extend(ctx, key, a.Token, 3*time.Second); err != nil {
+		t.Fatalf("A extend: %v", err)
+	}
+	for _, c := range e.raw[3:] {
+		if err := c.Del(ctx, rkey).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return a
+}
+
+func (e *restartEnv) restartEmpty(t *testing.T, i int) {
+	t.Helper()
+	if err := e.nodes[i].Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nodes[i].Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitQuarantineOver polls the Locker's view until no node is quarantined.
+func waitQuarantineOver(t *testing.T, l *service.Locker) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		quarantined := false
+		for _, st := range l.Nodes(t.Context()) {
+			quarantined = quarantined || !st.QuarantinedUntil.IsZero()
+		}
+		if !quarantined {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("quarantine did not end")
+		}
+		time.Sleep(20 * time.Millisecond) // polling an observable condition
+	}
+}
+
+// TestLocker_NodeRestart: a node killed and restarted at once without
+// persistence while a lock on it is held must not let a second client win.
+func TestLocker_NodeRestart(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, e.db)
+	for i, st := range l.Nodes(t.Context()) {
+		if !st.QuarantinedUntil.IsZero() {
+			t.Fatalf("node %d quarantined at a brand-new cluster's first start", i)
+		}
+	}
+	const trials = 3
+	for trial := range trials {
+		key := fmt.Sprintf("restart-%d", trial)
+		a := e.holdOnFirstThree(t, l, key)
+		e.restartEmpty(t, 0)
+		// Nodes 0, 3 and 4 are now free, a majority: only quarantine
+		// stops B.
+		b, err := l.Acquire(t.Context(), key, service.Request{TTL: time.Second})
+		if err == nil {
+			t.Fatalf("trial %d: B granted (token %d) while A (token %d) holds the lock: two holders", trial, b.Fencing, a.Fencing)
+		}
+		var se *service.Error
+		if !errors.As(err, &se) || se.Nodes[0].Outcome != service.Quarantined {
+			t.Fatalf("trial %d: B = %v; want refused with node 0 quarantined", trial, err)
+		}
+		if st := l.Nodes(t.Context()); st[0].QuarantinedUntil.IsZero() {
+			// Recording runs in the background; the next status shows it.
+			waitQuarantined(t, l, 0)
+		}
+		// A server started now (a restart of Redfence) agrees.
+		l2 := e.locker(t, e.db)
+		if st := l2.Nodes(t.Context()); st[0].QuarantinedUntil.IsZero() {
+			t.Errorf("trial %d: a second server does not see node 0's quarantine", trial)
+		}
+		if err := l.Release(context.Background(), key, a.Token); err != nil {
+			t.Fatal(err)
+		}
+		waitQuarantineOver(t, l)
+		// After the quarantine the node counts again.
+		g, err := l.Acquire(t.Context(), key, service.Request{TTL: time.Second})
+		if err != nil {
+			t.Fatalf("trial %d: acquire after the quarantine: %v", trial, err)
+		}
+		_ = l.Release(t.Context(), key, g.Token)
+	}
+}
+
+func waitQuarantined(t *testing.T, l *service.Locker, i int) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for l.Nodes(t.Context())[i].QuarantinedUntil.IsZero() {
+		if time.Now().After(deadline) {
+			t.Fatalf("node %d never quarantined", i)
+		}
+		time.Sleep(10 * time.Millisecond) // polling an observable condition
+	}
+}
+
+// TestLocker_NodeRestartNegativeControl shows what quarantine prevents: with
+// restart detection off, the same fault gives the lock to a second holder.
+func TestLocker_NodeRestartNegativeControl(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, nil)
+	a := e.holdOnFirstThree(t, l, "restart")
+	e.restartEmpty(t, 0)
+	b, err := l.Acquire(t.Context(), "restart", service.Request{TTL: time.Second})
+	if err != nil {
+		t.Fatalf("without quarantine B = %v; want the (unsafe) grant this fault allows", err)
+	}
+	t.Logf("negative control: A holds token %d, B was granted token %d at the same time", a.Fencing, b.Fencing)
+}
+
+// TestLocker_PersistentRestart: a node with AOF (appendfsync always) that
+// restarts with its data kept its marker and locks, so it is not quarantined.
+func TestLocker_PersistentRestart(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, true)
+	l := e.locker(t, e.db)
+	a := e.holdOnFirstThree(t, l, "aof")
+	if err := e.nodes[0].Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.nodes[0].Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	_, err := l.Acquire(t.Context(), "aof", service.Request{TTL: time.Second})
+	var se *service.Error
+	if !errors.As(err, &se) || !errors.Is(err, service.ErrHeld) || se.Nodes[0].Outcome != service.No {
+		t.Fatalf("B = %v; want ErrHeld with node 0 still holding A's key", err)
+	}
+	if st := l.Nodes(t.Context()); !st[0].QuarantinedUntil.IsZero() {
+		t.Errorf("node 0 quarantined after a restart with its data: %+v", st[0])
+	}
+	if _, err := l.Acquire(t.Context(), "other", service.Request{TTL: time.Second}); err != nil {
+		t.Errorf("acquire of another name: %v", err)
+	}
+	_ = l.Release(t.Context(), "aof", a.Token)
+}
