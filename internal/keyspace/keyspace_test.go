@@ -58,3 +58,27 @@ func FuzzKey(f *testing.F) {
 		}
 	})
 }
+
+// FuzzValidName checks that accepted names are exactly 1-200 bytes of the
+// documented alphabet, and that accepted names and their keys round-trip.
+func FuzzValidName(f *testing.F) {
+	for _, s := range []string{"a", "orders:42", "", ".", "..", "a/b", "é", strings.Repeat("x", 201), "A-Z_a.z:0-9"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, name string) {
+		if ValidName(name) != "" {
+			return
+		}
+		if len(name) < 1 || len(name) > MaxNameLen || name == "." || name == ".." {
+			t.Fatalf("ValidName accepted %q (length %d)", name, len(name))
+		}
+		for i := 0; i < len(name); i++ {
+			if !nameByte(name[i]) {
+				t.Fatalf("ValidName accepted %q with byte %q", name, name[i])
+			}
+		}
+		if got := RedisKey(Key("", name)); got != RedisPrefix+name {
+			t.Fatalf("RedisKey(Key(%q)) = %q", name, got)
+		}
+	})
+}
