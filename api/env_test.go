@@ -207,7 +207,7 @@ func (e *env) lockKeys() [][]string {
 		if !e.nodes[i].Running() {
 			continue
 		}
-		keys, err := c.Keys(context.Background(), "redfence:*").Result()
+		keys, err := c.Keys(context.Background(), "redfence:lock:*").Result()
 		if err != nil {
 			e.t.Fatalf("node %d: %v", i, err)
 		}

@@ -190,11 +190,25 @@ type Locker struct {
 	waitMu  sync.Mutex
 	waiters map[string]chan struct{}
 
-	// stragglers holds, per lock token, the acquire round of a grant whose
-	// slower nodes had not answered when it was returned. Release and Extend
-	// wait for it, so a late SET cannot land after the DEL that releases it.
-	stragMu    sync.Mutex
-	stragglers map[string]*sync.WaitGroup
+	// late holds, per lock token, the granting round of a grant whose slower
+	// nodes had not answered when it was returned (see lateRound).
+	lateMu sync.Mutex
+	late   map[string]*lateRound
+	// releasing holds, per lock token, a release whose slower nodes are
+	// still answering; a repeated release waits for it, so it sees the
+	// outcome of the first (409 not-holder) rather than racing it.
+	releasing map[string]chan struct{}
+}
+
+// lateRound marks a granted round with nodes still to answer. If the grant is
+// released before they do, each of them deletes what it set once it answers,
+// so a late SET cannot outlive the release and Release need not wait for it.
+type lateRound struct {
+	mu       sync.Mutex
+	released bool
+	// counted marks the nodes whose answer was in when the grant was
+	// decided; Release deletes on those itself.
+	counted []bool
 }
 
 // New returns a Locker over nodes that issues tokens from issuer.
@@ -214,14 +228,15 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		members[i] = &member{Node: n}
 	}
 	return &Locker{
-		nodes:      nodes,
-		members:    members,
-		issuer:     issuer,
-		opts:       opts,
-		quorum:     len(nodes)/2 + 1,
-		rand:       mathrand.New(opts.Rand),
-		waiters:    make(map[string]chan struct{}),
-		stragglers: make(map[string]*sync.WaitGroup),
+		nodes:     nodes,
+		members:   members,
+		issuer:    issuer,
+		opts:      opts,
+		quorum:    len(nodes)/2 + 1,
+		rand:      mathrand.New(opts.Rand),
+		waiters:   make(map[string]chan struct{}),
+		late:      make(map[string]*lateRound),
+		releasing: make(map[string]chan struct{}),
 	}, nil
 }
 
@@ -603,6 +618,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	// the grant was returned, so the lock lives on as many nodes as possible.
 	decided := make(chan struct{})
 	var failed bool // written before close(decided), read after
+	lr := &lateRound{}
 	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
 		epoch, _ := l.members[i].state()
 		ok, rem, err := n.Acquire(ctx, rkey, token, req.TTL, epoch)
@@ -612,7 +628,10 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		return ok, rem, err
 	}, func(i int) {
 		<-decided
-		if failed {
+		lr.mu.Lock()
+		undo := failed || lr.released && !lr.counted[i]
+		lr.mu.Unlock()
+		if undo {
 			cctx, cancel := l.cleanupContext(ctx)
 			_, _ = l.nodes[i].Release(cctx, rkey, token)
 			cancel()
@@ -659,18 +678,24 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	if !l.opts.Now().Before(expires) {
 		return nil, fail(ErrExpired, nil)
 	}
-	close(decided)
 	if t.got < len(l.nodes) {
-		l.stragMu.Lock()
-		l.stragglers[token] = wg
-		l.stragMu.Unlock()
+		lr.mu.Lock()
+		lr.counted = make([]bool, len(l.nodes))
+		for i, r := range t.results {
+			lr.counted[i] = r.Outcome != 0
+		}
+		lr.mu.Unlock()
+		l.lateMu.Lock()
+		l.late[token] = lr
+		l.lateMu.Unlock()
 		go func() {
 			wg.Wait()
-			l.stragMu.Lock()
-			delete(l.stragglers, token)
-			l.stragMu.Unlock()
+			l.lateMu.Lock()
+			delete(l.late, token)
+			l.lateMu.Unlock()
 		}()
 	}
+	close(decided)
 	return &Grant{Key: key, Token: token, Fencing: ft, TTL: req.TTL, Start: start, Expires: expires, Owner: req.Owner}, nil
 }
 
@@ -701,7 +726,6 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		return nil, err
 	}
 	rkey := keyspace.RedisKey(key)
-	l.settle(token)
 	start := l.opts.Now()
 	expires := start.Add(ttl - l.drift(ttl))
 	ch, _ := l.round(context.WithoutCancel(ctx), "extend", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
@@ -711,7 +735,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	t := l.collect(ch)
 	lost := func(cause error) (*Grant, error) {
 		l.drain(t, ch)
-		l.releaseAll(ctx, rkey, token)
+		l.releaseAll(ctx, rkey, token, true)
 		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Nodes: t.results, Cause: cause}
 	}
 	if t.yes < l.quorum {
@@ -735,35 +759,62 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	return &Grant{Key: key, Token: token, Fencing: rec.Token, TTL: ttl, Start: start, Expires: expires, Owner: rec.Owner}, nil
 }
 
-// settle waits until the acquire round that granted token, if it still runs
-// in this process, has heard from every node (each within NodeTimeout).
-func (l *Locker) settle(token string) {
-	l.stragMu.Lock()
-	wg := l.stragglers[token]
-	l.stragMu.Unlock()
-	if wg != nil {
-		wg.Wait()
+// markReleased tells the granting round of token, if nodes of it are still
+// to answer, to delete what they set when they do.
+func (l *Locker) markReleased(token string) {
+	l.lateMu.Lock()
+	lr := l.late[token]
+	l.lateMu.Unlock()
+	if lr != nil {
+		lr.mu.Lock()
+		lr.released = true
+		lr.mu.Unlock()
 	}
 }
 
-// releaseAll compare-and-deletes key on every node and waits for all answers.
-func (l *Locker) releaseAll(ctx context.Context, rkey, token string) *tally {
-	l.settle(token)
-	ch, _ := l.round(context.WithoutCancel(ctx), "release", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+// releaseAll compare-and-deletes key on every node. It waits for every
+// answer (each within NodeTimeout) when all is true; otherwise it returns as
+// soon as a majority deleted the key, and the slower nodes finish in the
+// background.
+func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *tally {
+	l.markReleased(token)
+	l.lateMu.Lock()
+	prev := l.releasing[token]
+	l.lateMu.Unlock()
+	if prev != nil {
+		<-prev // each of its nodes answers within NodeTimeout
+	}
+	ch, wg := l.round(context.WithoutCancel(ctx), "release", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		ok, err := n.Release(ctx, rkey, token)
 		return ok, 0, err
 	}, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
-	l.drain(t, ch)
+	for t.got < len(l.nodes) && (all || t.yes < l.quorum) {
+		l.add(t, <-ch)
+	}
+	if t.got < len(l.nodes) {
+		done := make(chan struct{})
+		l.lateMu.Lock()
+		l.releasing[token] = done
+		l.lateMu.Unlock()
+		go func() {
+			wg.Wait()
+			l.lateMu.Lock()
+			delete(l.releasing, token)
+			l.lateMu.Unlock()
+			close(done)
+		}()
+	}
 	return t
 }
 
-// Release deletes the lock on key if token holds it on any node, waiting for
-// every node (each within its timeout) even if the caller goes away. It
-// returns an error matching ErrNotHolder when the token held it nowhere that
-// answered, and ErrQuorum when too few nodes answered to tell.
+// Release deletes the lock on key wherever token holds it, even if the caller
+// goes away. It returns once a majority deleted it (the rest complete in the
+// background, each within its timeout) or every node answered. It returns an
+// error matching ErrNotHolder when the token held it nowhere that answered,
+// and ErrQuorum when too few nodes answered to tell.
 func (l *Locker) Release(ctx context.Context, key, token string) error {
-	t := l.releaseAll(ctx, keyspace.RedisKey(key), token)
+	t := l.releaseAll(ctx, keyspace.RedisKey(key), token, false)
 	if t.yes > 0 {
 		l.wake(key)
 		return nil
