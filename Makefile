@@ -15,7 +15,7 @@ BIN       := bin/redfence
 ARGS      ?=
 TESTFLAGS ?=
 
-.PHONY: help deps build dev test fmt-check cover clean
+.PHONY: help deps build dev test test-ts fmt-check cover clean bench bench-quick bench-deps
 
 ## help:      list targets
 help:
@@ -33,10 +33,27 @@ build:
 dev: deps build
 	./$(BIN) dev $(ARGS)
 
-## test:      full suite: go vet + go test -race (extra flags via TESTFLAGS=...)
+## test:      full suite: go vet + go test -race (extra flags via TESTFLAGS=...), then test-ts
 test: deps
 	go vet ./...
 	go test -race -count=1 -timeout 20m $(TESTFLAGS) ./...
+	$(MAKE) --no-print-directory test-ts
+
+## test-ts:   TypeScript SDK (sdk/typescript): npm ci, build, node --test against a real redfence dev
+test-ts: deps build
+	@command -v node >/dev/null && command -v npm >/dev/null || { echo "test-ts needs Node.js >= 20 and npm" >&2; exit 1; }
+	cd sdk/typescript && npm ci --no-audit --no-fund && REDFENCE_BIN=$(CURDIR)/$(BIN) npm test
+
+## bench:     Redfence vs redsync vs etcd side by side (bench/, ~8 min); rewrites README's table (extra flags via BENCHFLAGS=...)
+bench: bench-deps build
+	cd bench && go run . -redfence ../$(BIN) -readme ../README.md $(BENCHFLAGS)
+
+## bench-quick: the same cases with 2 s per cell (~2 min); prints the table only
+bench-quick: bench-deps build
+	cd bench && go run . -redfence ../$(BIN) -duration 2s -warmup 500ms $(BENCHFLAGS)
+
+bench-deps:
+	@bash scripts/install-deps.sh --bench
 
 ## fmt-check: fail and list files if gofmt would change any
 fmt-check:

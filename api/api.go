@@ -25,6 +25,7 @@ import (
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/time/rate"
 
 	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/internal/keyspace"
@@ -58,14 +59,28 @@ type Options struct {
 	DefaultTTL time.Duration
 	// MaxBodyBytes bounds request bodies (413 above). The default is 1 MiB.
 	MaxBodyBytes int64
+	// MaxHeaderBytes bounds the request line and headers (431 above). The
+	// default is 64 KiB. Give the http.Server a larger MaxHeaderBytes: its
+	// own refusal is plain text, this one is problem+json.
+	MaxHeaderBytes int
 	// Logger receives one line per request and failures. The default discards.
 	Logger *slog.Logger
 	// Registry receives the HTTP metrics and is served at /metrics. The
 	// default is a new registry.
 	Registry *prometheus.Registry
 	// Namespace returns the namespace of a request (a tenant). The default
-	// puts every request in the default namespace.
+	// is the API key's tenant (Tenant) with Auth, else the default namespace.
 	Namespace func(*http.Request) string
+	// Auth, if set, requires an API key with the route's scope on every /v1
+	// route and /metrics (see auth.go). Nil leaves the API open.
+	Auth Authenticator
+	// RateLimit is the requests per second each API key may send on
+	// average (a token bucket per key; needs Auth). The default, 0, is no
+	// limit.
+	RateLimit float64
+	// RateBurst is how many requests an API key may send at once. The
+	// default is RateLimit rounded up.
+	RateBurst int
 	// Now is the clock for validity. The default is time.Now.
 	Now func() time.Time
 	// OpenAPI is the spec served at /openapi.yaml.
@@ -80,6 +95,7 @@ type Handler struct {
 	log    *slog.Logger
 	router *chi.Mux
 	m      *metrics
+	limits *limiter
 }
 
 // NewHandler returns the API over locker and st.
@@ -90,6 +106,9 @@ func NewHandler(locker Locker, st Store, opts Options) *Handler {
 	if opts.MaxBodyBytes <= 0 {
 		opts.MaxBodyBytes = 1 << 20
 	}
+	if opts.MaxHeaderBytes <= 0 {
+		opts.MaxHeaderBytes = 64 << 10
+	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -97,12 +116,14 @@ func NewHandler(locker Locker, st Store, opts Options) *Handler {
 		opts.Registry = prometheus.NewRegistry()
 	}
 	if opts.Namespace == nil {
-		opts.Namespace = func(*http.Request) string { return "" }
+		opts.Namespace = Tenant
 	}
+	opts.Logger = slog.New(principalLog{opts.Logger.Handler()})
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
 	h := &Handler{locker: locker, store: st, opts: opts, log: opts.Logger, m: newMetrics(opts.Registry)}
+	h.limits = newLimiter(rate.Limit(opts.RateLimit), opts.RateBurst)
 	h.router = h.routes()
 	return h
 }
@@ -115,7 +136,7 @@ func (h *Handler) Routes() chi.Routes { return h.router }
 
 func (h *Handler) routes() *chi.Mux {
 	r := chi.NewRouter()
-	r.Use(h.requestID, h.recoverer, h.accessLog)
+	r.Use(h.requestID, h.recoverer, h.accessLog, h.limitHeaders)
 	r.NotFound(func(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, &Problem{Type: ProblemTypePrefix + kNotFound.slug, Title: kNotFound.title, Status: kNotFound.status,
 			Detail: "no route " + r.URL.Path, Instance: r.URL.Path, RequestID: requestID(r.Context())})
@@ -135,17 +156,18 @@ func (h *Handler) routes() *chi.Mux {
 
 	r.Get("/healthz", h.healthz)
 	r.Get("/readyz", h.readyz)
-	r.Method(http.MethodGet, "/metrics", promhttp.HandlerFor(h.opts.Registry, promhttp.HandlerOpts{}))
+	r.With(h.authorize(store.ScopeAdmin)).Method(http.MethodGet, "/metrics", promhttp.HandlerFor(h.opts.Registry, promhttp.HandlerOpts{}))
 	r.Get("/openapi.yaml", h.openapi)
 
 	r.Route("/v1", func(r chi.Router) {
-		r.Post("/locks/{name}", h.acquire)
-		r.Get("/locks/{name}", h.status)
-		r.Delete("/locks/{name}", h.release)
-		r.Post("/locks/{name}/extend", h.extend)
-		r.Put("/resources/{name}", h.putResource)
-		r.Get("/resources/{name}", h.getResource)
-		r.Get("/nodes", h.nodes)
+		locks, resources, admin := r.With(h.authorize(store.ScopeLocks)), r.With(h.authorize(store.ScopeResources)), r.With(h.authorize(store.ScopeAdmin))
+		locks.Post("/locks/{name}", h.acquire)
+		locks.Get("/locks/{name}", h.status)
+		locks.Delete("/locks/{name}", h.release)
+		locks.Post("/locks/{name}/extend", h.extend)
+		resources.Put("/resources/{name}", h.putResource)
+		resources.Get("/resources/{name}", h.getResource)
+		admin.Get("/nodes", h.nodes)
 	})
 	return r
 }
@@ -269,15 +291,21 @@ func serviceBounds(err error) error {
 
 func (h *Handler) acquire(w http.ResponseWriter, r *http.Request) {
 	name, key, err := h.key(r)
+	var req AcquireRequest
 	if err == nil {
-		var req AcquireRequest
 		err = h.decode(w, r, &req, true)
 		if err == nil {
 			err = h.doAcquire(w, r, name, key, &req)
 		}
 	}
 	if err != nil {
-		h.m.acquire(classifyOutcome(err))
+		outcome := classifyOutcome(err)
+		h.m.acquire(outcome)
+		owner := ""
+		if req.Owner != nil {
+			owner = *req.Owner
+		}
+		h.audit(r, slog.LevelInfo, "lock refused", name, owner, 0, outcome)
 		h.writeError(w, r, err)
 	}
 }
@@ -305,9 +333,7 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 	}
 	h.m.acquire("granted")
 	h.m.acquireSeconds.Observe(time.Since(start).Seconds())
-	h.log.LogAttrs(r.Context(), slog.LevelInfo, "lock granted", slog.String("request_id", requestID(r.Context())),
-		slog.String("name", name), slog.String("owner", owner), slog.Int64("fencing_token", int64(g.Fencing)),
-		slog.Int64("ttl_ms", ttl.Milliseconds()))
+	h.audit(r, slog.LevelInfo, "lock granted", name, owner, g.Fencing, "granted", slog.Int64("ttl_ms", ttl.Milliseconds()))
 	w.Header().Set("Location", "/v1/locks/"+name)
 	writeJSON(w, http.StatusCreated, h.lockResponse(name, g, true))
 	return nil
@@ -342,6 +368,7 @@ func (h *Handler) lockResponse(name string, g *service.Grant, withToken bool) *L
 
 func (h *Handler) extend(w http.ResponseWriter, r *http.Request) {
 	if err := h.doExtend(w, r); err != nil {
+		h.m.failed("extend", err)
 		h.writeError(w, r, err)
 	}
 }
@@ -365,14 +392,19 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	}
 	g, err := h.locker.Extend(r.Context(), key, token, ttl)
 	if err != nil {
+		owner, ft := h.lookupGrant(r, slog.LevelInfo, key, token)()
+		h.audit(r, slog.LevelInfo, "lock extend refused", name, owner, ft, classifyOutcome(err))
 		return serviceBounds(err)
 	}
+	h.m.extensions.WithLabelValues("extended").Inc()
+	h.audit(r, slog.LevelDebug, "lock extended", name, g.Owner, g.Fencing, "extended", slog.Int64("ttl_ms", ttl.Milliseconds()))
 	writeJSON(w, http.StatusOK, h.lockResponse(name, g, false))
 	return nil
 }
 
 func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	if err := h.doRelease(w, r); err != nil {
+		h.m.failed("release", err)
 		h.writeError(w, r, err)
 	}
 }
@@ -386,13 +418,17 @@ func (h *Handler) doRelease(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
+	grant := h.lookupGrant(r, slog.LevelInfo, key, token) // for the audit line, in parallel
 	start := time.Now()
 	if err := h.locker.Release(r.Context(), key, token); err != nil {
+		owner, ft := grant()
+		h.audit(r, slog.LevelInfo, "lock release refused", name, owner, ft, classifyOutcome(err))
 		return err
 	}
 	h.m.releaseSeconds.Observe(time.Since(start).Seconds())
-	h.log.LogAttrs(r.Context(), slog.LevelInfo, "lock released", slog.String("request_id", requestID(r.Context())),
-		slog.String("name", name))
+	h.m.releases.WithLabelValues("released").Inc()
+	owner, ft := grant()
+	h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released")
 	w.WriteHeader(http.StatusNoContent)
 	return nil
 }
@@ -405,6 +441,7 @@ func (h *Handler) status(w http.ResponseWriter, r *http.Request) {
 	}
 	st, err := h.locker.Status(r.Context(), key)
 	if err != nil {
+		h.m.failed("status", err)
 		h.writeError(w, r, err)
 		return
 	}
@@ -477,6 +514,9 @@ func (h *Handler) nodes(w http.ResponseWriter, r *http.Request) {
 	resp := &NodeList{Quorum: h.locker.Quorum(), Nodes: make([]Node, len(ns))}
 	for i, n := range ns {
 		resp.Nodes[i] = Node{Address: n.Addr, Up: n.Up, LatencyMS: float64(n.Latency.Microseconds()) / 1000}
+		if !n.QuarantinedUntil.IsZero() {
+			resp.Nodes[i].QuarantinedUntil = n.QuarantinedUntil.UTC().Format(time.RFC3339Nano)
+		}
 		if n.Up {
 			resp.Up++
 		} else if n.Err != nil {
@@ -494,7 +534,10 @@ func (h *Handler) readyz(w http.ResponseWriter, r *http.Request) {
 	ns := h.locker.Nodes(r.Context())
 	rh := &RedisHealth{Total: len(ns), Quorum: h.locker.Quorum()}
 	for _, n := range ns {
-		if n.Up {
+		switch {
+		case !n.QuarantinedUntil.IsZero():
+			rh.Quarantined++
+		case n.Up:
 			rh.Up++
 		}
 	}

@@ -1,11 +1,61 @@
 package api
 
 import (
+	"context"
 	"errors"
+	"log/slog"
+	"net/http"
+	"sort"
+	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/service"
 )
+
+// Metric names. They are part of the operator's contract (the Grafana
+// dashboard under deploy/grafana uses them): rename none.
+const (
+	MetricHTTPRequests       = "redfence_http_requests_total"
+	MetricHTTPSeconds        = "redfence_http_request_duration_seconds"
+	MetricAcquisitions       = "redfence_acquisitions_total"
+	MetricAcquireSeconds     = "redfence_acquire_duration_seconds"
+	MetricExtensions         = "redfence_extensions_total"
+	MetricReleases           = "redfence_releases_total"
+	MetricReleaseSeconds     = "redfence_release_duration_seconds"
+	MetricStaleWrites        = "redfence_stale_writes_refused_total"
+	MetricQuorumFailures     = "redfence_quorum_failures_total"
+	MetricNodeRequests       = "redfence_node_requests_total"
+	MetricNodeSeconds        = "redfence_node_request_duration_seconds"
+	MetricNodeQuarantined    = "redfence_node_quarantined"
+	MetricNodeQuarantines    = "redfence_node_quarantines_total"
+	MetricBlockedWaiters     = "redfence_blocked_waiters"
+	MetricTokensIssued       = "redfence_tokens_issued_total"
+	MetricTokenIssueFailures = "redfence_token_issue_failures_total"
+	MetricTokenIssueSeconds  = "redfence_token_issue_duration_seconds"
+)
+
+// latencyBuckets spans sub-millisecond Redis answers to minute-long waits.
+var latencyBuckets = []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}
+
+// register registers c on reg, or returns the collector of the same
+// description already there (a registry shared by several Handlers or
+// Observers), so every instance feeds the one that is scraped.
+func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(C); ok {
+				return existing
+			}
+		}
+		panic(err)
+	}
+	return c
+}
 
 // metrics are the API's Prometheus collectors, on the injected registry.
 type metrics struct {
@@ -13,44 +63,276 @@ type metrics struct {
 	requestSeconds *prometheus.HistogramVec
 	acquisitions   *prometheus.CounterVec
 	acquireSeconds prometheus.Histogram
+	extensions     *prometheus.CounterVec
+	releases       *prometheus.CounterVec
 	releaseSeconds prometheus.Histogram
 	staleWrites    prometheus.Counter
+	quorumFailures *prometheus.CounterVec
 }
 
 func newMetrics(reg *prometheus.Registry) *metrics {
-	buckets := []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}
 	m := &metrics{
-		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "redfence_http_requests_total", Help: "HTTP requests by route, method and status code.",
-		}, []string{"route", "method", "code"}),
-		requestSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "redfence_http_request_duration_seconds", Help: "HTTP request latency by route and method.", Buckets: buckets,
-		}, []string{"route", "method"}),
-		acquisitions: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "redfence_acquisitions_total", Help: "Lock acquisitions by outcome (granted or the problem type).",
-		}, []string{"outcome"}),
-		acquireSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "redfence_acquire_duration_seconds", Help: "Latency of granted acquisitions, including waiting.", Buckets: buckets,
-		}),
-		releaseSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "redfence_release_duration_seconds", Help: "Latency of successful releases.", Buckets: buckets,
-		}),
-		staleWrites: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "redfence_stale_writes_refused_total", Help: "Reference-store writes refused for a stale or unissued fencing token.",
-		}),
+		requests: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricHTTPRequests, Help: "HTTP requests by route, method and status code.",
+		}, []string{"route", "method", "code"})),
+		requestSeconds: register(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: MetricHTTPSeconds, Help: "HTTP request latency by route and method.", Buckets: latencyBuckets,
+		}, []string{"route", "method"})),
+		acquisitions: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricAcquisitions, Help: "Lock acquisitions by outcome (granted or the problem type).",
+		}, []string{"outcome"})),
+		acquireSeconds: register(reg, prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: MetricAcquireSeconds, Help: "Latency of granted acquisitions, including waiting.", Buckets: latencyBuckets,
+		})),
+		extensions: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricExtensions, Help: "Lease extensions by outcome (extended or the problem type, e.g. lock-lost).",
+		}, []string{"outcome"})),
+		releases: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricReleases, Help: "Lock releases by outcome (released or the problem type, e.g. not-holder).",
+		}, []string{"outcome"})),
+		releaseSeconds: register(reg, prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: MetricReleaseSeconds, Help: "Latency of successful releases.", Buckets: latencyBuckets,
+		})),
+		staleWrites: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
+			Name: MetricStaleWrites, Help: "Reference-store writes refused for a stale or unissued fencing token.",
+		})),
+		quorumFailures: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricQuorumFailures, Help: "Lock operations that failed because too few Redis nodes answered, by operation.",
+		}, []string{"op"})),
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.requestSeconds, m.acquisitions, m.acquireSeconds, m.releaseSeconds, m.staleWrites,
-		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{})} {
-		// A registry shared with another Handler already has them.
-		var are prometheus.AlreadyRegisteredError
-		if err := reg.Register(c); err != nil && !errors.As(err, &are) {
-			panic(err)
-		}
+	// Every operation shows up at 0, so rates and alerts work before the
+	// first failure.
+	for _, op := range []string{"acquire", "extend", "release", "status"} {
+		m.quorumFailures.WithLabelValues(op)
 	}
+	register(reg, collectors.NewGoCollector())
+	register(reg, collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 
-func (m *metrics) acquire(outcome string) { m.acquisitions.WithLabelValues(outcome).Inc() }
+func (m *metrics) acquire(outcome string) {
+	m.acquisitions.WithLabelValues(outcome).Inc()
+	if outcome == kQuorum.slug {
+		m.quorumFailures.WithLabelValues("acquire").Inc()
+	}
+}
+
+// failed counts a failed lock operation (extend, release or status).
+func (m *metrics) failed(op string, err error) {
+	k := classify(err)
+	switch op {
+	case "extend":
+		m.extensions.WithLabelValues(k.slug).Inc()
+	case "release":
+		m.releases.WithLabelValues(k.slug).Inc()
+	}
+	if k == kQuorum {
+		m.quorumFailures.WithLabelValues(op).Inc()
+	}
+}
 
 // classifyOutcome labels a failed acquisition by its problem type.
 func classifyOutcome(err error) string { return classify(err).slug }
+
+// Observer turns a Locker's measurements (service.Observer) and fencing-token
+// issuance into Prometheus metrics: per-node request counts by outcome and
+// latency, node quarantine state, blocked waiters, and tokens issued. Create
+// one per registry with NewObserver and pass it as service.Options.Observer;
+// wrap the Locker's issuer with Issuer. It is safe for concurrent use.
+type Observer struct {
+	nodeRequests *prometheus.CounterVec
+	nodeSeconds  *prometheus.HistogramVec
+	waiters      prometheus.Gauge
+	issued       prometheus.Counter
+	issueFailed  prometheus.Counter
+	issueSeconds prometheus.Histogram
+	nodes        *nodeState
+}
+
+var _ service.Observer = (*Observer)(nil)
+
+// NewObserver registers the Locker's metrics on reg and returns the Observer
+// that feeds them. Calling it again with the same registry is allowed; both
+// Observers then feed the same metrics.
+func NewObserver(reg prometheus.Registerer) *Observer {
+	o := &Observer{
+		nodeRequests: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricNodeRequests,
+			Help: "Requests to each Redis node by operation (acquire, extend, release, ttl, ping) and outcome (yes, no, error, timeout, ...).",
+		}, []string{"node", "op", "outcome"})),
+		nodeSeconds: register(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: MetricNodeSeconds, Help: "Latency of requests to each Redis node, by operation.", Buckets: latencyBuckets,
+		}, []string{"node", "op"})),
+		waiters: register(reg, prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: MetricBlockedWaiters, Help: "Blocking acquires currently waiting between attempts for a held lock.",
+		})),
+		issued: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
+			Name: MetricTokensIssued,
+			Help: "Fencing tokens issued. Above granted acquisitions when grants fail after issuance (burned tokens).",
+		})),
+		issueFailed: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
+			Name: MetricTokenIssueFailures, Help: "Fencing-token issuances that failed (Postgres unavailable or too slow).",
+		})),
+		issueSeconds: register(reg, prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: MetricTokenIssueSeconds, Help: "Latency of fencing-token issuance in Postgres.", Buckets: latencyBuckets,
+		})),
+		nodes: register(reg, &nodeState{now: time.Now, until: make(map[string]time.Time), starts: make(map[string]uint64)}),
+	}
+	return o
+}
+
+// NodeOp implements service.Observer.
+func (o *Observer) NodeOp(addr, op string, outcome service.Outcome, d time.Duration) {
+	o.nodeRequests.WithLabelValues(addr, op, outcome.String()).Inc()
+	o.nodeSeconds.WithLabelValues(addr, op).Observe(d.Seconds())
+	o.nodes.seen(addr)
+}
+
+// Waiting implements service.Observer.
+func (o *Observer) Waiting(delta int) { o.waiters.Add(float64(delta)) }
+
+// Quarantine implements service.Observer.
+func (o *Observer) Quarantine(addr string, until time.Time) { o.nodes.quarantine(addr, until) }
+
+// Issuer returns iss with issuance counted and timed.
+func (o *Observer) Issuer(iss service.Issuer) service.Issuer {
+	return &countingIssuer{Issuer: iss, o: o}
+}
+
+type countingIssuer struct {
+	service.Issuer
+	o *Observer
+}
+
+func (c *countingIssuer) Issue(ctx context.Context, claim fencing.Claim) (fencing.Token, error) {
+	start := time.Now()
+	t, err := c.Issuer.Issue(ctx, claim)
+	c.o.issueSeconds.Observe(time.Since(start).Seconds())
+	if err != nil {
+		c.o.issueFailed.Inc()
+		return t, err
+	}
+	c.o.issued.Inc()
+	return t, nil
+}
+
+// nodeState reports each node's quarantine state at scrape time, so a
+// quarantine that simply runs out shows as over without another event.
+type nodeState struct {
+	now    func() time.Time
+	mu     sync.Mutex
+	until  map[string]time.Time // every node seen; zero: not quarantined
+	starts map[string]uint64    // quarantines begun, per node
+}
+
+var (
+	quarantinedDesc = prometheus.NewDesc(MetricNodeQuarantined,
+		"1 while a Redis node's votes are not counted because it lost its memory (restart quarantine), else 0.", []string{"node"}, nil)
+	quarantinesDesc = prometheus.NewDesc(MetricNodeQuarantines,
+		"Restart quarantines begun, per Redis node.", []string{"node"}, nil)
+)
+
+func (s *nodeState) seen(addr string) {
+	s.mu.Lock()
+	if _, ok := s.until[addr]; !ok {
+		s.until[addr] = time.Time{}
+	}
+	s.mu.Unlock()
+}
+
+func (s *nodeState) quarantine(addr string, until time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !until.IsZero() && !s.until[addr].After(s.now()) {
+		s.starts[addr]++
+	}
+	s.until[addr] = until
+}
+
+func (s *nodeState) Describe(ch chan<- *prometheus.Desc) {
+	ch <- quarantinedDesc
+	ch <- quarantinesDesc
+}
+
+func (s *nodeState) Collect(ch chan<- prometheus.Metric) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	addrs := make([]string, 0, len(s.until))
+	for a := range s.until {
+		addrs = append(addrs, a)
+	}
+	sort.Strings(addrs)
+	for _, a := range addrs {
+		v := 0.0
+		if s.until[a].After(now) {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(quarantinedDesc, prometheus.GaugeValue, v, a)
+		ch <- prometheus.MustNewConstMetric(quarantinesDesc, prometheus.CounterValue, float64(s.starts[a]), a)
+	}
+}
+
+// lastIssued is the part of a Store that tells which grant a lock token
+// belongs to (*store.DB has it). Audit lines use it to name the owner and
+// fencing token of a release; without it they name the lock only.
+type lastIssued interface {
+	Last(ctx context.Context, key string) (fencing.Record, error)
+}
+
+// grantOf returns the owner and fencing token of the grant that lockToken
+// received for key, if that grant is still the newest one issued; ok is
+// false otherwise (a newer grant exists, or the store cannot tell).
+func (h *Handler) grantOf(ctx context.Context, key, lockToken string) (owner string, token fencing.Token, ok bool) {
+	li, isLI := h.store.(lastIssued)
+	if !isLI {
+		return "", 0, false
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+	defer cancel()
+	rec, err := li.Last(ctx, key)
+	if err != nil || rec.Token == 0 || rec.Holder != service.HolderID(lockToken) {
+		return "", 0, false
+	}
+	return rec.Owner, rec.Token, true
+}
+
+// lookupGrant starts looking up, in the background, the owner and fencing
+// token of the grant lockToken received for key (see grantOf), when audit
+// lines at level are logged at all; the returned function waits for the
+// answer (empty when unknown).
+func (h *Handler) lookupGrant(r *http.Request, level slog.Level, key, lockToken string) func() (string, fencing.Token) {
+	if !h.log.Enabled(r.Context(), level) {
+		return func() (string, fencing.Token) { return "", 0 }
+	}
+	done := make(chan struct{})
+	var owner string
+	var token fencing.Token
+	go func() {
+		defer close(done)
+		owner, token, _ = h.grantOf(r.Context(), key, lockToken)
+	}()
+	return func() (string, fencing.Token) {
+		<-done
+		return owner, token
+	}
+}
+
+// audit logs one audit record: a grant, extension, release or refusal, with
+// the lock's name, the owner label, the fencing token (when known) and the
+// outcome ("granted", "extended", "released" or the problem type). It never
+// logs the lock token.
+func (h *Handler) audit(r *http.Request, level slog.Level, msg, name, owner string, token fencing.Token, outcome string, extra ...slog.Attr) {
+	if !h.log.Enabled(r.Context(), level) {
+		return
+	}
+	attrs := make([]slog.Attr, 0, 6+len(extra))
+	attrs = append(attrs, slog.Bool("audit", true), slog.String("request_id", requestID(r.Context())),
+		slog.String("name", name), slog.String("owner", owner))
+	if token.Valid() {
+		attrs = append(attrs, slog.Int64("fencing_token", int64(token)))
+	}
+	attrs = append(attrs, slog.String("outcome", outcome))
+	attrs = append(attrs, extra...)
+	h.log.LogAttrs(r.Context(), level, msg, attrs...)
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"runtime/debug"
@@ -100,5 +101,24 @@ func (h *Handler) accessLog(next http.Handler) http.Handler {
 			slog.Int("bytes", ww.BytesWritten()),
 			slog.Float64("duration_ms", float64(d.Microseconds())/1000),
 			slog.String("remote", r.RemoteAddr))
+	})
+}
+
+// limitHeaders refuses requests whose request line and headers exceed
+// MaxHeaderBytes with a 431 problem.
+func (h *Handler) limitHeaders(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := len(r.Method) + len(r.RequestURI) + len(r.Proto) + 4
+		for k, vs := range r.Header {
+			for _, v := range vs {
+				n += len(k) + len(v) + 4
+			}
+		}
+		if n > h.opts.MaxHeaderBytes {
+			h.writeError(w, r, &requestError{kind: kHeadersTooLarge,
+				detail: fmt.Sprintf("the request line and headers take %d bytes; the limit is %d", n, h.opts.MaxHeaderBytes)})
+			return
+		}
+		next.ServeHTTP(w, r)
 	})
 }

@@ -7,6 +7,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/redfence/redfence/fencing"
@@ -78,13 +79,21 @@ var (
 	kStore       = kind{"store-unavailable", http.StatusServiceUnavailable, "The reference store (Postgres) is unavailable"}
 	kCancelled   = kind{"cancelled", 499, "The client closed the request"}
 	kInternal    = kind{"internal-error", http.StatusInternalServerError, "Internal server error"}
+	// Access control (auth.go).
+	kUnauthorized    = kind{"unauthorized", http.StatusUnauthorized, "A valid API key is required"}
+	kForbidden       = kind{"forbidden", http.StatusForbidden, "The API key lacks the scope this call needs"}
+	kRateLimited     = kind{"rate-limited", http.StatusTooManyRequests, "Too many requests with this API key"}
+	kAuthUnavailable = kind{"auth-unavailable", http.StatusServiceUnavailable, "The API key could not be checked"}
+	// Hardening.
+	kHeadersTooLarge = kind{"headers-too-large", http.StatusRequestHeaderFieldsTooLarge, "The request headers are too large"}
 )
 
 // ProblemTypes lists every problem type slug the API can return.
 func ProblemTypes() []string {
 	var out []string
 	for _, k := range []kind{kInvalid, kTooLarge, kMediaType, kNotFound, kMethod, kNoResource, kHeld, kWaitTimeout,
-		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kCancelled, kInternal} {
+		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kCancelled, kInternal,
+		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge} {
 		out = append(out, k.slug)
 	}
 	return out
@@ -107,9 +116,12 @@ func invalid(detail string, params ...InvalidParam) error {
 // timeout also matches the reason of its last attempt.
 func classify(err error) kind {
 	var re *requestError
+	var ae *authError
 	switch {
 	case errors.As(err, &re):
 		return re.kind
+	case errors.As(err, &ae):
+		return ae.kind
 	case errors.Is(err, service.ErrInvalid):
 		return kInvalid
 	case errors.Is(err, service.ErrWaitTimeout) && errors.Is(err, service.ErrHeld):
@@ -152,13 +164,22 @@ func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) 
 	var re *requestError
 	var se *service.Error
 	var stale *store.StaleError
+	var ae *authError
 	switch {
 	case errors.As(err, &re):
 		p.Detail, p.InvalidParams = re.detail, re.params
+	case errors.As(err, &ae):
+		ae.describe(w, p)
 	case errors.As(err, &stale):
 		cur := int64(stale.Current)
 		p.CurrentFencingToken = &cur
-		p.Detail = stale.Error()[len("store: "):]
+		// Name the name, not the storage key: a tenant's key is
+		// "tenant/name", and the answer must read the same in every namespace.
+		shown := *stale
+		if _, name, ok := strings.Cut(shown.Key, "/"); ok {
+			shown.Key = name
+		}
+		p.Detail = shown.Error()[len("store: "):]
 	case k == kNoResource:
 		p.Detail = "no document has been written under this name"
 	case errors.Is(err, store.ErrInvalidData):

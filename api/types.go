@@ -63,6 +63,9 @@ type Node struct {
 	Up        bool    `json:"up"`
 	LatencyMS float64 `json:"latency_ms"`
 	Error     string  `json:"error,omitempty"`
+	// QuarantinedUntil is set while the node's votes do not count because it
+	// restarted without its data (RFC 3339).
+	QuarantinedUntil string `json:"quarantined_until,omitempty"`
 }
 
 // NodeList is the body of GET /v1/nodes.
@@ -82,9 +85,11 @@ type Health struct {
 
 // RedisHealth summarises the nodes for /readyz.
 type RedisHealth struct {
-	Up     int `json:"up"`
-	Total  int `json:"total"`
-	Quorum int `json:"quorum"`
+	// Up counts nodes that answer and whose votes count (not quarantined).
+	Up          int `json:"up"`
+	Quarantined int `json:"quarantined"`
+	Total       int `json:"total"`
+	Quorum      int `json:"quorum"`
 }
 
 // PostgresHealth summarises Postgres for /readyz.

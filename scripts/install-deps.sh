@@ -3,6 +3,7 @@
 #   - redis-server          (Debian package: redis-server)
 #   - Postgres server bins  (Debian package: postgresql)
 #   - a C compiler          (Debian packages: gcc libc6-dev; needed by `go test -race`)
+#   - with --bench: etcd    (Debian package: etcd-server; the peer `make bench` measures)
 #
 # Idempotent: when everything is present it only prints what it found (no apt-get
 # update). Installs only as root on Debian/Ubuntu (apt-get); otherwise it names what
@@ -11,6 +12,14 @@
 set -euo pipefail
 
 log() { printf 'install-deps: %s\n' "$*"; }
+
+bench=0
+for arg in "$@"; do
+  case "$arg" in
+    --bench) bench=1 ;;
+    *) log "unknown argument: $arg (known: --bench)" >&2; exit 2 ;;
+  esac
+done
 
 missing_pkgs=()   # Debian packages to install
 missing_desc=()   # human-readable names of what is missing
@@ -46,6 +55,16 @@ else
   missing_desc+=("a C compiler for go test -race (Debian/Ubuntu: gcc libc6-dev)")
 fi
 
+# --- etcd, for the benchmark only -----------------------------------------
+if [[ $bench -eq 1 ]]; then
+  if etcd_bin="$(command -v etcd 2>/dev/null)"; then
+    log "etcd: found ${etcd_bin}"
+  else
+    missing_pkgs+=(etcd-server)
+    missing_desc+=("etcd (Debian/Ubuntu: etcd-server, macOS: brew install etcd)")
+  fi
+fi
+
 if [[ ${#missing_pkgs[@]} -eq 0 ]]; then
   exit 0
 fi
@@ -68,6 +87,7 @@ for p in "${missing_pkgs[@]}"; do
   case "$p" in
     redis-server) services+=(redis-server) ;;
     postgresql)   services+=(postgresql) ;;
+    etcd-server)  services+=(etcd) ;;
   esac
 done
 
@@ -112,5 +132,8 @@ for p in "${missing_pkgs[@]}"; do
       log "postgres: installed ${pg_bin}" ;;
     gcc)
       log "c compiler: installed $(command -v gcc)" ;;
+    etcd-server)
+      command -v etcd >/dev/null 2>&1 || { log "ERROR: etcd still not found" >&2; exit 1; }
+      log "etcd: installed $(command -v etcd)" ;;
   esac
 done

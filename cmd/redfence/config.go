@@ -31,12 +31,24 @@ type Config struct {
 	DBMaxConns        int32         `envconfig:"DB_MAX_CONNS" desc:"Postgres pool size (default: max(4, CPUs))"`
 	StatementTimeout  time.Duration `split_words:"true" default:"5s" desc:"Postgres statement_timeout"`
 	MaxBodyBytes      int64         `split_words:"true" default:"1048576" desc:"largest request body accepted"`
+	MaxHeaderBytes    int           `split_words:"true" default:"65536" desc:"largest request line plus headers accepted (431 above)"`
 	ReadHeaderTimeout time.Duration `split_words:"true" default:"5s" desc:"time to read request headers"`
 	ReadTimeout       time.Duration `split_words:"true" default:"30s" desc:"time to read a whole request"`
 	IdleTimeout       time.Duration `split_words:"true" default:"120s" desc:"keep-alive idle timeout"`
 	ShutdownTimeout   time.Duration `split_words:"true" default:"30s" desc:"grace period for in-flight requests on SIGINT/SIGTERM"`
 	LogLevel          string        `split_words:"true" default:"info" desc:"debug, info, warn or error"`
 	LogFormat         string        `split_words:"true" default:"json" desc:"json or text"`
+	Auth              bool          `envconfig:"AUTH" default:"true" desc:"require an API key (Authorization: Bearer) on /v1 and /metrics; false lets anyone who reaches the port do anything"`
+	AuthCacheTTL      time.Duration `envconfig:"AUTH_CACHE_TTL" default:"1s" desc:"how long a server trusts a cached API key: the bound on applying a revocation whose notification was lost"`
+	RateLimit         float64       `split_words:"true" default:"100" desc:"requests per second per API key on average, on each server (token bucket); 0 turns rate limits off"`
+	RateBurst         int           `split_words:"true" default:"200" desc:"requests an API key may send at once above REDFENCE_RATE_LIMIT"`
+	TLSCertFile       string        `envconfig:"TLS_CERT_FILE" desc:"PEM certificate chain: serve HTTPS (with REDFENCE_TLS_KEY_FILE); reloaded when the file changes"`
+	TLSKeyFile        string        `envconfig:"TLS_KEY_FILE" desc:"PEM private key of REDFENCE_TLS_CERT_FILE"`
+	TLSClientCAFile   string        `envconfig:"TLS_CLIENT_CA_FILE" desc:"PEM CA certificates: require client certificates signed by them (mTLS)"`
+	RedisTLS          bool          `envconfig:"REDIS_TLS" default:"false" desc:"connect to the Redis nodes over TLS"`
+	RedisTLSCAFile    string        `envconfig:"REDIS_TLS_CA_FILE" desc:"PEM CA certificates of the Redis nodes (default: the system's roots)"`
+	RedisTLSCertFile  string        `envconfig:"REDIS_TLS_CERT_FILE" desc:"PEM client certificate for Redis nodes that verify clients (tls-auth-clients)"`
+	RedisTLSKeyFile   string        `envconfig:"REDIS_TLS_KEY_FILE" desc:"PEM private key of REDFENCE_REDIS_TLS_CERT_FILE"`
 }
 
 const envPrefix = "redfence"
@@ -82,6 +94,7 @@ func (c *Config) validate() error {
 	for i, a := range c.RedisAddrs {
 		c.RedisAddrs[i] = strings.TrimSpace(a)
 	}
+	errs = append(errs, c.validateSecurity()...)
 	return errors.Join(errs...)
 }
 

@@ -63,39 +63,66 @@ serves. Ctrl-C stops everything it started and removes its temporary data.`, std
 	if err != nil {
 		return err
 	}
-	fmt.Fprint(stdout, walkthrough("http://"+s.Addr(), cfg))
+	key := ""
+	if cfg.Auth {
+		if key, err = s.devKey(ctx); err != nil {
+			_ = s.Close(context.Background())
+			return err
+		}
+	}
+	fmt.Fprint(stdout, walkthrough(s.URL(), cfg, key))
 	return serveUntilDone(ctx, s, cfg)
 }
 
 // walkthrough is the banner redfence dev prints: what runs where, and curl
-// commands to try that work as printed in a POSIX shell.
-func walkthrough(base string, cfg *Config) string {
+// commands to try that work as printed in a POSIX shell. key is the API key
+// for tenant "dev" the commands send; "" when auth is off.
+func walkthrough(base string, cfg *Config, key string) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `
 Redfence is serving on %s
   Redis nodes: %s
   Postgres:    %s
   max TTL %v, default TTL %v, node timeout %v
-
+`, base, strings.Join(cfg.RedisAddrs, ","), redactURL(cfg.DatabaseURL), cfg.MaxTTL, cfg.DefaultTTL, cfg.NodeTimeout)
+	auth := ` -H "Authorization: Bearer $KEY"`
+	if key == "" {
+		auth = ""
+		b.WriteString(`
+  !!! AUTHENTICATION IS OFF (REDFENCE_AUTH=false): anyone who reaches the port can do anything !!!
+`)
+	}
+	fmt.Fprintf(&b, `
 Try it (in another terminal):
 
   RF=%s
-  # 1. acquire the lock "orders" for 30 s; keep the lock token and fencing token
-  R=$(curl -s -X POST $RF/v1/locks/orders -H 'Content-Type: application/json' -d '{"ttl_ms":30000,"owner":"alice"}'); echo "$R"
+`, base)
+	if key != "" {
+		fmt.Fprintf(&b, "  # an API key for tenant \"dev\" with every scope, shown only here\n  KEY=%s\n", key)
+	}
+	b.WriteString(strings.ReplaceAll(`  # 1. acquire the lock "orders" for 30 s; keep the lock token and fencing token
+  R=$(curl -s -X POST $RF/v1/locks/orders@AUTH@ -H 'Content-Type: application/json' -d '{"ttl_ms":30000,"owner":"alice"}'); echo "$R"
   LOCK=$(echo "$R" | sed -E 's/.*"lock_token":"([^"]+)".*/\1/'); FENCE=$(echo "$R" | sed -E 's/.*"fencing_token":([0-9]+).*/\1/')
   # 2. write to the fenced reference store with the fencing token
-  curl -s -X PUT $RF/v1/resources/orders -H 'Content-Type: application/json' -d "{\"fencing_token\":$FENCE,\"data\":{\"total\":42}}"
+  curl -s -X PUT $RF/v1/resources/orders@AUTH@ -H 'Content-Type: application/json' -d "{\"fencing_token\":$FENCE,\"data\":{\"total\":42}}"
   # 3. look at the lock (never shows the lock token), then release it
-  curl -s $RF/v1/locks/orders
-  curl -s -X DELETE $RF/v1/locks/orders -H "Lock-Token: $LOCK" -w '%%{http_code}\n'
+  curl -s $RF/v1/locks/orders@AUTH@
+  curl -s -X DELETE $RF/v1/locks/orders@AUTH@ -H "Lock-Token: $LOCK" -w '%{http_code}\n'
   # 4. someone else acquires (fencing token +1); the old token can no longer write: 409 stale-token
-  curl -s -X POST $RF/v1/locks/orders -H 'Content-Type: application/json' -d '{"ttl_ms":30000,"owner":"bob"}'
-  curl -s -X PUT $RF/v1/resources/orders -H 'Content-Type: application/json' -d "{\"fencing_token\":$FENCE,\"data\":{\"total\":0}}"
-
-  API: $RF/openapi.yaml   nodes: $RF/v1/nodes   metrics: $RF/metrics
+  curl -s -X POST $RF/v1/locks/orders@AUTH@ -H 'Content-Type: application/json' -d '{"ttl_ms":30000,"owner":"bob"}'
+  curl -s -X PUT $RF/v1/resources/orders@AUTH@ -H 'Content-Type: application/json' -d "{\"fencing_token\":$FENCE,\"data\":{\"total\":0}}"
+`, "@AUTH@", auth))
+	if key != "" {
+		b.WriteString(`  # 5. without the key: 401 unauthorized
+  curl -s $RF/v1/locks/orders -w '%{http_code}\n'
+`)
+	}
+	fmt.Fprintf(&b, `
+  API: $RF/openapi.yaml   nodes: curl%s $RF/v1/nodes   metrics: curl%s $RF/metrics
+  More keys: REDFENCE_DATABASE_URL='%s' redfence keys create --tenant <tenant>
 Press Ctrl-C to stop.
 
-`, base, strings.Join(cfg.RedisAddrs, ","), redactURL(cfg.DatabaseURL), cfg.MaxTTL, cfg.DefaultTTL, cfg.NodeTimeout, base)
+`, auth, auth, redactURL(cfg.DatabaseURL))
 	return b.String()
 }
 

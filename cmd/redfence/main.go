@@ -9,6 +9,8 @@
 //	redfence migrate     apply database migrations and exit
 //	redfence version     print the version
 //	redfence healthcheck exit 0 if the local server answers /healthz
+//	redfence lock        run a command while holding a lock
+//	redfence keys        create, list and revoke API keys
 package main
 
 import (
@@ -36,7 +38,8 @@ func main() {
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	cancel()
 	if err != nil {
-		if !errors.Is(err, errUsage) {
+		var ee *exitError
+		if !errors.Is(err, errUsage) && !errors.As(err, &ee) {
 			fmt.Fprintln(os.Stderr, "redfence:", err)
 		}
 		os.Exit(exitCode(err))
@@ -72,6 +75,13 @@ Usage:
   redfence migrate      apply database migrations to REDFENCE_DATABASE_URL and exit
   redfence version      print the version
   redfence healthcheck  exit 0 if the server on REDFENCE_LISTEN_ADDR answers /healthz
+  redfence lock [--ttl D] [--wait D] [--server URL] NAME -- COMMAND [ARGS...]
+                        run COMMAND while holding the lock NAME (see redfence lock -h)
+  redfence keys create --tenant T [--scope locks,resources,admin]
+                        create an API key and print it (shown only this once)
+  redfence keys list    print every API key: id, tenant, scopes, created, revoked
+  redfence keys revoke ID
+                        revoke an API key on every server within a second
 
 Settings (environment variables):
 `)
@@ -99,6 +109,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return cmdMigrate(ctx, rest, stdout, stderr)
 	case "healthcheck":
 		return cmdHealthcheck(ctx, rest, stderr)
+	case "lock":
+		return cmdLock(ctx, rest, stdout, stderr)
+	case "keys":
+		return cmdKeys(ctx, rest, stdout, stderr)
 	}
 	fmt.Fprintf(stderr, "redfence: unknown command %q\n\n", cmd)
 	usage(stderr)
@@ -227,11 +241,15 @@ func cmdHealthcheck(ctx context.Context, args []string, stderr io.Writer) error 
 	}
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+net.JoinHostPort("127.0.0.1", port)+"/healthz", nil)
+	client, base, err := cfg.healthClient(port)
 	if err != nil {
 		return err
 	}
-	resp, err := http.DefaultClient.Do(req)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/healthz", nil)
+	if err != nil {
+		return err
+	}
+	resp, err := client.Do(req)
 	if err != nil {
 		return fmt.Errorf("healthcheck: %w", err)
 	}

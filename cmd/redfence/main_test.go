@@ -154,6 +154,7 @@ func testConfig(t testing.TB, redisAddrs []string, databaseURL string) *Config {
 	cfg.DatabaseURL = databaseURL
 	cfg.NodeTimeout = 2 * time.Second
 	cfg.ShutdownTimeout = 10 * time.Second
+	cfg.Auth = false // access control has its own tests (auth_test.go)
 	return cfg
 }
 
@@ -505,6 +506,7 @@ func TestServe_SIGTERM(t *testing.T) {
 		"REDFENCE_SHUTDOWN_TIMEOUT=10s",
 		"REDFENCE_LOG_FORMAT=json",
 		"REDFENCE_LOG_LEVEL=info",
+		"REDFENCE_AUTH=false",
 	)
 	// The kernel kills the server if the test binary dies.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

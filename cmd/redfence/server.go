@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -27,6 +28,10 @@ type Server struct {
 	locker *service.Locker
 	ln     net.Listener
 	http   *http.Server
+	// tls is the HTTPS configuration; nil serves plain HTTP.
+	tls *tls.Config
+	// keys watches API key changes (nil with REDFENCE_AUTH=false).
+	keys *store.KeyWatcher
 	// stop cancels the context of in-flight requests (blocking acquires) once
 	// the shutdown grace period has begun.
 	stop    context.CancelFunc
@@ -40,6 +45,17 @@ type ServerOptions struct {
 	AfterQuorum func(ctx context.Context, key string)
 	// Unfenced is store.Options.Unfenced (a test-only switch).
 	Unfenced bool
+	// NoQuarantine turns off restart detection (a test-only switch for the
+	// negative control of the restart fault test).
+	NoQuarantine bool
+}
+
+// registry returns the node registry unless a test switched it off.
+func registry(db *store.DB, opts ServerOptions) service.Registry {
+	if opts.NoQuarantine {
+		return nil
+	}
+	return db
 }
 
 // Open connects to Postgres and applies migrations, connects the Redis nodes,
@@ -75,13 +91,23 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		log.Info("migrations applied", slog.Any("migrations", applied))
 	}
 
+	auth, err := s.openAuth(ctx)
+	if err != nil {
+		return nil, err
+	}
+	redisTLS, err := cfg.redisTLS()
+	if err != nil {
+		return nil, err
+	}
 	nodes := make([]service.Node, len(cfg.RedisAddrs))
 	for i, a := range cfg.RedisAddrs {
-		n := service.NewRedisNode(a, service.RedisOptions{Username: cfg.RedisUsername, Password: cfg.RedisPassword})
+		n := service.NewRedisNode(a, service.RedisOptions{Username: cfg.RedisUsername, Password: cfg.RedisPassword, TLSConfig: redisTLS})
 		s.nodes = append(s.nodes, n)
 		nodes[i] = n
 	}
-	s.locker, err = service.New(nodes, db, service.Options{
+	reg := prometheus.NewRegistry()
+	obs := api.NewObserver(reg)
+	s.locker, err = service.New(nodes, obs.Issuer(db), service.Options{
 		NodeTimeout:   cfg.NodeTimeout,
 		DriftFactor:   cfg.DriftFactor,
 		MinTTL:        cfg.MinTTL,
@@ -91,19 +117,32 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		RetryDelayMax: cfg.RetryDelayMax,
 		IssueTimeout:  cfg.IssueTimeout,
 		AfterQuorum:   opts.AfterQuorum,
+		Observer:      obs,
+		Registry:      registry(db, opts),
+		Logger:        log,
 	})
 	if err != nil {
 		return nil, err
 	}
+	if err := s.locker.Init(ctx); err != nil {
+		return nil, err
+	}
 
-	reg := prometheus.NewRegistry()
 	h := api.NewHandler(s.locker, db, api.Options{
-		DefaultTTL:   cfg.DefaultTTL,
-		MaxBodyBytes: cfg.MaxBodyBytes,
-		Logger:       log,
-		Registry:     reg,
-		OpenAPI:      redfence.OpenAPI,
+		DefaultTTL:     cfg.DefaultTTL,
+		MaxBodyBytes:   cfg.MaxBodyBytes,
+		MaxHeaderBytes: cfg.MaxHeaderBytes,
+		Logger:         log,
+		Registry:       reg,
+		OpenAPI:        redfence.OpenAPI,
+		Auth:           auth,
+		RateLimit:      cfg.RateLimit,
+		RateBurst:      cfg.RateBurst,
 	})
+
+	if s.tls, err = cfg.serverTLS(log); err != nil {
+		return nil, err
+	}
 
 	s.ln, err = net.Listen("tcp", cfg.ListenAddr)
 	if err != nil {
@@ -116,15 +155,17 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
 		ReadTimeout:       cfg.ReadTimeout,
 		// A blocking acquire may wait MaxWait, then run one more round.
-		WriteTimeout:   cfg.MaxWait + cfg.IssueTimeout + 10*time.Second,
-		IdleTimeout:    cfg.IdleTimeout,
-		MaxHeaderBytes: 64 << 10,
+		WriteTimeout: cfg.MaxWait + cfg.IssueTimeout + 10*time.Second,
+		IdleTimeout:  cfg.IdleTimeout,
+		// Above the API's own problem+json 431, net/http answers in plain text.
+		MaxHeaderBytes: 2 * cfg.MaxHeaderBytes,
 		ErrorLog:       slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 		BaseContext:    func(net.Listener) context.Context { return base },
+		TLSConfig:      s.tls,
 	}
-	go func() { s.served <- s.http.Serve(s.ln) }()
+	go func() { s.served <- s.serve() }()
 	ok = true
-	log.Info("redfence serving", slog.String("addr", s.Addr()), slog.Int("nodes", len(nodes)),
+	log.Info("redfence serving", slog.String("addr", s.Addr()), slog.String("url", s.URL()), slog.Bool("auth", auth != nil), slog.Int("nodes", len(nodes)),
 		slog.Int("quorum", s.locker.Quorum()), slog.String("max_ttl", cfg.MaxTTL.String()))
 	return s, nil
 }
@@ -152,6 +193,9 @@ func (s *Server) Close(ctx context.Context) error {
 }
 
 func (s *Server) closeBackends() {
+	if s.keys != nil {
+		s.keys.Close()
+	}
 	for _, n := range s.nodes {
 		_ = n.Close()
 	}

@@ -1,0 +1,377 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sync/singleflight"
+
+	"github.com/redfence/redfence/store"
+)
+
+// Access control. When Options.Auth is set, every /v1 route and /metrics
+// needs "Authorization: Bearer <API key>" with the route's scope (locks,
+// resources or admin), each key is rate limited on its own, and the key's
+// tenant is the namespace of every lock and resource name, so a tenant cannot
+// see or touch another tenant's locks and resources: they behave exactly as
+// if they did not exist. /healthz, /readyz and /openapi.yaml stay open.
+//
+// Refusals: 401 unauthorized (no, malformed, unknown, revoked or wrong key,
+// all with the same answer and WWW-Authenticate), 403 forbidden (the key
+// lacks the scope), 429 rate-limited (with Retry-After), 503
+// auth-unavailable (the key could not be checked). The API key itself is
+// never logged; its id (the public part) is.
+
+// Authenticator resolves an API key (the bearer token) to its principal.
+type Authenticator interface {
+	// Authenticate returns the principal of key. The error matches
+	// ErrUnauthorized when key is malformed, unknown, revoked or wrong; any
+	// other error means the key could not be checked. Errors never contain
+	// the key.
+	Authenticate(ctx context.Context, key string) (*Principal, error)
+}
+
+// ErrUnauthorized is returned by an Authenticator for a key that grants
+// nothing.
+var ErrUnauthorized = errors.New("api: API key is malformed, unknown, revoked or wrong")
+
+// Principal is who a request acts for: an API key and its tenant.
+type Principal struct {
+	// KeyID is the public id of the API key (safe to log).
+	KeyID string
+	// Tenant is the namespace of every name the request touches.
+	Tenant string
+	// Scopes are what the key may do.
+	Scopes []string
+}
+
+// HasScope reports whether p carries scope.
+func (p *Principal) HasScope(scope string) bool {
+	for _, s := range p.Scopes {
+		if s == scope {
+			return true
+		}
+	}
+	return false
+}
+
+type principalKey struct{}
+
+// PrincipalFrom returns the principal authenticated for a request's context,
+// or nil when the API is open.
+func PrincipalFrom(ctx context.Context) *Principal {
+	p, _ := ctx.Value(principalKey{}).(*Principal)
+	return p
+}
+
+// Tenant returns the tenant of the request's API key, or "" (the default
+// namespace) when the API is open. It is the default Options.Namespace when
+// Options.Auth is set.
+func Tenant(r *http.Request) string {
+	if p := PrincipalFrom(r.Context()); p != nil {
+		return p.Tenant
+	}
+	return ""
+}
+
+// authRealm is the realm of every WWW-Authenticate challenge.
+const authRealm = `Bearer realm="redfence"`
+
+// authError is a request refused by access control: the problem kind and the
+// detail the client sees, and the cause, which is logged but not shown.
+type authError struct {
+	kind   kind
+	detail string
+	// challenge is the WWW-Authenticate value (401, 403).
+	challenge string
+	// retryAfter is when the key may send again (429).
+	retryAfter time.Duration
+	cause      error
+}
+
+func (e *authError) Error() string {
+	if e.cause == nil {
+		return e.detail
+	}
+	return e.detail + ": " + e.cause.Error()
+}
+
+func (e *authError) Unwrap() error { return e.cause }
+
+// describe fills in the client's view of e: headers and problem members.
+func (e *authError) describe(w http.ResponseWriter, p *Problem) {
+	p.Detail = e.detail
+	if e.challenge != "" {
+		w.Header().Set("WWW-Authenticate", e.challenge)
+	}
+	if e.kind == kRateLimited {
+		ms := e.retryAfter.Milliseconds()
+		p.RetryAfterMS = &ms
+		retryAfterHeader(w, e.retryAfter)
+	}
+}
+
+// The client sees one answer for every key that grants nothing, so that
+// nothing tells a guessed id from a revoked key or a wrong secret.
+func unauthorized(cause error) *authError {
+	return &authError{kind: kUnauthorized, cause: cause,
+		detail:    "a valid API key is required: send Authorization: Bearer <API key>",
+		challenge: authRealm + `, error="invalid_token"`}
+}
+
+// bearer returns the credentials of the request's one Authorization: Bearer
+// header.
+func bearer(r *http.Request) (string, error) {
+	v := r.Header.Values("Authorization")
+	if len(v) == 0 {
+		return "", &authError{kind: kUnauthorized, challenge: authRealm,
+			detail: "a valid API key is required: send Authorization: Bearer <API key>",
+			cause:  errors.New("no Authorization header")}
+	}
+	if len(v) > 1 {
+		return "", unauthorized(fmt.Errorf("%d Authorization headers", len(v)))
+	}
+	scheme, cred, ok := strings.Cut(v[0], " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", unauthorized(errors.New("the Authorization scheme is not Bearer"))
+	}
+	return strings.TrimSpace(cred), nil
+}
+
+// authorize returns middleware that lets a request through only with an API
+// key that carries scope and is within its rate limit, and puts the key's
+// principal in the request's context. Without Options.Auth it does nothing.
+func (h *Handler) authorize(scope string) func(http.Handler) http.Handler {
+	return func(next http.Handler) http.Handler {
+		if h.opts.Auth == nil {
+			return next
+		}
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			p, err := h.authenticate(r)
+			if err == nil {
+				if wait := h.limits.reserve(p.KeyID, h.opts.Now()); wait > 0 {
+					err = &authError{kind: kRateLimited, retryAfter: wait,
+						detail: "this API key sent more requests than its rate limit allows; retry after retry_after_ms",
+						cause:  fmt.Errorf("key %s over its rate limit", p.KeyID)}
+				}
+			}
+			if err == nil && !p.HasScope(scope) {
+				err = &authError{kind: kForbidden,
+					detail:    fmt.Sprintf("this API key lacks the %q scope this call needs", scope),
+					challenge: fmt.Sprintf(`%s, error="insufficient_scope", scope=%q`, authRealm, scope),
+					cause:     fmt.Errorf("key %s of tenant %q lacks scope %q", p.KeyID, p.Tenant, scope)}
+			}
+			if err != nil {
+				h.writeError(w, r, err)
+				return
+			}
+			next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), principalKey{}, p)))
+		})
+	}
+}
+
+func (h *Handler) authenticate(r *http.Request) (*Principal, error) {
+	key, err := bearer(r)
+	if err != nil {
+		return nil, err
+	}
+	p, err := h.opts.Auth.Authenticate(r.Context(), key)
+	switch {
+	case err == nil:
+		return p, nil
+	case errors.Is(err, ErrUnauthorized):
+		return nil, unauthorized(err)
+	case errors.Is(err, context.Canceled) && r.Context().Err() != nil:
+		return nil, err // the client went away
+	}
+	return nil, &authError{kind: kAuthUnavailable, cause: err,
+		detail: "the API key could not be checked (Postgres did not answer); nothing was done"}
+}
+
+// KeyStore is the API key table as KeyAuth uses it (*store.DB).
+type KeyStore interface {
+	// Key returns the key with id, revoked or not, or an error matching
+	// store.ErrKeyNotFound.
+	Key(ctx context.Context, id string) (*store.APIKey, error)
+}
+
+// KeyAuthOptions tunes a KeyAuth. Zero fields take the documented defaults.
+type KeyAuthOptions struct {
+	// CacheTTL is how long a key's record (or its absence) is trusted
+	// without asking Postgres again: the longest a revocation can take to
+	// apply on a server that missed its notification. The default is 1s.
+	CacheTTL time.Duration
+	// MaxCached bounds the number of cached key ids. The default is 10000.
+	MaxCached int
+	// LookupTimeout bounds each lookup in Postgres. The default is 2s.
+	LookupTimeout time.Duration
+	// Now is the clock. The default is time.Now.
+	Now func() time.Time
+}
+
+// KeyAuth is the Authenticator of API keys stored by package store: it looks
+// keys up by id, compares the hash of the whole key in constant time, and
+// caches what it read for at most CacheTTL. Changed drops cached entries
+// early; feed it store.DB.WatchKeys so revocations apply at once.
+//
+// Guarantee: a key revoked (or deleted) in Postgres is refused by this
+// KeyAuth no later than CacheTTL after the revocation committed, even if the
+// notification is lost; with notifications flowing, as soon as one arrives.
+// When Postgres cannot answer, keys that are not cached are refused with a
+// 503, never let through.
+type KeyAuth struct {
+	ks   KeyStore
+	opts KeyAuthOptions
+
+	mu sync.Mutex
+	// gen counts invalidations: a lookup that started before one must not
+	// cache what it read, which may predate the change.
+	gen   uint64
+	cache map[string]cached
+	group singleflight.Group
+}
+
+type cached struct {
+	key *store.APIKey // nil: no key has this id
+	at  time.Time     // when the lookup started
+}
+
+var _ Authenticator = (*KeyAuth)(nil)
+
+// NewKeyAuth returns a KeyAuth over ks.
+func NewKeyAuth(ks KeyStore, opts KeyAuthOptions) *KeyAuth {
+	if opts.CacheTTL <= 0 {
+		opts.CacheTTL = time.Second
+	}
+	if opts.MaxCached <= 0 {
+		opts.MaxCached = 10000
+	}
+	if opts.LookupTimeout <= 0 {
+		opts.LookupTimeout = 2 * time.Second
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	return &KeyAuth{ks: ks, opts: opts, cache: make(map[string]cached)}
+}
+
+// Changed drops what is cached about the key that changed, or about every
+// key for a KeyChange with no ID.
+func (a *KeyAuth) Changed(c store.KeyChange) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.gen++
+	if c.ID == "" {
+		clear(a.cache)
+		return
+	}
+	delete(a.cache, c.ID)
+}
+
+// Authenticate implements Authenticator.
+func (a *KeyAuth) Authenticate(ctx context.Context, key string) (*Principal, error) {
+	id, ok := store.KeyID(key)
+	if !ok {
+		return nil, fmt.Errorf("%w: not of the form %s<id>_<secret>", ErrUnauthorized, store.KeyPrefix)
+	}
+	k, err := a.lookup(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case k == nil:
+		return nil, fmt.Errorf("%w: no key has id %s", ErrUnauthorized, id)
+	case !k.Verify(key):
+		return nil, fmt.Errorf("%w: wrong secret for key %s", ErrUnauthorized, id)
+	case k.Revoked():
+		return nil, fmt.Errorf("%w: key %s was revoked at %s", ErrUnauthorized, id, k.RevokedAt.UTC().Format(time.RFC3339))
+	}
+	return &Principal{KeyID: k.ID, Tenant: k.Tenant, Scopes: k.Scopes}, nil
+}
+
+// lookup returns the key with id (nil if there is none) from the cache, or
+// from the store. Concurrent lookups of one id share one query.
+func (a *KeyAuth) lookup(ctx context.Context, id string) (*store.APIKey, error) {
+	now := a.opts.Now()
+	a.mu.Lock()
+	e, ok := a.cache[id]
+	a.mu.Unlock()
+	if ok && !now.Before(e.at) && now.Sub(e.at) < a.opts.CacheTTL {
+		return e.key, nil
+	}
+	ch := a.group.DoChan(id, func() (any, error) {
+		a.mu.Lock()
+		gen := a.gen
+		a.mu.Unlock()
+		start := a.opts.Now()
+		// The query serves every caller waiting on it: it must not end
+		// because the first one went away.
+		lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.opts.LookupTimeout)
+		defer cancel()
+		k, err := a.ks.Key(lctx, id)
+		if errors.Is(err, store.ErrKeyNotFound) {
+			k, err = nil, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		a.store(id, cached{key: k, at: start}, gen)
+		return k, nil
+	})
+	select {
+	case res := <-ch:
+		if res.Err != nil {
+			return nil, res.Err
+		}
+		return res.Val.(*store.APIKey), nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// store caches e under id unless an invalidation happened since gen.
+func (a *KeyAuth) store(id string, e cached, gen uint64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.gen != gen {
+		return
+	}
+	if len(a.cache) >= a.opts.MaxCached {
+		now := a.opts.Now()
+		for k, v := range a.cache {
+			if now.Before(v.at) || now.Sub(v.at) >= a.opts.CacheTTL {
+				delete(a.cache, k)
+			}
+		}
+		if len(a.cache) >= a.opts.MaxCached {
+			clear(a.cache) // a flood of distinct ids: start over
+		}
+	}
+	a.cache[id] = e
+}
+
+// principalLog adds the tenant and key id of the request's principal to
+// every record logged with its context, so that log lines say who acted.
+type principalLog struct{ slog.Handler }
+
+func (h principalLog) Handle(ctx context.Context, r slog.Record) error {
+	if p := PrincipalFrom(ctx); p != nil {
+		r = r.Clone()
+		r.AddAttrs(slog.String("tenant", p.Tenant), slog.String("key_id", p.KeyID))
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+func (h principalLog) WithAttrs(attrs []slog.Attr) slog.Handler {
+	return principalLog{h.Handler.WithAttrs(attrs)}
+}
+
+func (h principalLog) WithGroup(name string) slog.Handler {
+	return principalLog{h.Handler.WithGroup(name)}
+}

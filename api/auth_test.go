@@ -1,0 +1,481 @@
+package api_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence"
+	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/openapitest"
+	"github.com/redfence/redfence/store"
+)
+
+// keys are the API keys of an authenticated env, by role.
+type keys struct {
+	a, b       string // tenants a and b, every scope
+	aLocks     string // tenant a, locks only
+	aResources string // tenant a, resources only
+	revoked    string // tenant a, every scope, revoked
+	unknown    string // well formed, never created
+	wrong      string // a's id with another secret
+}
+
+// newAuthEnv is newEnv with access control: its server requires API keys
+// (KeyAuth over the env's database, watching it for changes). opts may set
+// rate limits.
+func newAuthEnv(t *testing.T, o envOptions, opts api.Options) (*env, keys) {
+	t.Helper()
+	e := newEnv(t, o)
+	ctx := t.Context()
+	auth := api.NewKeyAuth(e.db, api.KeyAuthOptions{})
+	w, err := e.db.WatchKeys(ctx, auth.Changed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.Close)
+	opts.Auth, opts.OpenAPI, opts.Logger = auth, redfence.OpenAPI, slog.New(slog.DiscardHandler)
+	e.srv = httptest.NewServer(api.NewHandler(e.locker, e.db, opts))
+	t.Cleanup(e.srv.Close)
+
+	create := func(tenant string, scopes ...string) string {
+		key, _, err := e.db.CreateKey(ctx, tenant, scopes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return key
+	}
+	var k keys
+	k.a = create("a", store.AllScopes()...)
+	k.b = create("b", store.AllScopes()...)
+	k.aLocks = create("a", store.ScopeLocks)
+	k.aResources = create("a", store.ScopeResources)
+	k.revoked = create("a", store.AllScopes()...)
+	id, _ := store.KeyID(k.revoked)
+	if _, err := e.db.RevokeKey(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	k.unknown = store.KeyPrefix + "0123456789abcdef_" + strings.Repeat("x", 43)
+	k.wrong = k.a[:len(k.a)-43] + strings.Repeat("y", 43)
+	return e, k
+}
+
+func bearerHdr(key string) []string {
+	if key == "" {
+		return nil
+	}
+	return []string{"Authorization", "Bearer " + key}
+}
+
+// authSnapshot is snapshot plus the API keys table.
+func (e *env) authSnapshot() string {
+	e.t.Helper()
+	var s string
+	if err := e.pg.QueryRow(context.Background(),
+		`SELECT coalesce(string_agg(format('%s %s %s %s', id, tenant, scopes, revoked_at), E'\n' ORDER BY id), '') FROM redfence_api_keys`).Scan(&s); err != nil {
+		e.t.Fatal(err)
+	}
+	return e.snapshot() + s
+}
+
+// normalized is a response body with the name and request id taken out, to
+// compare answers about different names.
+func normalized(t *testing.T, r *response, name string) string {
+	t.Helper()
+	if len(r.body) == 0 {
+		return ""
+	}
+	var m map[string]any
+	r.decode(t, &m)
+	delete(m, "request_id")
+	b, err := json.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.ReplaceAll(string(b), name, "NAME")
+}
+
+// TestAuth_Matrix sends every route with no key, a malformed, unknown,
+// revoked or wrong key, another tenant's key, a key without the route's
+// scope and the right key, and checks each answer exactly and that no
+// refusal changed anything in Redis or Postgres.
+func TestAuth_Matrix(t *testing.T) {
+	t.Parallel()
+	e, k := newAuthEnv(t, envOptions{nodes: 3}, api.Options{})
+
+	// Tenant a holds "orders" with fencing token 2 and wrote its document.
+	acq := func(key, name string) *api.LockResponse {
+		r := e.do(e.client, http.MethodPost, "/v1/locks/"+name, map[string]any{"ttl_ms": 60000}, bearerHdr(key)...)
+		if r.status != http.StatusCreated {
+			t.Fatalf("acquire %s = %d %s", name, r.status, r.body)
+		}
+		var g api.LockResponse
+		r.decode(t, &g)
+		return &g
+	}
+	g := acq(k.a, "orders")
+	if r := e.do(e.client, http.MethodDelete, "/v1/locks/orders", nil, append(bearerHdr(k.a), api.LockTokenHeader, g.LockToken)...); r.status != 204 {
+		t.Fatalf("release = %d %s", r.status, r.body)
+	}
+	g = acq(k.a, "orders")
+	if g.FencingToken != 2 {
+		t.Fatalf("second grant of orders: fencing token %d; want 2", g.FencingToken)
+	}
+	put := map[string]any{"fencing_token": g.FencingToken, "data": map[string]any{"total": 42}}
+	if r := e.do(e.client, http.MethodPut, "/v1/resources/orders", put, bearerHdr(k.a)...); r.status != 200 {
+		t.Fatalf("seed PUT = %d %s", r.status, r.body)
+	}
+
+	type route struct {
+		name, method, path string
+		body               any
+		lockToken          bool
+		scopeless          string // a key of tenant a without the route's scope
+		okPath             string // the path of the request that must succeed
+		ok                 int
+		other              int    // tenant b's status for a's name ("" path: n/a)
+		otherSlug          string // and its problem type, if any
+	}
+	routes := []route{
+		{"GetLock", "GET", "/v1/locks/orders", nil, false, k.aResources, "", 200, 200, ""},
+		{"Extend", "POST", "/v1/locks/orders/extend", map[string]any{"ttl_ms": 60000}, true, k.aResources, "", 200, 409, "lock-lost"},
+		{"PutResource", "PUT", "/v1/resources/orders", put, false, k.aLocks, "", 200, 409, "stale-token"},
+		{"GetResource", "GET", "/v1/resources/orders", nil, false, k.aLocks, "", 200, 404, "resource-not-found"},
+		{"Nodes", "GET", "/v1/nodes", nil, false, k.aLocks, "", 200, 0, ""},
+		{"Metrics", "GET", "/metrics", nil, false, k.aResources, "", 200, 0, ""},
+		{"Release", "DELETE", "/v1/locks/orders", nil, true, k.aResources, "", 204, 409, "not-holder"},
+		// Last: tenant b's acquire of orders gives b a lock of its own.
+		{"Acquire", "POST", "/v1/locks/orders", map[string]any{"ttl_ms": 30000}, false, k.aResources, "/v1/locks/fresh", 201, 201, ""},
+	}
+	var unauthorizedDetail string
+	for _, rt := range routes {
+		t.Run(rt.name, func(t *testing.T) {
+			send := func(path, key string) *response {
+				hdr := bearerHdr(key)
+				if rt.lockToken {
+					hdr = append(hdr, api.LockTokenHeader, g.LockToken)
+				}
+				return e.do(e.client, rt.method, path, rt.body, hdr...)
+			}
+			refused := func(who, key string, status int, slug, challenge string) {
+				t.Helper()
+				before := e.authSnapshot()
+				r := send(rt.path, key)
+				if after := e.authSnapshot(); after != before {
+					t.Errorf("%s: the refusal changed the stored state:\nbefore:\n%s\nafter:\n%s", who, before, after)
+				}
+				if r.status != status {
+					t.Fatalf("%s: status %d (%s); want %d", who, r.status, r.body, status)
+				}
+				p := r.problem(t)
+				if p.Type != api.ProblemTypePrefix+slug {
+					t.Errorf("%s: problem %s; want %s", who, p.Type, slug)
+				}
+				if got := r.header.Get("WWW-Authenticate"); got != challenge {
+					t.Errorf("%s: WWW-Authenticate %q; want %q", who, got, challenge)
+				}
+				if slug == "unauthorized" {
+					if unauthorizedDetail == "" {
+						unauthorizedDetail = p.Detail
+					} else if p.Detail != unauthorizedDetail {
+						t.Errorf("%s: detail %q differs from another 401's %q: the answers must not tell keys apart", who, p.Detail, unauthorizedDetail)
+					}
+				}
+			}
+			const realm = `Bearer realm="redfence"`
+			invalid := realm + `, error="invalid_token"`
+			refused("NoKey", "", 401, "unauthorized", realm)
+			refused("Malformed", "not-a-key", 401, "unauthorized", invalid)
+			refused("Unknown", k.unknown, 401, "unauthorized", invalid)
+			refused("Revoked", k.revoked, 401, "unauthorized", invalid)
+			refused("WrongSecret", k.wrong, 401, "unauthorized", invalid)
+			scope := map[string]string{"/v1/locks": "locks", "/v1/resources": "resources", "/v1/nodes": "admin", "/metrics": "admin"}
+			for prefix, s := range scope {
+				if strings.HasPrefix(rt.path, prefix) {
+					refused("MissingScope", rt.scopeless, 403, "forbidden", fmt.Sprintf(`%s, error="insufficient_scope", scope=%q`, realm, s))
+				}
+			}
+
+			if rt.other != 0 {
+				// Tenant b sees a's "orders" exactly as a name nobody used.
+				before := e.authSnapshot()
+				r := send(rt.path, k.b)
+				after := e.authSnapshot()
+				if r.status != rt.other {
+					t.Fatalf("OtherTenant: status %d (%s); want %d", r.status, r.body, rt.other)
+				}
+				if rt.otherSlug != "" {
+					if p := r.problem(t); p.Type != api.ProblemTypePrefix+rt.otherSlug {
+						t.Errorf("OtherTenant: problem %s; want %s", p.Type, rt.otherSlug)
+					}
+				}
+				if rt.method == "POST" && rt.name == "Acquire" {
+					// b got a lock of its own, with its own counter.
+					var bg api.LockResponse
+					r.decode(t, &bg)
+					if bg.FencingToken != 1 {
+						t.Errorf("OtherTenant: b's grant of orders has fencing token %d; want 1 (counters are per tenant)", bg.FencingToken)
+					}
+					var kept []string
+					for line := range strings.Lines(after) {
+						if !strings.Contains(line, "b/orders") {
+							kept = append(kept, line)
+						}
+					}
+					if strings.Join(kept, "") != before {
+						t.Errorf("OtherTenant: acquiring changed more than b/orders:\nbefore:\n%s\nafter:\n%s", before, after)
+					}
+				} else {
+					if after != before {
+						t.Errorf("OtherTenant: the request changed the stored state:\nbefore:\n%s\nafter:\n%s", before, after)
+					}
+					absent := send(strings.Replace(rt.path, "orders", "never-used", 1), k.b)
+					if absent.status != r.status || normalized(t, absent, "never-used") != normalized(t, r, "orders") {
+						t.Errorf("OtherTenant: a's orders answers %d %s; a name nobody used answers %d %s: they must be the same",
+							r.status, r.body, absent.status, absent.body)
+					}
+				}
+			}
+
+			path := rt.path
+			if rt.okPath != "" {
+				path = rt.okPath
+			}
+			if r := send(path, k.a); r.status != rt.ok {
+				t.Fatalf("RightKey: status %d (%s); want %d", r.status, r.body, rt.ok)
+			}
+		})
+	}
+}
+
+func TestAuth_RateLimit(t *testing.T) {
+	t.Parallel()
+	// One request per 1000 s on average, bursts of 3: nothing refills
+	// during the test.
+	e, k := newAuthEnv(t, envOptions{nodes: 1}, api.Options{RateLimit: 0.001, RateBurst: 3})
+	get := func(key string) *response {
+		return e.do(e.client, http.MethodGet, "/v1/locks/x", nil, bearerHdr(key)...)
+	}
+	for i := range 3 {
+		if r := get(k.a); r.status != 200 {
+			t.Fatalf("a's request %d = %d %s; want 200 (within the burst)", i+1, r.status, r.body)
+		}
+	}
+	before := e.authSnapshot()
+	r := e.do(e.client, http.MethodPost, "/v1/locks/x", nil, bearerHdr(k.a)...)
+	if r.status != http.StatusTooManyRequests {
+		t.Fatalf("a's 4th request = %d %s; want 429", r.status, r.body)
+	}
+	if after := e.authSnapshot(); after != before {
+		t.Errorf("a rate-limited acquire changed the stored state:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+	p := r.problem(t)
+	if p.Type != api.ProblemTypePrefix+"rate-limited" || p.RetryAfterMS == nil || *p.RetryAfterMS <= 0 {
+		t.Errorf("429 problem = %+v; want rate-limited with a positive retry_after_ms", p)
+	}
+	if ra, err := strconv.Atoi(r.header.Get("Retry-After")); err != nil || ra < 1 {
+		t.Errorf("429 Retry-After = %q; want a number of seconds >= 1", r.header.Get("Retry-After"))
+	}
+	// Tenant b's key has its own bucket: a's burst does not touch it.
+	for i := range 3 {
+		if r := get(k.b); r.status != 200 {
+			t.Errorf("b's request %d while a is limited = %d %s; want 200", i+1, r.status, r.body)
+		}
+	}
+	if r := get(k.a); r.status != http.StatusTooManyRequests {
+		t.Errorf("a's request after b's = %d; want 429 still", r.status)
+	}
+}
+
+// testKeyStore is a migrated store.DB on a fresh database.
+func testKeyStore(t *testing.T) *store.DB {
+	t.Helper()
+	db, err := store.Open(t.Context(), clustertest.Database(t), store.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(db.Close)
+	if _, err := db.Migrate(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return db
+}
+
+// clock is a settable clock.
+type clock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func (c *clock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *clock) Add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+}
+
+func TestKeyAuth_Cache(t *testing.T) {
+	t.Parallel()
+	db := testKeyStore(t)
+	ctx := t.Context()
+	clk := &clock{now: time.Unix(1_000_000, 0)}
+	a := api.NewKeyAuth(db, api.KeyAuthOptions{CacheTTL: time.Second, Now: clk.Now})
+	newKey := func() (string, string) {
+		key, k, err := db.CreateKey(ctx, "acme", store.DefaultScopes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return key, k.ID
+	}
+	wantOK := func(what, key string) {
+		t.Helper()
+		if p, err := a.Authenticate(ctx, key); err != nil || p.Tenant != "acme" {
+			t.Errorf("%s: Authenticate = %+v, %v; want tenant acme", what, p, err)
+		}
+	}
+	wantRefused := func(what, key string) {
+		t.Helper()
+		if p, err := a.Authenticate(ctx, key); !errors.Is(err, api.ErrUnauthorized) {
+			t.Errorf("%s: Authenticate = %+v, %v; want ErrUnauthorized", what, p, err)
+		} else if strings.Contains(err.Error(), key[len(key)-43:]) {
+			t.Errorf("%s: the error %q contains the key's secret", what, err)
+		}
+	}
+
+	t.Run("TTL", func(t *testing.T) {
+		key, id := newKey()
+		wantOK("first use", key)
+		if _, err := db.RevokeKey(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		// Nothing tells a about the revocation: it trusts its copy for the
+		// TTL and not a moment longer.
+		clk.Add(time.Second - time.Nanosecond)
+		wantOK("revoked, within the TTL", key)
+		wrong := key[:len(key)-1] + map[bool]string{true: "B", false: "A"}[key[len(key)-1] == 'A']
+		wantRefused("a wrong secret for a cached key", wrong)
+		clk.Add(time.Nanosecond)
+		wantRefused("revoked, TTL over", key)
+	})
+
+	t.Run("Changed", func(t *testing.T) {
+		key, id := newKey()
+		wantOK("first use", key)
+		if _, err := db.RevokeKey(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		a.Changed(store.KeyChange{ID: id})
+		wantRefused("revoked, notified", key)
+
+		key2, id2 := newKey()
+		wantOK("first use", key2)
+		if _, err := db.RevokeKey(ctx, id2); err != nil {
+			t.Fatal(err)
+		}
+		a.Changed(store.KeyChange{})
+		wantRefused("revoked, everything flushed", key2)
+	})
+
+	t.Run("Unknown", func(t *testing.T) {
+		wantRefused("malformed", "rf_nope_"+strings.Repeat("x", 43))
+		wantRefused("unknown id", store.KeyPrefix+"fedcba9876543210_"+strings.Repeat("x", 43))
+	})
+}
+
+// TestAuth_Unavailable: when Postgres cannot answer, keys are refused with
+// 503 auth-unavailable, never let through.
+func TestAuth_Unavailable(t *testing.T) {
+	t.Parallel()
+	db := testKeyStore(t)
+	key, _, err := db.CreateKey(t.Context(), "acme", store.AllScopes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	db.Close()
+	h := api.NewHandler(nil, nil, api.Options{OpenAPI: redfence.OpenAPI, Auth: api.NewKeyAuth(db, api.KeyAuthOptions{})})
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	c := openapitest.New(t, redfence.OpenAPI).Client(t)
+	for _, path := range []string{"/v1/nodes", "/metrics"} {
+		req, _ := http.NewRequest(http.MethodGet, srv.URL+path, nil)
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 503 || resp.Header.Get("Retry-After") == "" {
+			t.Errorf("GET %s with Postgres closed = %d (Retry-After %q); want 503 with Retry-After", path, resp.StatusCode, resp.Header.Get("Retry-After"))
+		}
+	}
+}
+
+// TestAuth_Header checks how the Authorization header is read, on /metrics
+// (which needs no Locker or Store).
+func TestAuth_Header(t *testing.T) {
+	t.Parallel()
+	db := testKeyStore(t)
+	admin, _, err := db.CreateKey(t.Context(), "ops", []string{store.ScopeAdmin})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := api.NewHandler(nil, nil, api.Options{OpenAPI: redfence.OpenAPI, Auth: api.NewKeyAuth(db, api.KeyAuthOptions{})})
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	c := openapitest.New(t, redfence.OpenAPI).Client(t)
+	for _, tc := range []struct {
+		name   string
+		values []string
+		want   int
+	}{
+		{"Bearer", []string{"Bearer " + admin}, 200},
+		{"LowerCaseScheme", []string{"bearer " + admin}, 200},
+		{"ExtraSpaces", []string{"Bearer   " + admin + " "}, 200},
+		{"Basic", []string{"Basic " + admin}, 401},
+		{"NoCredentials", []string{"Bearer"}, 401},
+		{"EmptyCredentials", []string{"Bearer "}, 401},
+		{"TwoHeaders", []string{"Bearer " + admin, "Bearer " + admin}, 401},
+		{"KeyOnly", []string{admin}, 401},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, _ := http.NewRequest(http.MethodGet, srv.URL+"/metrics", nil)
+			for _, v := range tc.values {
+				req.Header.Add("Authorization", v)
+			}
+			resp, err := c.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != tc.want {
+				t.Errorf("GET /metrics with Authorization %q = %d; want %d", tc.values, resp.StatusCode, tc.want)
+			}
+		})
+	}
+	// The open endpoints stay open.
+	for _, path := range []string{"/healthz", "/openapi.yaml"} {
+		resp, err := c.Get(srv.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Errorf("GET %s without a key = %d; want 200", path, resp.StatusCode)
+		}
+	}
+}

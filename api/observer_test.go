@@ -1,0 +1,73 @@
+package api
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/redfence/redfence/service"
+)
+
+func TestObserver(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	o := NewObserver(reg)
+	now := time.Unix(1_000_000, 0)
+	o.nodes.now = func() time.Time { return now }
+	if o2 := NewObserver(reg); o2.issued != o.issued || o2.nodes != o.nodes {
+		t.Fatal("a second Observer on the same registry does not share its metrics")
+	}
+
+	o.NodeOp("a:1", "acquire", service.Yes, time.Millisecond)
+	o.NodeOp("b:1", "acquire", service.Timeout, 50*time.Millisecond)
+	o.Waiting(1)
+	o.Waiting(1)
+	o.Waiting(-1)
+	o.Quarantine("b:1", now.Add(time.Minute))
+	o.Quarantine("b:1", now.Add(2*time.Minute)) // extended, not a new quarantine
+
+	want := `
+# HELP redfence_node_quarantined 1 while a Redis node's votes are not counted because it lost its memory (restart quarantine), else 0.
+# TYPE redfence_node_quarantined gauge
+redfence_node_quarantined{node="a:1"} 0
+redfence_node_quarantined{node="b:1"} 1
+# HELP redfence_node_quarantines_total Restart quarantines begun, per Redis node.
+# TYPE redfence_node_quarantines_total counter
+redfence_node_quarantines_total{node="a:1"} 0
+redfence_node_quarantines_total{node="b:1"} 1
+# HELP redfence_blocked_waiters Blocking acquires currently waiting between attempts for a held lock.
+# TYPE redfence_blocked_waiters gauge
+redfence_blocked_waiters 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), MetricNodeQuarantined, MetricNodeQuarantines, MetricBlockedWaiters); err != nil {
+		t.Error(err)
+	}
+	if got := testutil.ToFloat64(o.nodeRequests.WithLabelValues("b:1", "acquire", "timeout")); got != 1 {
+		t.Errorf("timeouts of b:1 = %v; want 1", got)
+	}
+
+	// The quarantine runs out without another event; a later one counts again.
+	now = now.Add(3 * time.Minute)
+	o.Quarantine("b:1", now.Add(time.Minute))
+	now = now.Add(2 * time.Minute)
+	want = `
+# HELP redfence_node_quarantined 1 while a Redis node's votes are not counted because it lost its memory (restart quarantine), else 0.
+# TYPE redfence_node_quarantined gauge
+redfence_node_quarantined{node="a:1"} 0
+redfence_node_quarantined{node="b:1"} 0
+# HELP redfence_node_quarantines_total Restart quarantines begun, per Redis node.
+# TYPE redfence_node_quarantines_total counter
+redfence_node_quarantines_total{node="a:1"} 0
+redfence_node_quarantines_total{node="b:1"} 2
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), MetricNodeQuarantined, MetricNodeQuarantines); err != nil {
+		t.Error(err)
+	}
+	o.Quarantine("b:1", time.Time{}) // counted again
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), MetricNodeQuarantined, MetricNodeQuarantines); err != nil {
+		t.Error(err)
+	}
+}

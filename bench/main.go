@@ -1,0 +1,394 @@
+// Command bench measures Redfence side by side with the locks a user would
+// otherwise pick — go-redsync/redsync v4 embedded in the process, and etcd's
+// concurrency.Mutex — plus a single Redis node as the ceiling, all in one run
+// on the same machine, and prints one table with the ratios between them.
+//
+// It starts everything it measures on free loopback ports (5 redis-server
+// and Postgres through internal/cluster, one etcd, and a `redfence serve`
+// process so that the server's CPU can be read from /proc) and stops it all
+// on exit, Ctrl-C included.
+//
+// What it guarantees: every figure of one run is measured on the same
+// servers, interleaved system by system, so ratios between systems are
+// meaningful on a shared, noisy machine. What it does not: absolute numbers
+// are this machine's at this moment; compare ratios, not cycles/s, across
+// runs.
+//
+// Usage (from bench/): go run . [-duration 10s] [-workers 1,16,64] ...
+// `make bench` and `make bench-quick` at the repository root run it. With
+// -profile DIR it instead profiles the HTTP and in-process cases at 64
+// workers (CPU, allocations, round trips) and writes the profiles to DIR.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/service"
+	"github.com/redfence/redfence/store"
+)
+
+// config holds the flags.
+type config struct {
+	duration, warmup time.Duration
+	workers          []int
+	cases            []kind
+	systems          []string
+	ttl, wait        time.Duration
+	handoffWorkers   int
+	redfenceBin, src string
+	durable          bool
+	serverLogLevel   string
+	serverLog        string
+	out, readme      string
+	profileDir       string
+}
+
+// systemKeys are the -systems names, in table order.
+var systemKeys = []string{"http", "inproc", "redsync", "etcd", "single"}
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	cfg, err := parseFlags(os.Args[1:])
+	if err != nil {
+		return err
+	}
+	// go-redis logs dial failures (the degraded case's stopped node) for every
+	// attempt; the table reports errors.
+	redis.SetLogger(quietRedis{})
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	e, err := setup(ctx, cfg)
+	if e != nil {
+		defer e.close()
+	}
+	if err != nil {
+		return err
+	}
+	if cfg.profileDir != "" {
+		return e.profile(ctx)
+	}
+	results := e.measure(ctx)
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("interrupted: %w", err)
+	}
+	report := e.report(results)
+	fmt.Print(report)
+	if cfg.out != "" {
+		if err := os.WriteFile(cfg.out, []byte(report), 0o644); err != nil {
+			return err
+		}
+	}
+	if cfg.readme != "" {
+		if err := replaceSection(cfg.readme, report); err != nil {
+			return err
+		}
+		fmt.Fprintf(os.Stderr, "bench: wrote the table into %s\n", cfg.readme)
+	}
+	return nil
+}
+
+func parseFlags(args []string) (config, error) {
+	var c config
+	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
+	fs.DurationVar(&c.duration, "duration", 10*time.Second, "measured time per cell")
+	fs.DurationVar(&c.warmup, "warmup", time.Second, "unmeasured warm-up per cell")
+	workers := fs.String("workers", "1,16,64", "comma-separated worker counts for the distinct and contended cases")
+	cases := fs.String("cases", "distinct,contended,handoff,degraded", "cases to run")
+	systems := fs.String("systems", strings.Join(systemKeys, ","), "systems to run: http, inproc, redsync, etcd, single")
+	fs.DurationVar(&c.ttl, "ttl", 10*time.Second, "lease TTL of every acquire")
+	fs.DurationVar(&c.wait, "wait", 30*time.Second, "wait of blocking acquires (handoff)")
+	fs.IntVar(&c.handoffWorkers, "handoff-workers", 64, "workers blocking on the hot name in the handoff case")
+	fs.StringVar(&c.redfenceBin, "redfence", "", "redfence binary to run as the HTTP server (default: build ./cmd/redfence of -src)")
+	fs.StringVar(&c.src, "src", "..", "root of the main module (to build redfence)")
+	fs.BoolVar(&c.durable, "durable", true, "run Postgres with fsync on (etcd always fsyncs)")
+	fs.StringVar(&c.serverLogLevel, "server-log-level", "info", "REDFENCE_LOG_LEVEL of the server (info: the production default)")
+	fs.StringVar(&c.serverLog, "server-log", "", "file for the servers' output (default: discarded)")
+	fs.StringVar(&c.out, "out", "", "also write the report to this file")
+	fs.StringVar(&c.readme, "readme", "", "replace the section between <!-- bench:begin --> and <!-- bench:end --> of this file with the report")
+	fs.StringVar(&c.profileDir, "profile", "", "profile the HTTP and in-process cases at 64 distinct workers instead, writing profiles to this directory")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	for w := range strings.SplitSeq(*workers, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(w))
+		if err != nil || n < 1 {
+			return c, fmt.Errorf("-workers: bad count %q", w)
+		}
+		c.workers = append(c.workers, n)
+	}
+	for k := range strings.SplitSeq(*cases, ",") {
+		k := kind(strings.TrimSpace(k))
+		if !slices.Contains([]kind{distinct, contended, handoff, degraded}, k) {
+			return c, fmt.Errorf("-cases: unknown case %q", k)
+		}
+		c.cases = append(c.cases, k)
+	}
+	for s := range strings.SplitSeq(*systems, ",") {
+		s = strings.TrimSpace(s)
+		if !slices.Contains(systemKeys, s) {
+			return c, fmt.Errorf("-systems: unknown system %q", s)
+		}
+		c.systems = append(c.systems, s)
+	}
+	if c.profileDir != "" {
+		c.systems = []string{"http", "inproc"}
+	}
+	if c.duration <= 0 || c.warmup < 0 {
+		return c, errors.New("-duration must be positive and -warmup not negative")
+	}
+	return c, nil
+}
+
+// env is everything a run started.
+type env struct {
+	cfg     config
+	tmp     string
+	cl      *cluster.Cluster
+	dbURL   string
+	etcd    *etcd
+	srv     *redfenceServer
+	systems map[string]system
+	admin   []*redis.Client // INFO readers, one per node
+	pgAdmin *pgx.Conn
+	seq     int
+	// lastCmds is the Redis commandstats delta of the last cell.
+	lastCmds map[string]int64
+	versions string
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "bench: "+format+"\n", args...)
+}
+
+func (e *env) has(sys string) bool { return slices.Contains(e.cfg.systems, sys) }
+
+func setup(ctx context.Context, cfg config) (*env, error) {
+	e := &env{cfg: cfg, systems: map[string]system{}}
+	var err error
+	if e.tmp, err = os.MkdirTemp("", "redfence-bench-"); err != nil {
+		return nil, err
+	}
+	logf("starting 5 redis-server and Postgres (fsync=%v)", cfg.durable)
+	e.cl, err = cluster.Start(ctx, cluster.Options{Nodes: 5, DurablePostgres: cfg.durable})
+	if err != nil {
+		return e, err
+	}
+	logf("redis nodes %s, postgres pid %d", strings.Join(e.cl.Addrs(), " "), e.cl.Postgres.PID())
+	if e.dbURL, err = e.cl.Postgres.CreateDatabase(ctx, "bench"); err != nil {
+		return e, err
+	}
+	for _, a := range e.cl.Addrs() {
+		e.admin = append(e.admin, redis.NewClient(&redis.Options{Addr: a, MaxRetries: -1, PoolSize: 1, ReadTimeout: 200 * time.Millisecond}))
+	}
+	if e.pgAdmin, err = pgx.Connect(ctx, e.dbURL); err != nil {
+		return e, err
+	}
+	if cfg.profileDir != "" {
+		if err := e.enableStatements(ctx); err != nil {
+			return e, err
+		}
+	}
+
+	// The in-process locker, and the schema for the server too.
+	db, err := store.Open(ctx, e.dbURL, store.Options{})
+	if err != nil {
+		return e, err
+	}
+	if _, err := db.Migrate(ctx); err != nil {
+		db.Close()
+		return e, err
+	}
+	var nodes []service.Node
+	var rnodes []*service.RedisNode
+	for _, a := range e.cl.Addrs() {
+		n := service.NewRedisNode(a, service.RedisOptions{})
+		nodes = append(nodes, n)
+		rnodes = append(rnodes, n)
+	}
+	closeInproc := func() {
+		for _, n := range rnodes {
+			_ = n.Close()
+		}
+		db.Close()
+	}
+	// Wired as cmd/redfence wires it, defaults for every option.
+	locker, err := service.New(nodes, db, service.Options{Registry: db})
+	if err == nil {
+		err = locker.Init(ctx)
+	}
+	if err != nil {
+		closeInproc()
+		return e, err
+	}
+	inproc := &inprocSystem{locker: locker, closeF: closeInproc, ttl: cfg.ttl}
+	if e.has("inproc") {
+		e.systems["inproc"] = inproc
+	} else {
+		defer inproc.close() // it only applied the migrations
+	}
+
+	if e.has("http") {
+		bin := cfg.redfenceBin
+		var overlay string
+		if cfg.profileDir != "" {
+			bin = "" // needs the pprof overlay
+			if overlay, err = e.pprofOverlay(); err != nil {
+				return e, err
+			}
+		}
+		if bin == "" {
+			logf("building ./cmd/redfence in %s", cfg.src)
+			if bin, err = buildRedfence(ctx, cfg.src, e.tmp, overlay); err != nil {
+				return e, err
+			}
+		}
+		key, err := createAPIKey(ctx, bin, e.dbURL)
+		if err != nil {
+			return e, err
+		}
+		env := []string{
+			"REDFENCE_LOG_LEVEL=" + cfg.serverLogLevel,
+			// The per-key rate limit is a policy, not a cost: raise it far
+			// above any rate here (the limiter still runs on every request).
+			"REDFENCE_RATE_LIMIT=1000000000", "REDFENCE_RATE_BURST=1000000000",
+		}
+		if key == "" {
+			env = append(env, "REDFENCE_AUTH=false")
+		}
+		if cfg.profileDir != "" {
+			env = append(env, "REDFENCE_BENCH_PPROF_ADDR="+e.pprofAddr())
+		}
+		logf("starting %s serve", bin)
+		if e.srv, err = startRedfence(ctx, bin, e.cl.Addrs(), e.dbURL, env, cfg.serverLog); err != nil {
+			return e, err
+		}
+		maxW := max(cfg.handoffWorkers, slices.Max(cfg.workers))
+		e.systems["http"] = newHTTPSystem("redfence http", e.srv, key, maxW, cfg.ttl)
+	}
+	if e.has("redsync") {
+		e.systems["redsync"] = newRedsyncSystem(e.cl.Addrs(), cfg.ttl)
+	}
+	if e.has("single") {
+		e.systems["single"] = &singleSystem{client: redis.NewClient(&redis.Options{Addr: e.cl.Addrs()[0]}), ttl: cfg.ttl}
+	}
+	if e.has("etcd") {
+		logf("starting etcd")
+		if e.etcd, err = startEtcd(ctx, cfg.serverLog); err != nil {
+			return e, err
+		}
+		s, err := newEtcdSystem(e.etcd, cfg.ttl)
+		if err != nil {
+			return e, err
+		}
+		e.systems["etcd"] = s
+	}
+	e.versions = e.describe(ctx)
+	return e, nil
+}
+
+// close stops everything setup started, in reverse order.
+func (e *env) close() {
+	for _, k := range slices.Backward(systemKeys) {
+		if s, ok := e.systems[k]; ok {
+			s.close()
+		}
+	}
+	e.srv.stopServer()
+	if e.etcd != nil {
+		e.etcd.stop()
+	}
+	for _, c := range e.admin {
+		_ = c.Close()
+	}
+	if e.pgAdmin != nil {
+		_ = e.pgAdmin.Close(context.Background())
+	}
+	if e.cl != nil {
+		if err := e.cl.Close(); err != nil {
+			logf("stopping the cluster: %v", err)
+		}
+	}
+	if e.tmp != "" {
+		_ = os.RemoveAll(e.tmp)
+	}
+}
+
+func (s *redfenceServer) stopServer() {
+	if s != nil {
+		s.stop()
+	}
+}
+
+// plan lists the cells in run order: within one (case, workers) the systems
+// run back to back, so that each ratio compares figures taken close in time.
+func (e *env) plan() []cell {
+	var cells []cell
+	add := func(k kind, w int, keys ...string) {
+		for _, key := range keys {
+			if s, ok := e.systems[key]; ok {
+				cells = append(cells, cell{kind: k, workers: w, sys: s})
+			}
+		}
+	}
+	for _, k := range []kind{distinct, contended} {
+		if !slices.Contains(e.cfg.cases, k) {
+			continue
+		}
+		for _, w := range e.cfg.workers {
+			add(k, w, systemKeys...)
+		}
+	}
+	if slices.Contains(e.cfg.cases, handoff) {
+		add(handoff, e.cfg.handoffWorkers, "http", "inproc", "redsync", "etcd")
+	}
+	if slices.Contains(e.cfg.cases, degraded) {
+		for _, w := range []int{e.cfg.workers[0], slices.Max(e.cfg.workers)} {
+			add(degraded, w, "http", "inproc", "redsync")
+			if len(e.cfg.workers) == 1 {
+				break
+			}
+		}
+	}
+	return cells
+}
+
+func (e *env) measure(ctx context.Context) []*result {
+	cells := e.plan()
+	logf("%d cells of %v (+%v warm-up): about %v", len(cells), e.cfg.duration, e.cfg.warmup,
+		(time.Duration(len(cells)) * (e.cfg.duration + e.cfg.warmup + 400*time.Millisecond)).Round(time.Second))
+	var out []*result
+	for i, c := range cells {
+		if ctx.Err() != nil {
+			break
+		}
+		r := e.run(ctx, c, hooks{})
+		out = append(out, r)
+		logf("[%d/%d] %-9s w=%-3d %-16s %9.0f cycles/s  p50 %-8s p99 %-8s errs %d %s", i+1, len(cells), r.kind, r.workers, r.system,
+			r.rate(), fmtDur(r.pct(0.5)), fmtDur(r.pct(0.99)), r.errs+r.timeouts, r.skipped)
+	}
+	return out
+}
+
+type quietRedis struct{}
+
+func (quietRedis) Printf(context.Context, string, ...any) {}

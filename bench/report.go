@@ -1,0 +1,302 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"time"
+)
+
+// describe names the machine and the servers' versions.
+func (e *env) describe(ctx context.Context) string {
+	cpu := "?"
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for line := range strings.Lines(string(b)) {
+			if v, ok := strings.CutPrefix(line, "model name"); ok {
+				cpu = strings.TrimSpace(strings.TrimLeft(v, "\t :"))
+				break
+			}
+		}
+	}
+	mem := "?"
+	if b, err := os.ReadFile("/proc/meminfo"); err == nil {
+		var kb int64
+		if _, err := fmt.Sscanf(string(b), "MemTotal: %d kB", &kb); err == nil {
+			mem = fmt.Sprintf("%.0f GiB", float64(kb)/(1<<20))
+		}
+	}
+	kernel := "?"
+	if b, err := os.ReadFile("/proc/sys/kernel/osrelease"); err == nil {
+		kernel = strings.TrimSpace(string(b))
+	}
+	redisV := "?"
+	if b, err := exec.Command("redis-server", "--version").Output(); err == nil {
+		for f := range strings.FieldsSeq(string(b)) {
+			if v, ok := strings.CutPrefix(f, "v="); ok {
+				redisV = v
+			}
+		}
+	}
+	pgV := "?"
+	_ = e.pgAdmin.QueryRow(ctx, "SHOW server_version").Scan(&pgV)
+	etcdV := "not run"
+	if e.etcd != nil {
+		etcdV = e.etcd.version()
+	}
+	fsync := "off"
+	if e.cfg.durable {
+		fsync = "on"
+	}
+	return fmt.Sprintf("%s on %d × %s, %s RAM, Linux %s, %s; redis-server %s × 5 (no persistence); "+
+		"PostgreSQL %s (fsync %s, synchronous_commit on); etcd %s (1 member, WAL fsync on)",
+		time.Now().UTC().Format("2006-01-02 15:04 UTC"), runtime.NumCPU(), cpu, mem, kernel, runtime.Version(),
+		redisV, pgV, fsync, etcdV)
+}
+
+// fmtDur prints a latency with 3 significant digits.
+func fmtDur(d time.Duration) string {
+	switch {
+	case d <= 0:
+		return "–"
+	case d < time.Millisecond:
+		return fmt.Sprintf("%.0fµs", float64(d)/float64(time.Microsecond))
+	case d < 10*time.Millisecond:
+		return fmt.Sprintf("%.2fms", float64(d)/float64(time.Millisecond))
+	case d < 100*time.Millisecond:
+		return fmt.Sprintf("%.1fms", float64(d)/float64(time.Millisecond))
+	case d < 10*time.Second:
+		return fmt.Sprintf("%.0fms", float64(d)/float64(time.Millisecond))
+	}
+	return fmt.Sprintf("%.1fs", d.Seconds())
+}
+
+func fmtRate(r float64) string {
+	if r >= 100 {
+		return fmt.Sprintf("%.0f", r)
+	}
+	return fmt.Sprintf("%.1f", r)
+}
+
+func fmtRatio(a, b float64) string {
+	if a <= 0 || b <= 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.2f×", a/b)
+}
+
+func fmtCPU(r *result, d time.Duration, applies bool) string {
+	if !applies || r.cycles == 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.3f", r.perK(d))
+}
+
+func fmtPer(r *result, n int64) string {
+	if r.cycles == 0 || n < 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.2f", float64(n)/float64(r.cycles))
+}
+
+// report renders the results as Markdown: the measurements, the ratios
+// between peers measured in the same run, and the issue's targets.
+func (e *env) report(rs []*result) string {
+	var b strings.Builder
+	p := func(format string, args ...any) { fmt.Fprintf(&b, format, args...) }
+	p("Measured by `make bench` (bench/), %v per cell after %v warm-up, lease TTL %v, hold 0.\n", e.cfg.duration, e.cfg.warmup, e.cfg.ttl)
+	p("%s.\n\n", e.versions)
+	p("- **distinct**: each worker locks its own name; **contended**: all workers try-lock one name (wait 0; etcd `TryLock`), cycles/s counts grants;\n")
+	p("  **handoff**: all workers block on one name (wait %v, etcd `Lock`), cycles/s = grants/s and latency = wait-to-grant;\n", e.cfg.wait)
+	p("  **degraded**: distinct with one of the 5 Redis nodes SIGSTOPped.\n")
+	p("- Latency: granted acquires only. CPU: seconds per 1,000 cycles; client = this process (the load generator for HTTP, the whole lock for in-process systems),\n")
+	p("  server = `redfence serve` or etcd, redis = the 5 nodes, pg = Postgres and its backends. Redis RT: socket reads on the nodes per cycle (round trips);\n")
+	p("  pg xacts: Postgres write transactions per cycle. redfence http and in-proc issue a durable fencing token per grant; redsync and the single node issue none;\n")
+	p("  etcd's lock key revision is its fencing token.\n\n")
+
+	p("| case | workers | system | cycles/s | tries/s | acquire p50 | p99 | p99.9 | errors | CPU client | server | redis | pg | total | redis RT/cycle | pg xacts/cycle |\n")
+	p("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	var notes []string
+	for _, r := range rs {
+		if r.skipped != "" {
+			p("| %s | %d | %s | skipped | | | | | | | | | | | | |\n", r.kind, r.workers, r.system)
+			notes = append(notes, fmt.Sprintf("%s/%d/%s skipped: %s", r.kind, r.workers, r.system, r.skipped))
+			continue
+		}
+		tries := "–"
+		if r.kind == contended {
+			tries = fmtRate(r.tryRate())
+		}
+		errs := fmt.Sprint(r.errs)
+		if r.timeouts > 0 {
+			errs += fmt.Sprintf(" (+%d wait timeouts)", r.timeouts)
+		}
+		if r.firstErr != "" {
+			notes = append(notes, fmt.Sprintf("%s/%d/%s first error: %.200s", r.kind, r.workers, r.system, r.firstErr))
+		}
+		usesRedis := r.system != "etcd"
+		usesPG := strings.HasPrefix(r.system, "redfence")
+		rt := "–"
+		if usesRedis {
+			rt = fmtPer(r, r.redisReads)
+		}
+		px := "–"
+		if usesPG {
+			px = fmtPer(r, r.pgXacts)
+		}
+		p("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n",
+			r.kind, r.workers, r.system, fmtRate(r.rate()), tries, fmtDur(r.pct(0.5)), fmtDur(r.pct(0.99)), fmtDur(r.pct(0.999)), errs,
+			fmtCPU(r, r.client, true), fmtCPU(r, r.server, r.hasServer), fmtCPU(r, r.redis, usesRedis), fmtCPU(r, r.pg, usesPG),
+			fmtCPU(r, r.total(), true), rt, px)
+	}
+	for _, n := range notes {
+		p("\n%s", n)
+	}
+	if len(notes) > 0 {
+		p("\n")
+	}
+
+	find := func(k kind, w int, sys string) *result {
+		for _, r := range rs {
+			if r.kind == k && r.workers == w && r.system == sys && r.skipped == "" && r.cycles > 0 {
+				return r
+			}
+		}
+		return nil
+	}
+	rate := func(r *result) float64 {
+		if r == nil {
+			return 0
+		}
+		return r.rate()
+	}
+	p50 := func(r *result) float64 {
+		if r == nil {
+			return 0
+		}
+		return float64(r.pct(0.5))
+	}
+	cpuPer := func(r *result) float64 {
+		if r == nil || r.cycles == 0 {
+			return 0
+		}
+		return r.total().Seconds() / float64(r.cycles)
+	}
+
+	p("\nRatios, same run (throughput: higher is better for Redfence; p50 and CPU per cycle: lower is better):\n\n")
+	p("| case | workers | http ÷ redsync | http ÷ etcd | in-proc ÷ redsync | in-proc ÷ etcd | http ÷ in-proc | http ÷ 1 node | p50 http ÷ etcd | p50 http ÷ in-proc | CPU/cycle http ÷ redsync | CPU/cycle http ÷ etcd |\n")
+	p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	type kw struct {
+		k kind
+		w int
+	}
+	var rows []kw
+	for _, r := range rs {
+		if r.kind == degraded {
+			continue
+		}
+		if len(rows) == 0 || rows[len(rows)-1] != (kw{r.kind, r.workers}) {
+			rows = append(rows, kw{r.kind, r.workers})
+		}
+	}
+	for _, row := range rows {
+		h, in := find(row.k, row.w, "redfence http"), find(row.k, row.w, "redfence in-proc")
+		rsync, et, one := find(row.k, row.w, "redsync"), find(row.k, row.w, "etcd"), find(row.k, row.w, "1 redis node")
+		p("| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", row.k, row.w,
+			fmtRatio(rate(h), rate(rsync)), fmtRatio(rate(h), rate(et)), fmtRatio(rate(in), rate(rsync)), fmtRatio(rate(in), rate(et)),
+			fmtRatio(rate(h), rate(in)), fmtRatio(rate(h), rate(one)), fmtRatio(p50(h), p50(et)), fmtRatio(p50(h), p50(in)),
+			fmtRatio(cpuPer(h), cpuPer(rsync)), fmtRatio(cpuPer(h), cpuPer(et)))
+	}
+	var degRows []string
+	for _, r := range rs {
+		if r.kind != degraded || r.skipped != "" {
+			continue
+		}
+		healthy := find(distinct, r.workers, r.system)
+		if healthy == nil {
+			continue
+		}
+		degRows = append(degRows, fmt.Sprintf("| %s | %d | %s | %s | %s |", r.system, r.workers, fmtRatio(rate(r), rate(healthy)),
+			fmtDur(r.pct(0.99)), fmtDur(healthy.pct(0.99))))
+	}
+	if len(degRows) > 0 {
+		p("\nOne node SIGSTOPped, against the healthy distinct run:\n\n| system | workers | cycles/s degraded ÷ healthy | p99 degraded | p99 healthy |\n|---|---:|---:|---:|---:|\n")
+		p("%s\n", strings.Join(degRows, "\n"))
+	}
+
+	// The targets of issue 4 (Performance).
+	maxW := 0
+	for _, w := range e.cfg.workers {
+		maxW = max(maxW, w)
+	}
+	minW := e.cfg.workers[0]
+	var checks []string
+	check := func(ok bool, okKnown bool, what string) {
+		mark := "n/a"
+		if okKnown {
+			mark = map[bool]string{true: "met", false: "NOT met"}[ok]
+		}
+		checks = append(checks, fmt.Sprintf("- %s: %s", mark, what))
+	}
+	{
+		h, rsync, et := find(distinct, maxW, "redfence http"), find(distinct, maxW, "redsync"), find(distinct, maxW, "etcd")
+		known := h != nil && rsync != nil && et != nil
+		check(known && rate(h) > rate(rsync) && rate(h) > rate(et), known,
+			fmt.Sprintf("%d workers, distinct: http above redsync and etcd (goal 2×): %s redsync, %s etcd", maxW,
+				fmtRatio(rate(h), rate(rsync)), fmtRatio(rate(h), rate(et))))
+	}
+	{
+		h, in, et := find(distinct, minW, "redfence http"), find(distinct, minW, "redfence in-proc"), find(distinct, minW, "etcd")
+		known := h != nil && in != nil && et != nil
+		check(known && p50(h) < p50(et) && p50(h) <= 1.5*p50(in), known,
+			fmt.Sprintf("%d worker: http acquire p50 below etcd's and ≤ 1.5× in-proc: %s vs etcd %s, in-proc %s (%s)", minW,
+				fmtDur(time.Duration(p50(h))), fmtDur(time.Duration(p50(et))), fmtDur(time.Duration(p50(in))), fmtRatio(p50(h), p50(in))))
+	}
+	{
+		h, et := find(handoff, e.cfg.handoffWorkers, "redfence http"), find(handoff, e.cfg.handoffWorkers, "etcd")
+		known := h != nil && et != nil
+		check(known && rate(h) >= rate(et), known, fmt.Sprintf("handoff: http grants/s ≥ etcd's: %s", fmtRatio(rate(h), rate(et))))
+	}
+	{
+		d, h := find(degraded, maxW, "redfence http"), find(distinct, maxW, "redfence http")
+		known := d != nil && h != nil
+		var limit time.Duration
+		if h != nil {
+			limit = 50*time.Millisecond + 2*h.pct(0.99) // default REDFENCE_NODE_TIMEOUT
+		}
+		check(known && rate(d) >= 0.8*rate(h) && d.pct(0.99) < limit, known,
+			fmt.Sprintf("one node stopped, %d workers: http ≥ 80%% of healthy and p99 < 50ms + 2 × healthy p99: %s, p99 %s (limit %s)", maxW,
+				fmtRatio(rate(d), rate(h)), fmtDur(func() time.Duration {
+					if d == nil {
+						return 0
+					}
+					return d.pct(0.99)
+				}()), fmtDur(limit)))
+	}
+	p("\nTargets of issue 4:\n\n%s\n", strings.Join(checks, "\n"))
+	return b.String()
+}
+
+const (
+	beginMarker = "<!-- bench:begin -->"
+	endMarker   = "<!-- bench:end -->"
+)
+
+// replaceSection writes report between the markers of file.
+func replaceSection(file, report string) error {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return err
+	}
+	s := string(b)
+	i := strings.Index(s, beginMarker)
+	j := strings.Index(s, endMarker)
+	if i < 0 || j < i {
+		return errors.New(file + ": no " + beginMarker + " … " + endMarker + " section to replace")
+	}
+	s = s[:i+len(beginMarker)] + "\n" + report + s[j:]
+	return os.WriteFile(file, []byte(s), 0o644)
+}

@@ -1,0 +1,289 @@
+// Package client is the Go client for Redfence: leases with a watchdog, in
+// the spirit of etcd's concurrency package and Consul's api/lock.go, on top of
+// the generated low-level client in package rest.
+//
+//	c, _ := client.New("http://127.0.0.1:8080", client.Options{})
+//	err := c.Do(ctx, "orders", nil, func(ctx context.Context, l *client.Lease) error {
+//		// ctx is cancelled the moment the lease is lost or runs out.
+//		_, err := c.PutResource(ctx, "orders", l.FencingToken(), map[string]int{"total": 42})
+//		return err
+//	})
+//
+// Guarantees: a Lease's deadline is computed from the client's own send time
+// plus the server's validity_ms, on the monotonic clock, so it never lies
+// later than the server's view of the lease; Done() closes (and Context() is
+// cancelled) as soon as a renewal learns the lease is lost, and at the latest
+// when the deadline (less LockOptions.Margin) passes without a renewal.
+// Errors match ErrHeld, ErrLost, ErrStale, ErrUnavailable, ... with errors.Is.
+//
+// Not guaranteed: mutual exclusion. A lease is a lease: a process paused past
+// its deadline (GC, swap, VM migration) still believes it holds the lock until
+// it runs again, and no client can prevent that. It is NOT safe to assume the
+// lock is held until Done() closes; only a storage layer that checks the
+// fencing token (FencingToken) keeps data safe. See README.md.
+package client
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/redfence/redfence/client/rest"
+	"github.com/redfence/redfence/fencing"
+)
+
+// Options configures a Client. Zero fields take the documented defaults.
+type Options struct {
+	// HTTPClient sends the requests. The default is a client with
+	// http.DefaultTransport and no overall timeout: each call is bounded by
+	// its context.
+	HTTPClient *http.Client
+	// APIKey, if set, is sent as "Authorization: Bearer <APIKey>".
+	APIKey string
+	// Owner labels the leases this client acquires (shown by GET and in the
+	// server's audit log) unless LockOptions.Owner is set. The default is none.
+	Owner string
+	// MaxServerWait is the longest wait_ms sent in one acquire request;
+	// longer waits are split into several requests. Keep it at most the
+	// server's REDFENCE_MAX_WAIT. The default is 30s.
+	MaxServerWait time.Duration
+	// Logger receives watchdog events (renewal failures). The default
+	// discards them.
+	Logger *slog.Logger
+}
+
+// Client talks to one Redfence server. It is safe for concurrent use.
+type Client struct {
+	api  *rest.Client
+	opts Options
+}
+
+// New returns a client for the Redfence server at baseURL
+// (e.g. "http://127.0.0.1:8080").
+func New(baseURL string, opts Options) (*Client, error) {
+	if opts.HTTPClient == nil {
+		opts.HTTPClient = &http.Client{}
+	}
+	if opts.MaxServerWait <= 0 {
+		opts.MaxServerWait = 30 * time.Second
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	editor := func(_ context.Context, req *http.Request) error {
+		req.Header.Set("User-Agent", "redfence-go-client")
+		if opts.APIKey != "" {
+			req.Header.Set("Authorization", "Bearer "+opts.APIKey)
+		}
+		return nil
+	}
+	api, err := rest.NewClient(baseURL, rest.WithHTTPClient(opts.HTTPClient), rest.WithRequestEditorFn(editor))
+	if err != nil {
+		return nil, fmt.Errorf("client: client for %q: %w", baseURL, err)
+	}
+	return &Client{api: api, opts: opts}, nil
+}
+
+// REST returns the generated low-level client, for the operations this
+// package does not wrap (GET /v1/locks/{name}, /v1/nodes, ...).
+func (c *Client) REST() *rest.Client { return c.api }
+
+// exchange reads a response whole and returns its body, or the error for a
+// status other than want.
+func exchange(ctx context.Context, op, name string, resp *http.Response, err error, want int) ([]byte, error) {
+	if err != nil {
+		if cerr := ctx.Err(); cerr != nil {
+			return nil, fmt.Errorf("client: %s %q: %w", op, name, cerr)
+		}
+		return nil, &Error{Op: op, Name: name, sentinel: ErrUnavailable, cause: err}
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+	if err != nil {
+		if cerr := ctx.Err(); cerr != nil {
+			return nil, fmt.Errorf("client: %s %q: %w", op, name, cerr)
+		}
+		return nil, &Error{Op: op, Name: name, Status: resp.StatusCode, sentinel: ErrUnavailable, cause: err}
+	}
+	if resp.StatusCode != want {
+		return nil, problemError(op, name, resp, body)
+	}
+	return body, nil
+}
+
+func decode(op, name string, body []byte, v any) error {
+	if err := json.Unmarshal(body, v); err != nil {
+		return &Error{Op: op, Name: name, Status: http.StatusOK, sentinel: ErrUnavailable,
+			cause: fmt.Errorf("decoding the answer: %w", err)}
+	}
+	return nil
+}
+
+// grant is an acquire or extend answer, with the send time of its request.
+type grant struct {
+	fencing  fencing.Token
+	lock     string
+	ttl      time.Duration
+	validity time.Duration
+	owner    string
+	sent     time.Time
+}
+
+// acquireOnce sends one acquire request.
+func (c *Client) acquireOnce(ctx context.Context, name string, ttl, wait time.Duration, owner string) (*grant, error) {
+	var body rest.AcquireRequest
+	if ttl > 0 {
+		ms := ttl.Milliseconds()
+		body.TtlMs = &ms
+	}
+	if wait > 0 {
+		ms := wait.Milliseconds()
+		body.WaitMs = &ms
+	}
+	if owner != "" {
+		body.Owner = &owner
+	}
+	sent := time.Now()
+	resp, err := c.api.AcquireLock(ctx, name, nil, body)
+	b, err := exchange(ctx, "acquire", name, resp, err, http.StatusCreated)
+	if err != nil {
+		return nil, err
+	}
+	var r rest.AcquireResponse
+	if err := decode("acquire", name, b, &r); err != nil {
+		return nil, err
+	}
+	return &grant{fencing: fencing.Token(r.FencingToken), lock: r.LockToken, ttl: time.Duration(r.TtlMs) * time.Millisecond,
+		validity: time.Duration(r.ValidityMs) * time.Millisecond, owner: r.Owner, sent: sent}, nil
+}
+
+// extend sends one extend request.
+func (c *Client) extend(ctx context.Context, name, lockToken string, ttl time.Duration) (*grant, error) {
+	ms := ttl.Milliseconds()
+	sent := time.Now()
+	resp, err := c.api.ExtendLock(ctx, name, &rest.ExtendLockParams{LockToken: lockToken}, rest.ExtendRequest{TtlMs: &ms})
+	b, err := exchange(ctx, "extend", name, resp, err, http.StatusOK)
+	if err != nil {
+		return nil, err
+	}
+	var r rest.LockResponse
+	if err := decode("extend", name, b, &r); err != nil {
+		return nil, err
+	}
+	return &grant{fencing: fencing.Token(r.FencingToken), ttl: time.Duration(r.TtlMs) * time.Millisecond,
+		validity: time.Duration(r.ValidityMs) * time.Millisecond, owner: r.Owner, sent: sent}, nil
+}
+
+// release sends one release request.
+func (c *Client) release(ctx context.Context, name, lockToken string) error {
+	resp, err := c.api.ReleaseLock(ctx, name, &rest.ReleaseLockParams{LockToken: lockToken})
+	_, err = exchange(ctx, "release", name, resp, err, http.StatusNoContent)
+	return err
+}
+
+// Resource is a document of the reference store.
+type Resource struct {
+	Name string
+	// Data is the document as stored (Postgres jsonb normalises it).
+	Data json.RawMessage
+	// FencingToken is the token of the last accepted write.
+	FencingToken fencing.Token
+	// Version counts accepted writes, from 1.
+	Version   int64
+	UpdatedAt time.Time
+}
+
+type resourceJSON struct {
+	Name         string          `json:"name"`
+	Data         json.RawMessage `json:"data"`
+	FencingToken int64           `json:"fencing_token"`
+	Version      int64           `json:"version"`
+	UpdatedAt    time.Time       `json:"updated_at"`
+}
+
+func (r *resourceJSON) resource() *Resource {
+	return &Resource{Name: r.Name, Data: r.Data, FencingToken: fencing.Token(r.FencingToken), Version: r.Version, UpdatedAt: r.UpdatedAt}
+}
+
+// PutResource writes data (any JSON-encodable value) to the reference store
+// under name with a fencing token. The server applies it only if token is the
+// newest issued for name; otherwise the error matches ErrStale and carries
+// CurrentFencingToken.
+func (c *Client) PutResource(ctx context.Context, name string, token fencing.Token, data any) (*Resource, error) {
+	raw, err := json.Marshal(data)
+	if err != nil {
+		return nil, fmt.Errorf("client: put %q: encoding data: %w", name, err)
+	}
+	body, err := json.Marshal(struct {
+		FencingToken int64           `json:"fencing_token"`
+		Data         json.RawMessage `json:"data"`
+	}{int64(token), raw})
+	if err != nil {
+		return nil, fmt.Errorf("client: put %q: %w", name, err)
+	}
+	resp, err := c.api.PutResourceWithBody(ctx, name, nil, "application/json", bytes.NewReader(body))
+	b, err := exchange(ctx, "put", name, resp, err, http.StatusOK)
+	if err != nil {
+		return nil, err
+	}
+	var r resourceJSON
+	if err := decode("put", name, b, &r); err != nil {
+		return nil, err
+	}
+	return r.resource(), nil
+}
+
+// GetResource reads the document stored under name; the error matches
+// ErrNotFound when none was ever written.
+func (c *Client) GetResource(ctx context.Context, name string) (*Resource, error) {
+	resp, err := c.api.GetResource(ctx, name, nil)
+	b, err := exchange(ctx, "get", name, resp, err, http.StatusOK)
+	if err != nil {
+		return nil, err
+	}
+	var r resourceJSON
+	if err := decode("get", name, b, &r); err != nil {
+		return nil, err
+	}
+	return r.resource(), nil
+}
+
+// Do acquires the lock on name, runs fn with a context that is cancelled the
+// moment the lease is lost or runs out (context.Cause tells why), and always
+// releases the lock afterwards, even if fn panics or ctx is cancelled (with a
+// context of its own, bounded by 10s).
+//
+// It returns the acquire error, or else fn's error unchanged; if fn returned
+// nil but the lease was lost before it did, an error matching ErrLost (fn's
+// writes may have raced another holder: only their fencing tokens protected
+// them); otherwise the release error, if any.
+func (c *Client) Do(ctx context.Context, name string, opts *LockOptions, fn func(ctx context.Context, l *Lease) error) (err error) {
+	l, err := c.Acquire(ctx, name, opts)
+	if err != nil {
+		return err
+	}
+	fctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(l.Context(), func() { cancel(context.Cause(l.Context())) })
+	defer func() {
+		stop()
+		cancel(nil)
+		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer rcancel()
+		lostErr := l.Err()
+		rerr := l.Release(rctx)
+		if err == nil {
+			if errors.Is(lostErr, ErrLost) {
+				err = lostErr
+			} else {
+				err = rerr
+			}
+		}
+	}()
+	return fn(fctx, l)
+}

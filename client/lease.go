@@ -1,0 +1,330 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/redfence/redfence/fencing"
+)
+
+// LockOptions tunes one lease. The zero value (or nil) takes the documented
+// defaults.
+type LockOptions struct {
+	// TTL is the lease length asked for, and the length of every renewal.
+	// The default (0) is the server's default TTL (REDFENCE_DEFAULT_TTL, 10s
+	// unless configured).
+	TTL time.Duration
+	// Wait is how long Acquire keeps trying while the lock is held. The
+	// default (0) tries once and returns an error matching ErrHeld.
+	Wait time.Duration
+	// Owner labels the lease (not a secret). The default is Options.Owner.
+	Owner string
+	// NoRenew turns the watchdog's renewals off: the lease then ends at its
+	// first deadline unless Extend is called.
+	NoRenew bool
+	// RenewFraction is when the watchdog renews: after this fraction of the
+	// TTL has passed since the last (re)grant was requested. It must be in
+	// (0, 1); the default is 1/3, so two renewals can fail before the lease
+	// runs out. Failed renewals are retried sooner, until the deadline.
+	RenewFraction float64
+	// MaxRenewals caps the watchdog's renewals; after that the lease ends at
+	// its deadline. The default (0) is no cap.
+	MaxRenewals int
+	// MaxHold caps the lease's total length: the watchdog renews no further
+	// once a renewal would take the deadline past acquisition + MaxHold, so
+	// the lease ends at the latest MaxHold after it was acquired. The Redlock
+	// spec asks clients to bound extensions; the default (0) is no cap.
+	MaxHold time.Duration
+	// Margin ends the lease (closes Done) this long before its deadline when
+	// it has not been renewed by then, leaving the holder time to stop before
+	// another client can be granted the lock. It must be less than the TTL
+	// minus the renewal interval. The default is 0: Done closes at the
+	// deadline itself.
+	Margin time.Duration
+	// OnRenew, if set, is called by the watchdog after each successful
+	// renewal with the new deadline. It must not block.
+	OnRenew func(deadline time.Time)
+}
+
+func (o *LockOptions) withDefaults() (LockOptions, error) {
+	var v LockOptions
+	if o != nil {
+		v = *o
+	}
+	if v.RenewFraction == 0 {
+		v.RenewFraction = 1.0 / 3
+	}
+	if v.RenewFraction <= 0 || v.RenewFraction >= 1 {
+		return v, fmt.Errorf("client: RenewFraction %v is outside (0, 1)", v.RenewFraction)
+	}
+	if v.TTL < 0 || v.Wait < 0 || v.Margin < 0 || v.MaxHold < 0 || v.MaxRenewals < 0 {
+		return v, errors.New("client: negative lock option")
+	}
+	return v, nil
+}
+
+// Lease is a held lock. Its methods are safe for concurrent use.
+//
+// It is NOT safe to assume the lock is held until Done() closes: a paused
+// process notices nothing. Send FencingToken() with every write, to storage
+// that checks it.
+type Lease struct {
+	c        *Client
+	name     string
+	token    string // the lock token: the holder's secret
+	fencing  fencing.Token
+	owner    string
+	ttl      time.Duration
+	acquired time.Time
+	opts     LockOptions
+
+	// life is cancelled, with the reason as its cause, when the lease ends.
+	life context.Context
+	end  context.CancelCauseFunc
+
+	// stopped is cancelled by Release: the watchdog returns and an
+	// in-flight renewal is abandoned.
+	stopped     context.Context
+	stop        context.CancelFunc
+	watchdogRet chan struct{} // closed when the watchdog has returned
+
+	mu       sync.Mutex
+	deadline time.Time // sent + validity of the newest (re)grant
+	renewals int
+
+	releaseOnce sync.Once
+	releaseErr  error
+}
+
+// Acquire takes the lock on name and starts its watchdog. It tries once,
+// or keeps trying until opts.Wait has passed; the error then matches ErrHeld.
+// It returns ctx's error when ctx ends first.
+func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*Lease, error) {
+	o, err := opts.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	owner := o.Owner
+	if owner == "" {
+		owner = c.opts.Owner
+	}
+	waitEnd := time.Now().Add(o.Wait)
+	for {
+		wait := min(time.Until(waitEnd), c.opts.MaxServerWait)
+		g, err := c.acquireOnce(ctx, name, o.TTL, max(wait, 0), owner)
+		if err != nil {
+			if errors.Is(err, ErrHeld) && time.Until(waitEnd) > 0 {
+				continue // one chunk of a long wait ran out
+			}
+			return nil, err
+		}
+		return c.newLease(name, g, o)
+	}
+}
+
+func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) {
+	l := &Lease{
+		c: c, name: name, token: g.lock, fencing: g.fencing, owner: g.owner, ttl: g.ttl, acquired: g.sent, opts: o,
+		watchdogRet: make(chan struct{}), deadline: g.sent.Add(g.validity),
+	}
+	l.life, l.end = context.WithCancelCause(context.Background())
+	l.stopped, l.stop = context.WithCancel(context.Background())
+	if o.Margin > 0 && !o.NoRenew && o.Margin >= l.ttl-l.interval() {
+		// Renewal would come too late to keep the lease: release it again.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = c.release(ctx, name, g.lock)
+		return nil, fmt.Errorf("client: Margin %v leaves no room to renew a %v lease every %v", o.Margin, l.ttl, l.interval())
+	}
+	go l.watch()
+	return l, nil
+}
+
+// Name returns the lock's name.
+func (l *Lease) Name() string { return l.name }
+
+// Owner returns the lease's owner label.
+func (l *Lease) Owner() string { return l.owner }
+
+// FencingToken returns the grant's fencing token. Send it with every write
+// made under this lease; it stays the same across renewals.
+func (l *Lease) FencingToken() fencing.Token { return l.fencing }
+
+// TTL returns the lease length granted (and asked for at each renewal).
+func (l *Lease) TTL() time.Duration { return l.ttl }
+
+// Deadline returns when the lease ends unless renewed: the send time of the
+// request that (re)granted it plus its validity_ms, on the monotonic clock.
+func (l *Lease) Deadline() time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.deadline
+}
+
+// Done returns a channel that is closed when the lease ends: lost, run out
+// (Deadline less Margin passed without a renewal) or released.
+func (l *Lease) Done() <-chan struct{} { return l.life.Done() }
+
+// Context returns a context that is cancelled when the lease ends;
+// context.Cause tells why (an error matching ErrLost, or ErrReleased).
+func (l *Lease) Context() context.Context { return l.life }
+
+// Err returns nil while the lease lasts, then why it ended: an error
+// matching ErrLost, or ErrReleased.
+func (l *Lease) Err() error {
+	if l.life.Err() == nil {
+		return nil
+	}
+	return context.Cause(l.life)
+}
+
+// interval is the time from a (re)grant to its renewal.
+func (l *Lease) interval() time.Duration {
+	return time.Duration(float64(l.ttl) * l.opts.RenewFraction)
+}
+
+// endAt is when Done closes unless the lease is renewed first.
+func (l *Lease) endAt() time.Time { return l.Deadline().Add(-l.opts.Margin) }
+
+// lose ends the lease with err (matching ErrLost) unless it already ended.
+func (l *Lease) lose(err error) { l.end(err) }
+
+// Extend renews the lease now for ttl (0: the lease's TTL), whether or not
+// the watchdog runs. An error matching ErrLost means the lease is gone and
+// has ended; other errors (ErrUnavailable) leave the lease with its old
+// deadline.
+func (l *Lease) Extend(ctx context.Context, ttl time.Duration) error {
+	if err := l.Err(); err != nil {
+		return err
+	}
+	if ttl <= 0 {
+		ttl = l.ttl
+	}
+	return l.extendWith(ctx, ttl, false)
+}
+
+// watch renews the lease and ends it when it is lost or runs out.
+func (l *Lease) watch() {
+	defer close(l.watchdogRet)
+	expiry := time.NewTimer(time.Until(l.endAt()))
+	defer expiry.Stop()
+	renew := time.NewTimer(l.untilRenewal())
+	defer renew.Stop()
+	renewC := renew.C
+	why := "the deadline passed without a renewal"
+	if l.opts.NoRenew {
+		renewC, why = nil, "the deadline passed (renewal is off)"
+	}
+	for {
+		select {
+		case <-l.stopped.Done():
+			return
+		case <-l.life.Done():
+			return
+		case <-expiry.C:
+			if d := time.Until(l.endAt()); d > 0 { // Extend moved the deadline
+				expiry.Reset(d)
+				continue
+			}
+			l.lose(fmt.Errorf("%w: %s", ErrLost, why))
+			return
+		case <-renewC:
+			if reason := l.capped(); reason != "" {
+				l.c.opts.Logger.Debug("redfence lease: renewals stop", slog.String("name", l.name), slog.String("reason", reason))
+				renewC = nil // the lease runs out at its deadline
+				why = "the deadline passed after the last renewal allowed: " + reason
+				continue
+			}
+			err := l.renew(true)
+			switch {
+			case err == nil:
+				expiry.Reset(time.Until(l.endAt()))
+				renew.Reset(l.untilRenewal())
+				if l.opts.OnRenew != nil {
+					l.opts.OnRenew(l.Deadline())
+				}
+			case errors.Is(err, ErrLost):
+				l.c.opts.Logger.Warn("redfence lease: lost", slog.String("name", l.name), slog.String("error", err.Error()))
+				return
+			case l.stopped.Err() != nil || l.life.Err() != nil:
+				return
+			default:
+				// The server could not decide or was not reached: retry
+				// soon, while time is left; the expiry timer still runs.
+				l.c.opts.Logger.Warn("redfence lease: renewal failed, retrying", slog.String("name", l.name), slog.String("error", err.Error()))
+				renew.Reset(min(max(l.interval()/4, 50*time.Millisecond), time.Second, max(time.Until(l.endAt())/2, time.Millisecond)))
+			}
+		}
+	}
+}
+
+// untilRenewal is the time left until the next renewal is due: the
+// deadline less the part of the TTL after the renewal point (a grant that
+// took long, e.g. after a wait, is renewed correspondingly later).
+func (l *Lease) untilRenewal() time.Duration {
+	return time.Until(l.Deadline().Add(-(l.ttl - l.interval())))
+}
+
+// capped says why renewals must stop, or "".
+func (l *Lease) capped() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.opts.MaxRenewals > 0 && l.renewals >= l.opts.MaxRenewals {
+		return fmt.Sprintf("%d renewals reached (MaxRenewals)", l.renewals)
+	}
+	if l.opts.MaxHold > 0 && time.Since(l.acquired)+l.ttl > l.opts.MaxHold {
+		return fmt.Sprintf("a renewal would hold past %v (MaxHold)", l.opts.MaxHold)
+	}
+	return ""
+}
+
+// renew sends one extend request for the lease's TTL, bounded by the current
+// end of the lease and by Release, and ends the lease if it is lost.
+func (l *Lease) renew(watchdog bool) error {
+	ctx, cancel := context.WithDeadline(l.stopped, l.endAt())
+	defer cancel()
+	return l.extendWith(ctx, l.ttl, watchdog)
+}
+
+func (l *Lease) extendWith(ctx context.Context, ttl time.Duration, watchdog bool) error {
+	g, err := l.c.extend(ctx, l.name, l.token, ttl)
+	if err != nil {
+		if errors.Is(err, ErrLost) {
+			l.lose(err)
+		}
+		return err
+	}
+	if g.fencing != l.fencing {
+		err := fmt.Errorf("%w: renewed with fencing token %d, want %d", ErrLost, g.fencing, l.fencing)
+		l.lose(err)
+		return err
+	}
+	l.mu.Lock()
+	l.deadline = g.sent.Add(g.validity)
+	if watchdog {
+		l.renewals++
+	}
+	l.mu.Unlock()
+	return nil
+}
+
+// Release stops the watchdog and deletes the lock on every node, then ends
+// the lease (Done closes, with ErrReleased as the cause unless it was lost
+// before). It returns nil when the server deleted the lock; an error matching
+// ErrLost when the lease had been lost already (nothing was held); other
+// errors when the server could not be asked, in which case the lock simply
+// runs out at its deadline. Only the first call does anything; later calls
+// return its result.
+func (l *Lease) Release(ctx context.Context) error {
+	l.releaseOnce.Do(func() {
+		l.stop()
+		<-l.watchdogRet
+		l.releaseErr = l.c.release(ctx, l.name, l.token)
+		l.end(ErrReleased)
+	})
+	return l.releaseErr
+}

@@ -1,0 +1,109 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
+)
+
+// runScript runs script with sh and returns its output.
+func runScript(t *testing.T, script string, env ...string) string {
+	t.Helper()
+	cmd := exec.CommandContext(t.Context(), "sh", "-c", script)
+	cmd.Env = append(os.Environ(), env...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("sh: %v\nscript:\n%s\noutput:\n%s", err, script, out)
+	}
+	return string(out)
+}
+
+// wantInOrder checks that out contains each of want, in this order.
+func wantInOrder(t *testing.T, what, out string, want ...string) {
+	t.Helper()
+	rest := out
+	for _, w := range want {
+		i := strings.Index(rest, w)
+		if i < 0 {
+			t.Errorf("%s: output lacks %q (after the earlier matches):\n%s", what, w, out)
+			return
+		}
+		rest = rest[i+len(w):]
+	}
+}
+
+// TestDev_Walkthrough runs the curl walkthrough that `redfence dev` prints,
+// and the one in README.md, against a server with access control, as
+// printed.
+func TestDev_Walkthrough(t *testing.T) {
+	t.Parallel()
+	if _, err := exec.LookPath("curl"); err != nil {
+		t.Skip("curl is not installed; the walkthrough needs it")
+	}
+	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
+	cfg := testConfig(t, addrs(nodes), clustertest.Database(t))
+	cfg.Auth = true
+	s, _ := open(t, cfg, discard)
+
+	t.Run("Banner", func(t *testing.T) {
+		key, err := s.devKey(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		banner := walkthrough(s.URL(), cfg, key)
+		_, script, ok := strings.Cut(banner, "Try it (in another terminal):\n")
+		script, _, ok2 := strings.Cut(script, "\n  API:")
+		if !ok || !ok2 || !strings.Contains(script, "KEY="+key) {
+			t.Fatalf("the banner has no walkthrough with the key:\n%s", banner)
+		}
+		out := runScript(t, script)
+		wantInOrder(t, "dev walkthrough", out,
+			`"fencing_token":1`, `"owner":"alice"`,
+			`"data":{"total":42}`,
+			`"held":true`,
+			"204",
+			`"fencing_token":2`, `"owner":"bob"`,
+			`"type":"urn:redfence:problem:stale-token"`,
+			`"type":"urn:redfence:problem:unauthorized"`, "401")
+		if off := walkthrough(s.URL(), cfg, ""); !strings.Contains(off, "AUTHENTICATION IS OFF") || strings.Contains(off, "Authorization") {
+			t.Errorf("the banner without a key does not warn, or still sends a key:\n%s", off)
+		}
+	})
+
+	t.Run("README", func(t *testing.T) {
+		readme, err := os.ReadFile("../../README.md")
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, rest, ok := strings.Cut(string(readme), "## A walkthrough with curl")
+		_, rest, ok2 := strings.Cut(rest, "```sh\n")
+		script, _, ok3 := strings.Cut(rest, "```")
+		if !ok || !ok2 || !ok3 {
+			t.Fatal("README.md has no sh block under \"## A walkthrough with curl\"")
+		}
+		const rf = "RF=http://127.0.0.1:8080\n"
+		if !strings.HasPrefix(script, rf) {
+			t.Fatalf("the README walkthrough does not start with %q:\n%s", rf, script)
+		}
+		// The reader pastes the KEY= line redfence dev printed; the server
+		// runs elsewhere. Another tenant keeps it apart from the banner's run.
+		key, _, err := s.db.CreateKey(t.Context(), "readme", []string{"locks", "resources"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := runScript(t, "RF="+s.URL()+"\n"+strings.TrimPrefix(script, rf), "KEY="+key)
+		wantInOrder(t, "README walkthrough", out,
+			`"fencing_token":1`, `"owner":"alice"`,
+			`"data":{"total":42}`,
+			`"held":true`,
+			`"fencing_token":1,"ttl_ms":30000`,
+			"204",
+			`"fencing_token":2`, `"owner":"bob"`,
+			`"type":"urn:redfence:problem:stale-token"`,
+			`"type":"urn:redfence:problem:unauthorized"`, "401")
+	})
+}

@@ -1,0 +1,85 @@
+package main
+
+import (
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
+)
+
+// TestServer_Hardening runs the real server with its http.Server limits and
+// shows hostile clients are cut off or refused while others are served.
+func TestServer_Hardening(t *testing.T) {
+	t.Parallel()
+	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
+	cfg := testConfig(t, addrs(nodes), clustertest.Database(t))
+	cfg.ReadHeaderTimeout = 500 * time.Millisecond
+	s, _ := open(t, cfg, discard)
+	addr := s.Addr()
+
+	t.Run("Slowloris", func(t *testing.T) {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		// Headers that never end, trickled in to keep the connection busy.
+		if _, err := io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: x\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		stop := make(chan struct{})
+		defer close(stop)
+		go func() {
+			tick := time.NewTicker(50 * time.Millisecond) // the slow client's pace: the fault
+			defer tick.Stop()
+			for {
+				select {
+				case <-stop:
+					return
+				case <-tick.C:
+					if _, err := io.WriteString(conn, "X-Slow: 1\r\n"); err != nil {
+						return
+					}
+				}
+			}
+		}()
+		// Meanwhile other clients are served.
+		for range 5 {
+			expect(t, "healthz during slowloris", call(t, http.MethodGet, addr, "/healthz", ""), http.StatusOK, nil)
+		}
+		// The server closes the slow connection (ReadHeaderTimeout); a read
+		// deadline far beyond it only guards against a hang.
+		if err := conn.SetReadDeadline(time.Now().Add(waitTimeout)); err != nil {
+			t.Fatal(err)
+		}
+		_, err = io.ReadAll(conn)
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatal("the server never closed a connection whose headers did not end")
+		}
+	})
+
+	t.Run("HeadersTooLarge", func(t *testing.T) {
+		r := call(t, http.MethodGet, addr, "/v1/locks/x", "", "X-Big", strings.Repeat("b", 70<<10))
+		if r.status != http.StatusRequestHeaderFieldsTooLarge || r.header.Get("Content-Type") != "application/problem+json" {
+			t.Errorf("70 KiB of headers = %d %s; want 431 problem+json", r.status, r.header.Get("Content-Type"))
+		}
+	})
+
+	t.Run("BodyTooLarge", func(t *testing.T) {
+		r := call(t, http.MethodPost, addr, "/v1/locks/x", `{"owner":"`+strings.Repeat("o", 2<<20)+`"}`)
+		if r.status != http.StatusRequestEntityTooLarge || r.header.Get("Content-Type") != "application/problem+json" {
+			t.Errorf("2 MiB body = %d %s; want 413 problem+json", r.status, r.header.Get("Content-Type"))
+		}
+	})
+
+	t.Run("StillServing", func(t *testing.T) {
+		acquire(t, addr, "after-hostile-clients")
+	})
+}

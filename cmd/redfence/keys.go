@@ -1,0 +1,193 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/store"
+)
+
+// openAuth returns the API key authenticator, watching Postgres for key
+// changes, or nil (an open API) with REDFENCE_AUTH=false.
+func (s *Server) openAuth(ctx context.Context) (api.Authenticator, error) {
+	if !s.cfg.Auth {
+		s.log.Warn("AUTHENTICATION IS OFF (REDFENCE_AUTH=false): anyone who can reach this port can take, " +
+			"release and extend every lock and overwrite every resource. Never run production like this.")
+		return nil, nil
+	}
+	auth := api.NewKeyAuth(s.db, api.KeyAuthOptions{CacheTTL: s.cfg.AuthCacheTTL})
+	w, err := s.db.WatchKeys(ctx, auth.Changed)
+	if err != nil {
+		return nil, err
+	}
+	s.keys = w
+	return auth, nil
+}
+
+const keysHelp = `Manages API keys in the database at REDFENCE_DATABASE_URL (migrating it first).
+
+  redfence keys create --tenant T [--scope locks,resources,admin]
+      Creates a key for tenant T and prints it on stdout. It is shown only this
+      once: the database keeps its SHA-256. Scopes (comma list, default
+      locks,resources): locks (the /v1/locks calls), resources (/v1/resources),
+      admin (/v1/nodes and /metrics).
+  redfence keys list
+      Prints one line per key: id, tenant, scopes, created, revoked ("-" while
+      active). Never the key itself.
+  redfence keys revoke ID
+      Revokes the key with this id (or the key itself) on every server: at once
+      where they are notified, within REDFENCE_AUTH_CACHE_TTL otherwise.`
+
+func keysUsage(w io.Writer) {
+	fmt.Fprintf(w, "Usage: redfence keys create|list|revoke\n\n%s\n", keysHelp)
+}
+
+func cmdKeys(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		keysUsage(stderr)
+		return errUsage
+	}
+	switch args[0] {
+	case "-h", "-help", "--help", "help":
+		keysUsage(stdout)
+		return nil
+	case "create":
+		return cmdKeysCreate(ctx, args[1:], stdout, stderr)
+	case "list":
+		return cmdKeysList(ctx, args[1:], stdout, stderr)
+	case "revoke":
+		return cmdKeysRevoke(ctx, args[1:], stdout, stderr)
+	}
+	fmt.Fprintf(stderr, "redfence keys: unknown command %q\n\n", args[0])
+	keysUsage(stderr)
+	return errUsage
+}
+
+// keysDB opens and migrates the database at REDFENCE_DATABASE_URL.
+func keysDB(ctx context.Context, stderr io.Writer) (*store.DB, error) {
+	cfg, err := loadConfig()
+	if err != nil {
+		return nil, err
+	}
+	if cfg.DatabaseURL == "" {
+		return nil, errors.New("REDFENCE_DATABASE_URL is empty: give the Postgres URL the servers use")
+	}
+	db, err := store.Open(ctx, cfg.DatabaseURL, store.Options{Logger: cfg.logger(stderr)})
+	if err != nil {
+		return nil, err
+	}
+	if _, err := db.Migrate(ctx); err != nil {
+		db.Close()
+		return nil, err
+	}
+	return db, nil
+}
+
+func cmdKeysCreate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flags("keys create", "Creates an API key and prints it on stdout, only this once.\n\n"+keysHelp, stdout)
+	tenant := fs.String("tenant", "", "the tenant (namespace) of the key: 1-200 characters of A-Z a-z 0-9 . _ - : (required)")
+	scope := fs.String("scope", strings.Join(store.DefaultScopes(), ","), "comma-separated scopes: "+strings.Join(store.AllScopes(), ", "))
+	if err := parseFlags(fs, args); err != nil {
+		return helpOK(err)
+	}
+	if reason := store.ValidTenant(*tenant); reason != "" {
+		fmt.Fprintf(stderr, "--tenant %q: %s\n", *tenant, reason)
+		return errUsage
+	}
+	scopes, err := store.ParseScopes(*scope)
+	if err != nil {
+		fmt.Fprintf(stderr, "--scope: %s\n", strings.TrimPrefix(err.Error(), "store: "))
+		return errUsage
+	}
+	db, err := keysDB(ctx, stderr)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	key, k, err := db.CreateKey(ctx, *tenant, scopes)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintln(stdout, key)
+	fmt.Fprintf(stderr, "Created API key %s for tenant %q with scopes %s. It is shown only this once: keep it in a secret store.\n",
+		k.ID, k.Tenant, strings.Join(k.Scopes, ","))
+	return nil
+}
+
+func cmdKeysList(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flags("keys list", "Prints one line per API key: id, tenant, scopes, created, revoked (\"-\" while active).", stdout)
+	if err := parseFlags(fs, args); err != nil {
+		return helpOK(err)
+	}
+	db, err := keysDB(ctx, stderr)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	keys, err := db.Keys(ctx)
+	if err != nil {
+		return err
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	for _, k := range keys {
+		revoked := "-"
+		if k.Revoked() {
+			revoked = k.RevokedAt.UTC().Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", k.ID, k.Tenant, strings.Join(k.Scopes, ","), k.CreatedAt.UTC().Format(time.RFC3339), revoked)
+	}
+	if len(keys) == 0 {
+		fmt.Fprintln(stderr, "no API keys; create one with: redfence keys create --tenant <tenant>")
+	}
+	return tw.Flush()
+}
+
+func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flags("keys revoke ID", "Revokes the API key with this id (or the key itself) on every server.", stdout)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return errUsage
+	}
+	if fs.NArg() != 1 {
+		fmt.Fprintln(stderr, "redfence keys revoke: give exactly one key id (see redfence keys list)")
+		return errUsage
+	}
+	id := fs.Arg(0)
+	if kid, ok := store.KeyID(id); ok {
+		id = kid // the whole key was given
+	}
+	db, err := keysDB(ctx, stderr)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	k, err := db.RevokeKey(ctx, id)
+	if errors.Is(err, store.ErrKeyNotFound) {
+		return fmt.Errorf("no API key has id %q (see redfence keys list)", id)
+	}
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "revoked %s (tenant %s) at %s\n", k.ID, k.Tenant, k.RevokedAt.UTC().Format(time.RFC3339))
+	return nil
+}
+
+// devKey creates the key `redfence dev` prints: tenant "dev", every scope.
+func (s *Server) devKey(ctx context.Context) (string, error) {
+	key, k, err := s.db.CreateKey(ctx, "dev", store.AllScopes())
+	if err != nil {
+		return "", err
+	}
+	s.log.Info("created an API key for redfence dev", slog.String("key_id", k.ID), slog.String("tenant", k.Tenant))
+	return key, nil
+}

@@ -1,0 +1,295 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/redfence/redfence/client"
+)
+
+const lockHelp = `Usage: redfence lock [flags] NAME -- COMMAND [ARGS...]
+
+Runs COMMAND while holding the lock NAME, like etcdctl lock and consul lock:
+acquires the lock (waiting up to --wait), runs COMMAND with
+REDFENCE_LOCK_NAME and REDFENCE_FENCING_TOKEN in its environment, renews
+the lease every third of --ttl while it runs, releases the lock when it
+exits, and exits with its status (128+N if signal N ended it).
+
+If the lease is lost (a renewal is refused, or the server cannot renew it in
+time), COMMAND's process group gets SIGTERM before the lease's deadline, and
+SIGKILL --grace later, still before the deadline (less a safety of a tenth of
+the TTL, at most 1s); redfence lock then exits non-zero. SIGINT, SIGTERM,
+SIGHUP and SIGQUIT sent to redfence lock are forwarded to COMMAND's process
+group. COMMAND runs in a process group of its own, so that all of it can be
+stopped: it cannot read from the terminal.
+
+A lease can still end while this machine is paused, unnoticed until it
+resumes: pass REDFENCE_FENCING_TOKEN with every write, to storage that
+checks it.
+
+Exit status: COMMAND's, or 1 if the lock could not be acquired or the lease
+was lost while COMMAND exited 0, 127 if COMMAND could not be started.
+
+Flags:
+`
+
+// lockFlags are the parsed flags of redfence lock.
+type lockFlags struct {
+	server  string
+	apiKey  string
+	ttl     time.Duration
+	wait    time.Duration
+	grace   time.Duration
+	maxHold time.Duration
+	owner   string
+	verbose bool
+}
+
+// parseLockArgs parses [flags] NAME [flags] [--] COMMAND [ARGS...].
+func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []string, error) {
+	f := &lockFlags{}
+	fs := flag.NewFlagSet("lock", flag.ContinueOnError)
+	fs.SetOutput(stdout)
+	fs.Usage = func() {
+		fmt.Fprint(stdout, lockHelp)
+		fs.PrintDefaults()
+	}
+	defServer := os.Getenv("REDFENCE_SERVER")
+	if defServer == "" {
+		defServer = "http://127.0.0.1:8080"
+	}
+	host, _ := os.Hostname()
+	fs.StringVar(&f.server, "server", defServer, "Redfence base URL (default $REDFENCE_SERVER, else http://127.0.0.1:8080)")
+	fs.StringVar(&f.apiKey, "api-key", os.Getenv("REDFENCE_API_KEY"), "API key sent as a bearer token (default $REDFENCE_API_KEY)")
+	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease length; renewed every ttl/3 while COMMAND runs")
+	fs.DurationVar(&f.wait, "wait", 0, "how long to wait for the lock when it is held (0: try once)")
+	fs.DurationVar(&f.grace, "grace", 2*time.Second, "time between SIGTERM and SIGKILL when the lease is lost")
+	fs.DurationVar(&f.maxHold, "max-hold", 0, "stop renewing once the lock was held this long (0: no cap); COMMAND is then stopped as on a loss")
+	fs.StringVar(&f.owner, "owner", fmt.Sprintf("%s:%d", host, os.Getpid()), "owner label shown by GET /v1/locks/NAME and in the audit log")
+	fs.BoolVar(&f.verbose, "v", false, "print lease events (acquired, renewed, lost, signals) with timestamps to stderr")
+
+	before, command, dashes := args, []string(nil), false
+	for i, a := range args {
+		if a == "--" {
+			before, command, dashes = args[:i], args[i+1:], true
+			break
+		}
+	}
+	var positional []string
+	for rest := before; ; {
+		if err := fs.Parse(rest); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, "", nil, flag.ErrHelp
+			}
+			return nil, "", nil, errUsage
+		}
+		rest = fs.Args()
+		if len(rest) == 0 {
+			break
+		}
+		positional = append(positional, rest[0])
+		if !dashes {
+			// No "--": NAME is the first argument, the command the rest.
+			command = rest[1:]
+			break
+		}
+		rest = rest[1:]
+	}
+	switch {
+	case len(positional) != 1:
+		fmt.Fprintf(stdout, "redfence lock: want one lock NAME before the command, got %q\n", positional)
+		return nil, "", nil, errUsage
+	case len(command) == 0:
+		fmt.Fprintln(stdout, "redfence lock: no command given: redfence lock NAME -- COMMAND [ARGS...]")
+		return nil, "", nil, errUsage
+	case f.ttl <= 0 || f.wait < 0 || f.grace < 0 || f.maxHold < 0:
+		fmt.Fprintln(stdout, "redfence lock: --ttl must be positive; --wait, --grace and --max-hold not negative")
+		return nil, "", nil, errUsage
+	}
+	return f, positional[0], command, nil
+}
+
+// lockSafety is how long before the lease's deadline the command must be
+// dead: a tenth of the TTL, at most 1s.
+func lockSafety(ttl time.Duration) time.Duration { return min(ttl/10, time.Second) }
+
+func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	f, name, command, err := parseLockArgs(args, stderr)
+	if err != nil {
+		return helpOK(err)
+	}
+	safety := lockSafety(f.ttl)
+	if renewAt := f.ttl / 3; f.grace+safety >= f.ttl-renewAt {
+		fmt.Fprintf(stderr, "redfence lock: --grace %v plus the safety %v must be below two thirds of --ttl %v\n", f.grace, safety, f.ttl)
+		return errUsage
+	}
+	ev := &lockEvents{w: stderr, verbose: f.verbose}
+	c, err := client.New(f.server, client.Options{
+		APIKey: f.apiKey, Owner: f.owner,
+		Logger: slog.New(slog.NewTextHandler(ev.debugWriter(), &slog.HandlerOptions{Level: slog.LevelWarn})),
+	})
+	if err != nil {
+		return err
+	}
+	lease, err := c.Acquire(ctx, name, &client.LockOptions{
+		TTL: f.ttl, Wait: f.wait, MaxHold: f.maxHold,
+		// Done closes early enough for SIGTERM, the grace period and the
+		// safety to fit before the deadline.
+		Margin:  f.grace + safety,
+		OnRenew: func(d time.Time) { ev.printf("renewed %q until %s", name, stamp(d)) },
+	})
+	if err != nil {
+		return err // names the operation and the lock
+	}
+	ev.printf("acquired %q: fencing token %d, valid until %s", name, lease.FencingToken(), stamp(lease.Deadline()))
+
+	status, lost := runLocked(ctx, lease, f, command, stdout, stderr, ev)
+
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := lease.Release(rctx); err != nil && !lost {
+		fmt.Fprintf(stderr, "redfence lock: releasing %q: %v (it expires by itself within %v)\n", name, err, f.ttl)
+	} else if err == nil {
+		ev.printf("released %q", name)
+	}
+	if lost && status == 0 {
+		status = 1
+	}
+	if status != 0 {
+		return &exitError{code: status}
+	}
+	return nil
+}
+
+// runLocked runs command while lease lasts and returns its exit status, and
+// whether the lease was lost (and the command therefore stopped).
+func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command []string, stdout, stderr io.Writer, ev *lockEvents) (status int, lost bool) {
+	cmd := exec.Command(command[0], command[1:]...)
+	cmd.Env = append(os.Environ(),
+		"REDFENCE_LOCK_NAME="+lease.Name(),
+		"REDFENCE_FENCING_TOKEN="+lease.FencingToken().String())
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, stdout, stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// Output copying (when stdout is not a file) must not outlive the
+	// process group by much once it is gone.
+	cmd.WaitDelay = time.Second
+
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGQUIT)
+	defer signal.Stop(sigs)
+
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
+		return 127, false
+	}
+	pgid := cmd.Process.Pid
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	signalGroup := func(s syscall.Signal) {
+		if err := syscall.Kill(-pgid, s); err != nil && !errors.Is(err, syscall.ESRCH) {
+			fmt.Fprintf(stderr, "redfence lock: sending %v: %v\n", s, err)
+		}
+	}
+	safety := lockSafety(f.ttl)
+	var kill <-chan time.Time
+	// stop sends SIGTERM now and schedules SIGKILL after the grace period,
+	// and in any case before the lease's deadline (less the safety).
+	stop := func() {
+		if kill != nil {
+			return
+		}
+		signalGroup(syscall.SIGTERM)
+		d := min(f.grace, time.Until(lease.Deadline().Add(-safety)))
+		kill = time.After(max(d, 0))
+	}
+	leaseDone, ctxDone := lease.Done(), ctx.Done()
+	for {
+		select {
+		case err := <-exited:
+			return exitStatus(cmd.ProcessState, err), lost
+		case s := <-sigs:
+			ev.printf("forwarding %v to the command", s)
+			signalGroup(s.(syscall.Signal))
+		case <-ctxDone:
+			ctxDone = nil
+			// A signal cancels ctx too (signal.NotifyContext, whose cause
+			// describes the signal) and is forwarded above; a plain
+			// cancellation or deadline stops the command.
+			if cause := context.Cause(ctx); cause == context.Canceled || cause == context.DeadlineExceeded {
+				ev.printf("stopping the command: %v", cause)
+				stop()
+			}
+		case <-leaseDone:
+			leaseDone = nil
+			lost = true
+			fmt.Fprintf(stderr, "redfence lock: lease on %q lost (%v): sending SIGTERM to the command\n", lease.Name(), lease.Err())
+			ev.printf("sent SIGTERM; lease deadline %s", stamp(lease.Deadline()))
+			stop()
+		case <-kill:
+			kill = nil
+			fmt.Fprintf(stderr, "redfence lock: the command did not exit within --grace %v: sending SIGKILL\n", f.grace)
+			signalGroup(syscall.SIGKILL)
+			ev.printf("sent SIGKILL")
+		}
+	}
+}
+
+// exitStatus is the shell's view of how a command ended: its exit code, or
+// 128+N when signal N killed it.
+func exitStatus(ps *os.ProcessState, err error) int {
+	if ps == nil {
+		if err != nil {
+			return 1
+		}
+		return 0
+	}
+	if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return 128 + int(ws.Signal())
+	}
+	return ps.ExitCode()
+}
+
+// stamp formats a time for lock events: wall clock, UTC, nanoseconds.
+func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) }
+
+// lockEvents prints redfence lock's events to stderr: with -v, every event,
+// each line prefixed with its time.
+type lockEvents struct {
+	mu      sync.Mutex
+	w       io.Writer
+	verbose bool
+}
+
+func (e *lockEvents) printf(format string, args ...any) {
+	if !e.verbose {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	fmt.Fprintf(e.w, "%s redfence lock: %s\n", stamp(time.Now()), fmt.Sprintf(format, args...))
+}
+
+// debugWriter receives the client's own log (renewal failures): stderr.
+func (e *lockEvents) debugWriter() io.Writer { return lockedWriter{e} }
+
+type lockedWriter struct{ e *lockEvents }
+
+func (w lockedWriter) Write(p []byte) (int, error) {
+	w.e.mu.Lock()
+	defer w.e.mu.Unlock()
+	if _, err := io.WriteString(w.e.w, "redfence lock: "+strings.TrimRight(string(p), "\n")+"\n"); err != nil {
+		return 0, err
+	}
+	return len(p), nil
+}

@@ -1,0 +1,438 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence/client/clienttest"
+)
+
+// lockWait bounds every wait of the lock tests for an observable condition.
+const lockWait = 60 * time.Second
+
+// syncBuffer is an io.Writer safe for concurrent use.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// lockRun is one `redfence lock` run in this process.
+type lockRun struct {
+	stdout, stderr syncBuffer
+	done           chan struct{}
+	err            error
+}
+
+// startLock runs `redfence lock args...` in the background.
+func startLock(ctx context.Context, args ...string) *lockRun {
+	r := &lockRun{done: make(chan struct{})}
+	go func() {
+		defer close(r.done)
+		r.err = run(ctx, append([]string{"lock"}, args...), &r.stdout, &r.stderr)
+	}()
+	return r
+}
+
+// wait waits for the run to end and returns its exit status.
+func (r *lockRun) wait(t *testing.T) int {
+	t.Helper()
+	select {
+	case <-r.done:
+	case <-time.After(lockWait):
+		t.Fatalf("redfence lock still running after %v; stderr:\n%s", lockWait, r.stderr.String())
+	}
+	if r.err == nil {
+		return 0
+	}
+	return exitCode(r.err)
+}
+
+// waitForFile polls until path exists.
+func waitForFile(t *testing.T, path string, r *lockRun) {
+	t.Helper()
+	deadline := time.Now().Add(lockWait)
+	for {
+		if _, err := os.Stat(path); err == nil {
+			return
+		}
+		select {
+		case <-r.done:
+			t.Fatalf("redfence lock ended (%v) before %s appeared; stderr:\n%s", r.err, path, r.stderr.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s did not appear within %v", path, lockWait)
+		}
+		time.Sleep(10 * time.Millisecond) // polling interval, not synchronisation
+	}
+}
+
+// readNanos reads a `date +%s%N` timestamp written by a command.
+func readNanos(t *testing.T, path string) time.Time {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil {
+		t.Fatalf("%s: %v", path, err)
+	}
+	return time.Unix(0, n)
+}
+
+// eventTime returns the time stamped on the last -v line of stderr that
+// contains what, and, if pattern is set, the time its first group holds.
+func eventTime(t *testing.T, stderr, what string, pattern *regexp.Regexp) (at, inLine time.Time) {
+	t.Helper()
+	lines := strings.Split(stderr, "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		line := lines[i]
+		if !strings.Contains(line, what) {
+			continue
+		}
+		stampStr, _, ok := strings.Cut(line, " ")
+		at, err := time.Parse(time.RFC3339Nano, stampStr)
+		if !ok || err != nil {
+			continue
+		}
+		if pattern != nil {
+			m := pattern.FindStringSubmatch(line)
+			if m == nil {
+				t.Fatalf("line %q does not match %v", line, pattern)
+			}
+			if inLine, err = time.Parse(time.RFC3339Nano, m[1]); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return at, inLine
+	}
+	t.Fatalf("no -v line with %q in stderr:\n%s", what, stderr)
+	return
+}
+
+// validUntil finds the deadline in "acquired ... valid until T" and
+// "renewed ... until T" lines.
+var validUntil = regexp.MustCompile(`until (\S+)$`)
+
+func TestLock(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+
+	t.Run("TokenExported", func(t *testing.T) {
+		t.Parallel()
+		out := filepath.Join(t.TempDir(), "env")
+		r := startLock(t.Context(), "--server", s.URL, "lock-env", "--",
+			"sh", "-c", `printf '%s %s' "$REDFENCE_LOCK_NAME" "$REDFENCE_FENCING_TOKEN" > "$1"`, "sh", out)
+		if code := r.wait(t); code != 0 {
+			t.Fatalf("exit status %d (%v); want 0; stderr:\n%s", code, r.err, r.stderr.String())
+		}
+		b, err := os.ReadFile(out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var st struct {
+			Held             bool  `json:"held"`
+			LastFencingToken int64 `json:"last_fencing_token"`
+		}
+		resp, err := http.Get(s.URL + "/v1/locks/lock-env")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+			t.Fatal(err)
+		}
+		if want := fmt.Sprintf("lock-env %d", st.LastFencingToken); string(b) != want || st.LastFencingToken < 1 {
+			t.Errorf("the command saw %q; want %q (the token the server issued)", b, want)
+		}
+		if st.Held {
+			t.Error("the lock is still held after the command exited; want released")
+		}
+	})
+
+	t.Run("ExitStatus", func(t *testing.T) {
+		t.Parallel()
+		for _, tc := range []struct {
+			name string
+			cmd  []string
+			want int
+		}{
+			{"Zero", []string{"true"}, 0},
+			{"Seven", []string{"sh", "-c", "exit 7"}, 7},
+			{"Signal", []string{"sh", "-c", "kill -KILL $$"}, 128 + 9},
+			{"NotFound", []string{"/nonexistent/command"}, 127},
+		} {
+			name := "lock-exit-" + strings.ToLower(tc.name)
+			r := startLock(t.Context(), append([]string{"--server", s.URL, name, "--"}, tc.cmd...)...)
+			if code := r.wait(t); code != tc.want {
+				t.Errorf("%s: exit status %d (%v); want %d; stderr:\n%s", tc.name, code, r.err, tc.want, r.stderr.String())
+			}
+			// Released whatever the status: the lock is free again.
+			if r := startLock(t.Context(), "--server", s.URL, name, "--", "true"); r.wait(t) != 0 {
+				t.Errorf("%s: the lock was not released: %v", tc.name, r.err)
+			}
+		}
+	})
+
+	t.Run("Held", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		if err := syscall.Mkfifo(filepath.Join(dir, "fifo"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		holder := startLock(t.Context(), "--server", s.URL, "lock-held", "--", "sh", "-c", `: > "$1/started"; read x < "$1/fifo"`, "sh", dir)
+		waitForFile(t, filepath.Join(dir, "started"), holder)
+		r := startLock(t.Context(), "--server", s.URL, "lock-held", "--", "touch", filepath.Join(dir, "ran"))
+		if code := r.wait(t); code != 1 || r.err == nil || !strings.Contains(r.err.Error(), "lock-held") {
+			t.Errorf("second lock = %d (%v); want exit 1 with lock-held", code, r.err)
+		}
+		if _, err := os.Stat(filepath.Join(dir, "ran")); err == nil {
+			t.Error("the command ran although the lock was held")
+		}
+		if err := os.WriteFile(filepath.Join(dir, "fifo"), []byte("go\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if code := holder.wait(t); code != 0 {
+			t.Errorf("holder exit status %d: %v", code, holder.err)
+		}
+	})
+
+	t.Run("OneAfterTheOther", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		script := `date +%s%N > "$1/$2.start"; sleep 0.2; date +%s%N > "$1/$2.end"`
+		a := startLock(t.Context(), "--server", s.URL, "--wait", "60s", "lock-queue", "--", "sh", "-c", script, "sh", dir, "a")
+		b := startLock(t.Context(), "--server", s.URL, "--wait", "60s", "lock-queue", "--", "sh", "-c", script, "sh", dir, "b")
+		for _, r := range []*lockRun{a, b} {
+			if code := r.wait(t); code != 0 {
+				t.Fatalf("exit status %d (%v); stderr:\n%s", code, r.err, r.stderr.String())
+			}
+		}
+		as, ae := readNanos(t, filepath.Join(dir, "a.start")), readNanos(t, filepath.Join(dir, "a.end"))
+		bs, be := readNanos(t, filepath.Join(dir, "b.start")), readNanos(t, filepath.Join(dir, "b.end"))
+		if !(ae.Before(bs) || be.Before(as)) {
+			t.Errorf("the commands overlapped: a ran %v..%v, b ran %v..%v", as, ae, bs, be)
+		}
+	})
+
+	t.Run("LossStopsTheCommandBeforeTheDeadline", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		script := `trap 'date +%s%N > "$1/term"; exit 143' TERM; : > "$1/started"; while :; do sleep 0.05; done`
+		r := startLock(t.Context(), "--server", s.URL, "--ttl", "3s", "--grace", "500ms", "-v", "lock-lost", "--", "sh", "-c", script, "sh", dir)
+		waitForFile(t, filepath.Join(dir, "started"), r)
+		// The deadline as last reported; renewals only move it later.
+		_, deadline := eventTime(t, r.stderr.String(), "until", validUntil)
+		s.DeleteLock(t, "lock-lost", 3)
+		if code := r.wait(t); code != 143 {
+			t.Errorf("exit status %d (%v); want 143 (the command's, after SIGTERM); stderr:\n%s", code, r.err, r.stderr.String())
+		}
+		if term := readNanos(t, filepath.Join(dir, "term")); !term.Before(deadline) {
+			t.Errorf("the command got SIGTERM at %v; want before the lease's deadline %v", term, deadline)
+		}
+		if !strings.Contains(r.stderr.String(), `lease on "lock-lost" lost`) {
+			t.Errorf("stderr does not report the loss:\n%s", r.stderr.String())
+		}
+	})
+
+	t.Run("LossKillsACommandThatIgnoresSIGTERM", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		script := `trap '' TERM; : > "$1/started"; while :; do sleep 0.05; done`
+		r := startLock(t.Context(), "--server", s.URL, "--ttl", "3s", "--grace", "300ms", "-v", "lock-kill", "--", "sh", "-c", script, "sh", dir)
+		waitForFile(t, filepath.Join(dir, "started"), r)
+		_, deadline := eventTime(t, r.stderr.String(), "until", validUntil)
+		s.DeleteLock(t, "lock-kill", 3)
+		if code := r.wait(t); code != 128+9 {
+			t.Errorf("exit status %d (%v); want 137 (killed); stderr:\n%s", code, r.err, r.stderr.String())
+		}
+		killed, _ := eventTime(t, r.stderr.String(), "sent SIGKILL", nil)
+		if !killed.Before(deadline) {
+			t.Errorf("SIGKILL sent at %v; want before the lease's deadline %v", killed, deadline)
+		}
+	})
+
+	t.Run("CancelStopsTheCommand", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		script := `trap 'exit 143' TERM; : > "$1/started"; while :; do sleep 0.05; done`
+		r := startLock(ctx, "--server", s.URL, "lock-cancel", "--", "sh", "-c", script, "sh", dir)
+		waitForFile(t, filepath.Join(dir, "started"), r)
+		cancel()
+		if code := r.wait(t); code != 143 {
+			t.Errorf("exit status %d (%v); want 143 (SIGTERM on cancellation)", code, r.err)
+		}
+		if r := startLock(t.Context(), "--server", s.URL, "lock-cancel", "--", "true"); r.wait(t) != 0 {
+			t.Errorf("the lock was not released: %v", r.err)
+		}
+	})
+
+	t.Run("RenewsWhileTheCommandRuns", func(t *testing.T) {
+		t.Parallel()
+		dir := t.TempDir()
+		if err := syscall.Mkfifo(filepath.Join(dir, "fifo"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		r := startLock(t.Context(), "--server", s.URL, "--ttl", "1s", "--grace", "100ms", "-v", "lock-renew", "--",
+			"sh", "-c", `: > "$1/started"; read x < "$1/fifo"`, "sh", dir)
+		waitForFile(t, filepath.Join(dir, "started"), r)
+		_, first := eventTime(t, r.stderr.String(), "valid until", validUntil)
+		// Let the command run until the lease was renewed past two TTLs.
+		deadline := time.Now().Add(lockWait)
+		for {
+			if strings.Contains(r.stderr.String(), "renewed") {
+				if _, d := eventTime(t, r.stderr.String(), "renewed", validUntil); d.After(first.Add(2 * time.Second)) {
+					break
+				}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no renewal past two TTLs; stderr:\n%s", r.stderr.String())
+			}
+			time.Sleep(10 * time.Millisecond) // polling interval, not synchronisation
+		}
+		if err := os.WriteFile(filepath.Join(dir, "fifo"), []byte("go\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if code := r.wait(t); code != 0 {
+			t.Errorf("exit status %d (%v); want 0; stderr:\n%s", code, r.err, r.stderr.String())
+		}
+	})
+}
+
+func TestLock_Usage(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"NoName", []string{"--", "true"}, "one lock NAME"},
+		{"NoCommand", []string{"x"}, "no command"},
+		{"NoCommandAfterDashes", []string{"x", "--"}, "no command"},
+		{"TwoNames", []string{"x", "y", "--", "true"}, "one lock NAME"},
+		{"BadTTL", []string{"--ttl", "0s", "x", "--", "true"}, "--ttl must be positive"},
+		{"GraceTooLong", []string{"--ttl", "3s", "--grace", "2s", "x", "--", "true"}, "--grace"},
+		{"BadFlag", []string{"--nope", "x", "--", "true"}, "not defined"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var stdout, stderr syncBuffer
+			err := run(t.Context(), append([]string{"lock"}, tc.args...), &stdout, &stderr)
+			if !errors.Is(err, errUsage) || !strings.Contains(stderr.String(), tc.want) {
+				t.Errorf("lock %q = %v, stderr %q; want a usage error mentioning %q", tc.args, err, stderr.String(), tc.want)
+			}
+		})
+	}
+	var stdout, stderr syncBuffer
+	if err := run(t.Context(), []string{"lock", "-h"}, &stdout, &stderr); err != nil || !strings.Contains(stderr.String(), "REDFENCE_FENCING_TOKEN") {
+		t.Errorf("lock -h = %v, %q; want the help", err, stderr.String())
+	}
+	// Flags may follow NAME, and the command may come without "--".
+	f, name, cmd, err := parseLockArgs([]string{"x", "--ttl", "5s", "--", "echo", "--ttl"}, &stderr)
+	if err != nil || name != "x" || f.ttl != 5*time.Second || strings.Join(cmd, " ") != "echo --ttl" {
+		t.Errorf("parseLockArgs(x --ttl 5s -- echo --ttl) = %+v %q %q %v", f, name, cmd, err)
+	}
+	f, name, cmd, err = parseLockArgs([]string{"--wait", "1s", "x", "echo", "--wait"}, &stderr)
+	if err != nil || name != "x" || f.wait != time.Second || strings.Join(cmd, " ") != "echo --wait" {
+		t.Errorf("parseLockArgs(--wait 1s x echo --wait) = %+v %q %q %v", f, name, cmd, err)
+	}
+}
+
+// TestLockHelperProcess is not a test: TestLock_Signals runs the test binary
+// as `redfence` through it (the os/exec helper-process pattern), so that real
+// signals reach a real redfence lock process.
+func TestLockHelperProcess(t *testing.T) {
+	if os.Getenv("REDFENCE_LOCK_HELPER") != "1" {
+		return
+	}
+	os.Args = append([]string{"redfence"}, flag.Args()...)
+	main()
+}
+
+func TestLock_Signals(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	dir := t.TempDir()
+	script := `trap 'echo TERM >> "$1/sigs"; exit 3' TERM; trap 'echo INT >> "$1/sigs"' INT; : > "$1/started"; while :; do sleep 0.05; done`
+	cmd := exec.Command(os.Args[0], "-test.run=^TestLockHelperProcess$", "--",
+		"lock", "--server", s.URL, "lock-signals", "--", "sh", "-c", script, "sh", dir)
+	cmd.Env = append(os.Environ(), "REDFENCE_LOCK_HELPER=1")
+	var stderr syncBuffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(lockWait)
+		for !cond() {
+			select {
+			case err := <-exited:
+				t.Fatalf("redfence lock exited (%v) before %s; stderr:\n%s", err, what, stderr.String())
+			default:
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("gave up waiting for %s", what)
+			}
+			time.Sleep(10 * time.Millisecond) // polling interval, not synchronisation
+		}
+	}
+	sigs := func() string { b, _ := os.ReadFile(filepath.Join(dir, "sigs")); return string(b) }
+	waitFor("the command to start", func() bool { _, err := os.Stat(filepath.Join(dir, "started")); return err == nil })
+	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("SIGINT to reach the command", func() bool { return sigs() == "INT\n" })
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	var err error
+	select {
+	case err = <-exited:
+	case <-time.After(lockWait):
+		t.Fatal("redfence lock did not exit after SIGTERM")
+	}
+	if got := cmd.ProcessState.ExitCode(); got != 3 {
+		t.Errorf("redfence lock exited %d (%v); want 3, the command's status; stderr:\n%s", got, err, stderr.String())
+	}
+	if got := sigs(); got != "INT\nTERM\n" {
+		t.Errorf("the command received %q; want each signal once: \"INT\\nTERM\\n\"", got)
+	}
+	// And the lock was released on the way out.
+	if r := startLock(t.Context(), "--server", s.URL, "lock-signals", "--", "true"); r.wait(t) != 0 {
+		t.Errorf("the lock was not released: %v", r.err)
+	}
+}

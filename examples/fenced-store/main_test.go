@@ -1,0 +1,203 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/redfence/redfence/client"
+	"github.com/redfence/redfence/client/clienttest"
+	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
+)
+
+// docs is the example service on a fresh database of the shared Postgres.
+type docs struct {
+	t   *testing.T
+	url string
+}
+
+func newDocs(t *testing.T) *docs {
+	t.Helper()
+	pool, err := pgxpool.New(t.Context(), clustertest.Database(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	st := &Store{pool: pool}
+	if err := st.Migrate(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(newHandler(st, slog.New(slog.DiscardHandler)))
+	t.Cleanup(srv.Close)
+	return &docs{t: t, url: srv.URL}
+}
+
+// put writes body to the document id with token (0: no Fencing-Token) and
+// ifMatch (empty: none); it returns the status and the decoded answer.
+func (d *docs) put(id string, token fencing.Token, ifMatch, body string) (int, map[string]any) {
+	d.t.Helper()
+	req, err := http.NewRequest(http.MethodPut, d.url+"/documents/"+id, strings.NewReader(body))
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if token != 0 {
+		fencing.SetHeader(req.Header, token)
+	}
+	if ifMatch != "" {
+		req.Header.Set("If-Match", ifMatch)
+	}
+	return d.do(req)
+}
+
+func (d *docs) get(id string) (int, map[string]any) {
+	d.t.Helper()
+	req, err := http.NewRequest(http.MethodGet, d.url+"/documents/"+id, nil)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	return d.do(req)
+}
+
+func (d *docs) do(req *http.Request) (int, map[string]any) {
+	d.t.Helper()
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	var v map[string]any
+	_ = json.Unmarshal(b, &v)
+	return resp.StatusCode, v
+}
+
+func body(t *testing.T, v map[string]any) string {
+	t.Helper()
+	b, err := json.Marshal(v["body"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// pause is a holder that stops running (GC, swap, VM migration) until its
+// lease has run out, without knowing it: it waits for its own lease's
+// deadline, which it would not notice if it were really paused.
+func pause(t *testing.T, l *client.Lease) {
+	t.Helper()
+	select {
+	case <-l.Done():
+	case <-time.After(time.Minute):
+		t.Fatal("the paused holder's lease never ran out")
+	}
+}
+
+// TestPausedHolder shows the recipe refusing the write of a holder whose
+// lease ran out while it was paused, once the next holder has written.
+func TestPausedHolder(t *testing.T) {
+	t.Parallel()
+	rf := clienttest.Start(t, clienttest.Options{})
+	c, err := client.New(rf.URL, client.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := newDocs(t)
+	ctx := t.Context()
+
+	// A holds the lock and writes twice with its token (">=": allowed).
+	a, err := c.Acquire(ctx, "invoice-7", &client.LockOptions{TTL: time.Second, NoRenew: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2 {
+		if code, v := d.put("invoice-7", a.FencingToken(), "", fmt.Sprintf(`{"total":%d}`, 40+i)); code != 200 {
+			t.Fatalf("A's write %d = %d %v; want 200", i, code, v)
+		}
+	}
+	// A pauses; its lease runs out and B is granted the lock, with a newer token.
+	pause(t, a)
+	b, err := c.Acquire(ctx, "invoice-7", &client.LockOptions{TTL: 30 * time.Second, Wait: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Release(context.Background())
+	if b.FencingToken() <= a.FencingToken() {
+		t.Fatalf("B's token %d is not above A's %d", b.FencingToken(), a.FencingToken())
+	}
+	if code, v := d.put("invoice-7", b.FencingToken(), "", `{"total":99}`); code != 200 {
+		t.Fatalf("B's write = %d %v; want 200", code, v)
+	}
+	// A wakes up and writes with its old token: refused, nothing changes.
+	code, v := d.put("invoice-7", a.FencingToken(), "", `{"total":0}`)
+	if code != http.StatusConflict || v["type"] != "urn:redfence:problem:stale-token" || v["current_fencing_token"] != float64(b.FencingToken()) {
+		t.Errorf("paused A's write = %d %v; want 409 stale-token with current_fencing_token %d", code, v, b.FencingToken())
+	}
+	if code, v := d.get("invoice-7"); code != 200 || body(t, v) != `{"total":99}` || v["fencing_token"] != float64(b.FencingToken()) {
+		t.Errorf("GET = %d %v; want B's document", code, v)
+	}
+	// No token at all, or a malformed one: 400 from the middleware.
+	if code, v := d.put("invoice-7", 0, "", `{"total":1}`); code != http.StatusBadRequest || v["type"] != "urn:redfence:problem:invalid-request" {
+		t.Errorf("write without a token = %d %v; want 400 invalid-request", code, v)
+	}
+}
+
+// TestPausedHolder_ReadModifyWrite shows the limit of the ">=" rule, and
+// its remedy: A's stale write lands if B has not written yet; B's
+// read-modify-write with If-Match then detects it instead of silently
+// overwriting it.
+func TestPausedHolder_ReadModifyWrite(t *testing.T) {
+	t.Parallel()
+	rf := clienttest.Start(t, clienttest.Options{})
+	c, err := client.New(rf.URL, client.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := newDocs(t)
+	ctx := t.Context()
+
+	a, err := c.Acquire(ctx, "account-1", &client.LockOptions{TTL: time.Second, NoRenew: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code, v := d.put("account-1", a.FencingToken(), "", `{"balance":100}`); code != 200 {
+		t.Fatalf("A's first write = %d %v", code, v)
+	}
+	pause(t, a)
+	b, err := c.Acquire(ctx, "account-1", &client.LockOptions{TTL: 30 * time.Second, Wait: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Release(context.Background())
+	_, read := d.get("account-1") // B reads version 1
+	// A wakes and writes before B: accepted, since nothing newer was applied.
+	if code, v := d.put("account-1", a.FencingToken(), "", `{"balance":50}`); code != 200 {
+		t.Fatalf("A's late write before B's = %d %v; the >= rule accepts it", code, v)
+	}
+	// B writes what it computed from its read, conditional on that version.
+	ifMatch := fmt.Sprintf(`"%v"`, read["version"])
+	if code, v := d.put("account-1", b.FencingToken(), ifMatch, `{"balance":110}`); code != http.StatusPreconditionFailed {
+		t.Fatalf("B's conditional write = %d %v; want 412: A's write is detected, not lost", code, v)
+	}
+	_, read = d.get("account-1") // B reads again (balance 50, version 2) and retries
+	if code, v := d.put("account-1", b.FencingToken(), fmt.Sprintf(`"%v"`, read["version"]), `{"balance":60}`); code != 200 {
+		t.Fatalf("B's retried write = %d %v; want 200", code, v)
+	}
+	// From now on A is refused.
+	if code, v := d.put("account-1", a.FencingToken(), "", `{"balance":0}`); code != http.StatusConflict {
+		t.Errorf("A's write after B's = %d %v; want 409", code, v)
+	}
+}
