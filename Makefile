@@ -15,7 +15,7 @@ BIN       := bin/redfence
 ARGS      ?=
 TESTFLAGS ?=
 
-.PHONY: help deps build dev test test-ts fmt-check cover clean bench bench-quick bench-deps
+.PHONY: help deps build dev test test-ts chaos fmt-check cover clean bench bench-quick bench-deps
 
 ## help:      list targets
 help:
@@ -39,6 +39,11 @@ test: deps
 	go test -race -count=1 -timeout 20m $(TESTFLAGS) ./...
 	$(MAKE) --no-print-directory test-ts
 
+## chaos:     long fault-injection suite (chaos/, < 10 min) with the report; CHAOS_OUT=dir keeps it and any porcupine visualisation
+chaos: deps
+	go test -c -o bin/chaos.test ./chaos
+	cd chaos && ../bin/chaos.test -test.count=1 -test.timeout 15m -long $(CHAOSFLAGS)
+
 ## test-ts:   TypeScript SDK (sdk/typescript): npm ci, build, node --test against a real redfence dev
 test-ts: deps build
 	@command -v node >/dev/null && command -v npm >/dev/null || { echo "test-ts needs Node.js >= 20 and npm" >&2; exit 1; }
@@ -46,11 +51,11 @@ test-ts: deps build
 
 ## bench:     Redfence vs redsync vs etcd side by side (bench/, ~8 min); rewrites README's table (extra flags via BENCHFLAGS=...)
 bench: bench-deps build
-	cd bench && go run . -redfence ../$(BIN) -readme ../README.md $(BENCHFLAGS)
+	cd bench && go run -mod=mod . -redfence ../$(BIN) -readme ../README.md $(BENCHFLAGS)
 
-## bench-quick: the same cases with 2 s per cell (~2 min); prints the table only
+## bench-quick: the same cells for 1.5 s each (~2 min); prints the table only
 bench-quick: bench-deps build
-	cd bench && go run . -redfence ../$(BIN) -duration 2s -warmup 500ms $(BENCHFLAGS)
+	cd bench && go run -mod=mod . -redfence ../$(BIN) -duration 1500ms -warmup 500ms $(BENCHFLAGS)
 
 bench-deps:
 	@bash scripts/install-deps.sh --bench

@@ -350,24 +350,26 @@ func (e *env) plan() []cell {
 			}
 		}
 	}
-	for _, k := range []kind{distinct, contended} {
-		if !slices.Contains(e.cfg.cases, k) {
-			continue
+	// Degraded cells run right after the healthy distinct cells of the same
+	// worker count (at the fewest and the most workers), so that the
+	// degraded ÷ healthy ratio compares neighbours too.
+	degradedAt := []int{e.cfg.workers[0], slices.Max(e.cfg.workers)}
+	for _, w := range e.cfg.workers {
+		if slices.Contains(e.cfg.cases, distinct) {
+			add(distinct, w, systemKeys...)
 		}
+		if slices.Contains(e.cfg.cases, degraded) && slices.Contains(degradedAt, w) {
+			add(degraded, w, "http", "inproc", "redsync")
+			degradedAt = slices.DeleteFunc(degradedAt, func(x int) bool { return x == w })
+		}
+	}
+	if slices.Contains(e.cfg.cases, contended) {
 		for _, w := range e.cfg.workers {
-			add(k, w, systemKeys...)
+			add(contended, w, systemKeys...)
 		}
 	}
 	if slices.Contains(e.cfg.cases, handoff) {
 		add(handoff, e.cfg.handoffWorkers, "http", "inproc", "redsync", "etcd")
-	}
-	if slices.Contains(e.cfg.cases, degraded) {
-		for _, w := range []int{e.cfg.workers[0], slices.Max(e.cfg.workers)} {
-			add(degraded, w, "http", "inproc", "redsync")
-			if len(e.cfg.workers) == 1 {
-				break
-			}
-		}
 	}
 	return cells
 }
@@ -381,10 +383,11 @@ func (e *env) measure(ctx context.Context) []*result {
 		if ctx.Err() != nil {
 			break
 		}
+		t0 := time.Now()
 		r := e.run(ctx, c, hooks{})
 		out = append(out, r)
-		logf("[%d/%d] %-9s w=%-3d %-16s %9.0f cycles/s  p50 %-8s p99 %-8s errs %d %s", i+1, len(cells), r.kind, r.workers, r.system,
-			r.rate(), fmtDur(r.pct(0.5)), fmtDur(r.pct(0.99)), r.errs+r.timeouts, r.skipped)
+		logf("[%d/%d] %-9s w=%-3d %-16s %9.0f cycles/s  p50 %-8s p99 %-8s errs %-4d (%.1fs) %s", i+1, len(cells), r.kind, r.workers, r.system,
+			r.rate(), fmtDur(r.pct(0.5)), fmtDur(r.pct(0.99)), r.errs+r.timeouts, time.Since(t0).Seconds(), r.skipped)
 	}
 	return out
 }

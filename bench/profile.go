@@ -258,7 +258,12 @@ func pprofTop(dir, file, base, title string, args ...string) string {
 	if err != nil {
 		return fmt.Sprintf("\n(go tool pprof %s: %v)\n", file, err)
 	}
-	name := strings.ReplaceAll(strings.TrimSuffix(file, ".pprof")+"-"+strings.Join(args[3:len(args)-1], ""), "/", "_")
-	_ = os.WriteFile(filepath.Join(dir, filepath.Base(name)+".txt"), out, 0o644)
+	slug := strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' {
+			return r
+		}
+		return '-'
+	}, strings.ToLower(title))
+	_ = os.WriteFile(filepath.Join(dir, strings.TrimSuffix(file, ".pprof")+"-"+slug+".txt"), out, 0o644)
 	return fmt.Sprintf("\n### %s (%s)\n\n```\n%s```\n", title, file, out)
 }

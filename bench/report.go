@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 )
@@ -45,14 +46,14 @@ func (e *env) describe(ctx context.Context) string {
 	_ = e.pgAdmin.QueryRow(ctx, "SHOW server_version").Scan(&pgV)
 	etcdV := "not run"
 	if e.etcd != nil {
-		etcdV = e.etcd.version()
+		etcdV = e.etcd.version() + " (1 member, WAL fsync on)"
 	}
 	fsync := "off"
 	if e.cfg.durable {
 		fsync = "on"
 	}
 	return fmt.Sprintf("%s on %d × %s, %s RAM, Linux %s, %s; redis-server %s × 5 (no persistence); "+
-		"PostgreSQL %s (fsync %s, synchronous_commit on); etcd %s (1 member, WAL fsync on)",
+		"PostgreSQL %s (fsync %s, synchronous_commit on); etcd %s",
 		time.Now().UTC().Format("2006-01-02 15:04 UTC"), runtime.NumCPU(), cpu, mem, kernel, runtime.Version(),
 		redisV, pgV, fsync, etcdV)
 }
@@ -88,15 +89,19 @@ func fmtRatio(a, b float64) string {
 	return fmt.Sprintf("%.2f×", a/b)
 }
 
+// minCycles is the fewest cycles in a window for per-cycle figures and
+// ratios to be shown: below it they divide by noise.
+const minCycles = 20
+
 func fmtCPU(r *result, d time.Duration, applies bool) string {
-	if !applies || r.cycles == 0 {
+	if !applies || r.cycles < minCycles {
 		return "–"
 	}
 	return fmt.Sprintf("%.3f", r.perK(d))
 }
 
 func fmtPer(r *result, n int64) string {
-	if r.cycles == 0 || n < 0 {
+	if r.cycles < minCycles || n < 0 {
 		return "–"
 	}
 	return fmt.Sprintf("%.2f", float64(n)/float64(r.cycles))
@@ -110,9 +115,11 @@ func (e *env) report(rs []*result) string {
 	p("Measured by `make bench` (bench/), %v per cell after %v warm-up, lease TTL %v, hold 0.\n", e.cfg.duration, e.cfg.warmup, e.cfg.ttl)
 	p("%s.\n\n", e.versions)
 	p("- **distinct**: each worker locks its own name; **contended**: all workers try-lock one name (wait 0; etcd `TryLock`), cycles/s counts grants;\n")
+	p("  tries/s counts every acquire call (granted, refused as held, failed): on distinct names a gap between the two is a system refusing a name its own worker just released;\n")
 	p("  **handoff**: all workers block on one name (wait %v, etcd `Lock`), cycles/s = grants/s and latency = wait-to-grant;\n", e.cfg.wait)
 	p("  **degraded**: distinct with one of the 5 Redis nodes SIGSTOPped.\n")
-	p("- Latency: granted acquires only. CPU: seconds per 1,000 cycles; client = this process (the load generator for HTTP, the whole lock for in-process systems),\n")
+	p("- Latency: granted acquires only. Per-cycle figures and ratios need %d cycles in the window (– otherwise). CPU: seconds per 1,000 cycles;", minCycles)
+	p("\n  client = this process (the load generator for HTTP, the whole lock for in-process systems),\n")
 	p("  server = `redfence serve` or etcd, redis = the 5 nodes, pg = Postgres and its backends. Redis RT: socket reads on the nodes per cycle (round trips);\n")
 	p("  pg xacts: Postgres write transactions per cycle. redfence http and in-proc issue a durable fencing token per grant; redsync and the single node issue none;\n")
 	p("  etcd's lock key revision is its fencing token.\n\n")
@@ -123,19 +130,22 @@ func (e *env) report(rs []*result) string {
 	for _, r := range rs {
 		if r.skipped != "" {
 			p("| %s | %d | %s | skipped | | | | | | | | | | | | |\n", r.kind, r.workers, r.system)
-			notes = append(notes, fmt.Sprintf("%s/%d/%s skipped: %s", r.kind, r.workers, r.system, r.skipped))
+			notes = append(notes, fmt.Sprintf("- %s/%d/%s skipped: %s", r.kind, r.workers, r.system, r.skipped))
 			continue
 		}
-		tries := "–"
-		if r.kind == contended {
-			tries = fmtRate(r.tryRate())
-		}
+		tries := fmtRate(r.tryRate())
 		errs := fmt.Sprint(r.errs)
 		if r.timeouts > 0 {
 			errs += fmt.Sprintf(" (+%d wait timeouts)", r.timeouts)
 		}
 		if r.firstErr != "" {
-			notes = append(notes, fmt.Sprintf("%s/%d/%s first error: %.200s", r.kind, r.workers, r.system, r.firstErr))
+			var kinds []string
+			for k, n := range r.errKinds {
+				kinds = append(kinds, fmt.Sprintf("%s %d", k, n))
+			}
+			slices.Sort(kinds)
+			notes = append(notes, fmt.Sprintf("- %s/%d/%s errors: %s; first: %.160s", r.kind, r.workers, r.system, strings.Join(kinds, ", "),
+				strings.ReplaceAll(r.firstErr, "\n", " ")))
 		}
 		usesRedis := r.system != "etcd"
 		usesPG := strings.HasPrefix(r.system, "redfence")
@@ -152,11 +162,8 @@ func (e *env) report(rs []*result) string {
 			fmtCPU(r, r.client, true), fmtCPU(r, r.server, r.hasServer), fmtCPU(r, r.redis, usesRedis), fmtCPU(r, r.pg, usesPG),
 			fmtCPU(r, r.total(), true), rt, px)
 	}
-	for _, n := range notes {
-		p("\n%s", n)
-	}
 	if len(notes) > 0 {
-		p("\n")
+		p("\nErrors (a failed cycle is not counted; the worker moves to a new name):\n\n%s\n", strings.Join(notes, "\n"))
 	}
 
 	find := func(k kind, w int, sys string) *result {
@@ -168,19 +175,19 @@ func (e *env) report(rs []*result) string {
 		return nil
 	}
 	rate := func(r *result) float64 {
-		if r == nil {
+		if r == nil || r.cycles < minCycles {
 			return 0
 		}
 		return r.rate()
 	}
 	p50 := func(r *result) float64 {
-		if r == nil {
+		if r == nil || r.cycles < minCycles {
 			return 0
 		}
 		return float64(r.pct(0.5))
 	}
 	cpuPer := func(r *result) float64 {
-		if r == nil || r.cycles == 0 {
+		if r == nil || r.cycles < minCycles {
 			return 0
 		}
 		return r.total().Seconds() / float64(r.cycles)

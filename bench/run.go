@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/redfence/redfence/service"
 )
 
 // kind is a benchmark case.
@@ -47,6 +49,8 @@ type result struct {
 	// held or failed); errs: failures; timeouts: blocking waits that ran out.
 	cycles, tries, errs, timeouts int64
 	firstErr                      string
+	// errKinds counts the errors by kind (problem type or sentinel).
+	errKinds map[string]int64
 	// lat: latency of granted acquires (handoff: wait-to-grant), sorted.
 	lat []time.Duration
 	// CPU used during the window by this process (client), the system's
@@ -205,19 +209,23 @@ func (e *env) run(ctx context.Context, c cell, h hooks) *result {
 		}
 		ws = append(ws, w)
 	}
+	resume := func() {}
 	if c.kind == degraded {
 		node := e.cl.Redis[len(e.cl.Redis)-1]
 		if err := node.Pause(); err != nil {
 			r.skipped = err.Error()
 			return r
 		}
-		defer func() { _ = node.Resume() }()
+		var once sync.Once
+		resume = func() { once.Do(func() { _ = node.Resume() }) }
+		defer resume()
 	}
 
 	type wstat struct {
 		lat                           []time.Duration
 		cycles, tries, errs, timeouts int64
 		firstErr                      string
+		kinds                         map[string]int64
 	}
 	stats := make([]wstat, c.workers)
 	runCtx, cancel := context.WithCancel(ctx)
@@ -262,6 +270,10 @@ func (e *env) run(ctx context.Context, c cell, h hooks) *result {
 						if st.firstErr == "" {
 							st.firstErr = err.Error()
 						}
+						if st.kinds == nil {
+							st.kinds = map[string]int64{}
+						}
+						st.kinds[errKind(err)]++
 					}
 					if c.kind == distinct || c.kind == degraded {
 						// What failed may still hold the name: move on.
@@ -288,6 +300,7 @@ func (e *env) run(ctx context.Context, c cell, h hooks) *result {
 		h.stop(ctx)
 	}
 	cancel() // ends blocked waits
+	resume() // and calls stuck on the stopped node
 	wg.Wait()
 
 	for _, st := range stats {
@@ -298,6 +311,12 @@ func (e *env) run(ctx context.Context, c cell, h hooks) *result {
 		r.lat = append(r.lat, st.lat...)
 		if r.firstErr == "" {
 			r.firstErr = st.firstErr
+		}
+		for k, n := range st.kinds {
+			if r.errKinds == nil {
+				r.errKinds = map[string]int64{}
+			}
+			r.errKinds[k] += n
 		}
 	}
 	slices.Sort(r.lat)
@@ -312,6 +331,32 @@ func (e *env) run(ctx context.Context, c cell, h hooks) *result {
 	e.lastCmds = diffCmds(s0.redisCmds, s1.redisCmds)
 	sleep(ctx, 300*time.Millisecond) // let the servers settle before the next cell
 	return r
+}
+
+// errKind names an error for the counts: the problem type of an HTTP error,
+// the sentinel of a service error, else "other".
+func errKind(err error) string {
+	op := "acquire"
+	if strings.HasPrefix(err.Error(), "release") {
+		op = "release"
+	}
+	msg := err.Error()
+	if i := strings.Index(msg, "urn:redfence:problem:"); i >= 0 {
+		slug, _, _ := strings.Cut(msg[i+len("urn:redfence:problem:"):], `"`)
+		return op + " " + slug
+	}
+	for _, s := range []struct {
+		err  error
+		name string
+	}{
+		{service.ErrNotHolder, "not-holder"}, {service.ErrQuorum, "quorum-unavailable"}, {service.ErrFencing, "fencing-unavailable"},
+		{service.ErrExpired, "lease-expired"}, {context.DeadlineExceeded, "timeout"},
+	} {
+		if errors.Is(err, s.err) {
+			return op + " " + s.name
+		}
+	}
+	return op + " other"
 }
 
 func diffCmds(a, b map[string]int64) map[string]int64 {

@@ -289,8 +289,8 @@ type lease struct {
 
 // overlaps counts pairs of grants of name live at once. A grant is live from
 // its response until the first of: its release was sent, an extend of it
-// was refused (sent), its deadline (acquire or last successful extend sent
-// + validity).
+// that was refused as lost (409) was sent, its deadline (acquire or last
+// successful extend sent + validity).
 func (r *Result) overlaps(name string, ops, grants []Op, o CheckOptions, v *violations) {
 	type key struct {
 		client string
@@ -318,7 +318,7 @@ func (r *Result) overlaps(name string, ops, grants []Op, o CheckOptions, v *viol
 		if l == nil {
 			continue
 		}
-		if op.Kind == Release || (op.Kind == Extend && op.Status != 200) {
+		if op.Kind == Release || (op.Kind == Extend && op.Status == 409) {
 			l.end = min(l.end, op.Call)
 		}
 	}

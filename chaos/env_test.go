@@ -2,12 +2,14 @@ package chaos_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -333,9 +335,16 @@ func (e *env) startInproc(cfg serverConfig) *inproc {
 			}
 		}
 	}
+	logs := &lockedBuffer{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("log of the in-process server (warnings):\n%s", logs.String())
+		}
+	})
 	l, err := service.New(nodes, db, service.Options{
 		NodeTimeout: cfg.NodeTimeout, MaxTTL: cfg.MaxTTL, IssueTimeout: cfg.IssueTimeout,
 		Registry: reg, AfterQuorum: hook,
+		Logger: slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelWarn})),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -362,20 +371,45 @@ func (e *env) startInproc(cfg serverConfig) *inproc {
 	return &inproc{url: "http://" + ln.Addr().String(), locker: l}
 }
 
+// lockedBuffer is a bytes.Buffer safe for concurrent writers.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
 // proc is a `redfence serve` process.
 type proc struct {
-	t    *testing.T
-	bin  string
-	env  []string
-	addr string
+	t   *testing.T
+	bin string
+	env []string
 
 	mu   sync.Mutex
+	addr string // host:port once it serves; kept across restarts
 	cmd  *exec.Cmd
 	done chan struct{}
 	logs []string // the last lines of its log
 }
 
-func (s *proc) URL() string { return "http://" + s.addr }
+// Addr returns the address it listens on.
+func (s *proc) Addr() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.addr
+}
+
+func (s *proc) URL() string { return "http://" + s.Addr() }
 
 func (e *env) startProc(cfg serverConfig) *proc {
 	e.t.Helper()
@@ -417,7 +451,7 @@ func (e *env) startProc(cfg serverConfig) *proc {
 // serving" log line names the address).
 func (s *proc) start() error {
 	cmd := exec.Command(s.bin, "serve")
-	cmd.Env = append(append(os.Environ(), s.env...), "REDFENCE_LISTEN_ADDR="+s.addr)
+	cmd.Env = append(append(os.Environ(), s.env...), "REDFENCE_LISTEN_ADDR="+s.Addr())
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
@@ -458,7 +492,9 @@ func (s *proc) start() error {
 	s.mu.Unlock()
 	select {
 	case addr := <-ready:
+		s.mu.Lock()
 		s.addr = addr
+		s.mu.Unlock()
 		return nil
 	case <-done:
 		s.mu.Lock()

@@ -72,6 +72,9 @@ type Op struct {
 	Elem string `json:"elem,omitempty"`
 	// Found reports that a read found the document.
 	Found bool `json:"found,omitempty"`
+	// Nodes is each node's outcome in a problem's nodes member
+	// ("yes,no,timeout,..."), in node order.
+	Nodes string `json:"nodes,omitempty"`
 	// RetryAfter is the Retry-After header of the response.
 	RetryAfter string `json:"retry_after,omitempty"`
 	// Stall marks an acquire that asked the server to stall it between

@@ -83,7 +83,7 @@ func (r *Report) Write(w io.Writer, title string) {
 	fmt.Fprintf(w, "\n%s\n%s\n", title, strings.Repeat("=", len(title)))
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "scenario\tops\tgrants\trefused\tfaults\tstale writes\ttokens\telements\toverlapping\tchecker\ttest\t")
-	fmt.Fprintln(tw, "\t\t\t\t\tattempted/accepted\tissued/regressions\tacked/lost\tgrants\tverdict\t\t")
+	fmt.Fprintln(tw, "\t\t\t\t\tattempted/accepted\tgranted/regressions\tacked/lost\tgrants\tverdict\t\t")
 	var tot Result
 	tot.Refusals = map[string]int{}
 	totFaults := map[string]int{}
@@ -94,7 +94,10 @@ func (r *Report) Write(w io.Writer, title string) {
 			res = &Result{}
 		}
 		verdict := "OK"
-		if !res.OK() {
+		switch {
+		case s.Result == nil:
+			verdict = "not checked"
+		case !res.OK():
 			verdict = "VIOLATION"
 		}
 		if s.Control {
@@ -133,7 +136,10 @@ func (r *Report) Write(w io.Writer, title string) {
 		tot.Ops, tot.Grants, sum(tot.Refusals), sum(totFaults), tot.StaleAttempted, tot.StaleAccepted,
 		tot.Tokens, tot.Regressions, tot.ElemsAcked, tot.ElemsLost, tot.Overlaps, verdict)
 	_ = tw.Flush()
-	fmt.Fprintln(w, "\n(negative controls, marked \"(expected)\", run with a safety mechanism switched off and pass when the checker reports the violation it allows)")
+	fmt.Fprintln(w, "\nstale writes: sent with a token below one already granted or applied; tokens: distinct fencing tokens clients were")
+	fmt.Fprintln(w, "granted (tokens burned by refused grants are invisible to clients); elements: unique elements appended by acknowledged")
+	fmt.Fprintln(w, "writes, and those missing from the final document; negative controls (\"(expected)\") run with a safety mechanism")
+	fmt.Fprintln(w, "switched off and pass when the checker reports the violation it allows.")
 
 	for _, s := range ss {
 		res := s.Result
@@ -141,7 +147,11 @@ func (r *Report) Write(w io.Writer, title string) {
 			res = &Result{}
 		}
 		fmt.Fprintf(w, "\n%s %s (%v)\n", s.ID, s.Title, s.Duration.Round(100*time.Millisecond))
-		fmt.Fprintf(w, "  checker verdict:    %s\n", res.Verdict())
+		if s.Result == nil {
+			fmt.Fprintf(w, "  checker verdict:    not checked (the test stopped before the check)\n")
+		} else {
+			fmt.Fprintf(w, "  checker verdict:    %s\n", res.Verdict())
+		}
 		fmt.Fprintf(w, "  refusals by reason: %s\n", breakdown(res.Refusals))
 		fmt.Fprintf(w, "  faults injected:    %s\n", breakdown(s.Faults))
 		if res.Overlaps > 0 {

@@ -64,6 +64,7 @@ type ClientLine struct {
 type response struct {
 	status     int
 	problem    string
+	nodes      string
 	retryAfter string
 	body       []byte
 	err        error
@@ -104,10 +105,18 @@ func (c *Client) do(ctx context.Context, l Link, method, path string, hdr http.H
 	r := response{status: resp.StatusCode, body: data, retryAfter: resp.Header.Get("Retry-After")}
 	if resp.StatusCode >= 300 {
 		var p struct {
-			Type string `json:"type"`
+			Type  string `json:"type"`
+			Nodes []struct {
+				Outcome string `json:"outcome"`
+			} `json:"nodes"`
 		}
 		if json.Unmarshal(data, &p) == nil {
 			r.problem = strings.TrimPrefix(p.Type, problemPrefix)
+			outcomes := make([]string, len(p.Nodes))
+			for i, n := range p.Nodes {
+				outcomes[i] = n.Outcome
+			}
+			r.nodes = strings.Join(outcomes, ",")
 		}
 	}
 	return r
@@ -115,7 +124,7 @@ func (c *Client) do(ctx context.Context, l Link, method, path string, hdr http.H
 
 func (c *Client) finish(op Op, r response) Op {
 	op.Return = Now()
-	op.Status, op.Problem, op.RetryAfter = r.status, r.problem, r.retryAfter
+	op.Status, op.Problem, op.Nodes, op.RetryAfter = r.status, r.problem, r.nodes, r.retryAfter
 	if r.err != nil {
 		op.Err = r.err.Error()
 	}

@@ -52,7 +52,7 @@ func TestLease_RenewalKeepsItAlive(t *testing.T) {
 	t.Parallel()
 	s := clienttest.Start(t, clienttest.Options{})
 	c := newClient(t, s.URL)
-	const ttl = time.Second
+	const ttl = 2 * time.Second
 	renewed := make(chan time.Time, 100)
 	l, err := c.Acquire(t.Context(), "renewed", &client.LockOptions{TTL: ttl, OnRenew: func(d time.Time) { renewed <- d }})
 	if err != nil {
@@ -133,8 +133,8 @@ func TestLease_Caps(t *testing.T) {
 		want int    // renewals before the lease runs out; -1: at least one
 		why  string // in the error
 	}{
-		{"MaxRenewals", client.LockOptions{TTL: time.Second, MaxRenewals: 2}, 2, "MaxRenewals"},
-		{"MaxHold", client.LockOptions{TTL: time.Second, MaxHold: 2 * time.Second}, -1, "MaxHold"},
+		{"MaxRenewals", client.LockOptions{TTL: 2 * time.Second, MaxRenewals: 2}, 2, "MaxRenewals"},
+		{"MaxHold", client.LockOptions{TTL: 2 * time.Second, MaxHold: 4 * time.Second}, -1, "MaxHold"},
 		{"NoRenew", client.LockOptions{TTL: 500 * time.Millisecond, NoRenew: true}, 0, "renewal is off"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

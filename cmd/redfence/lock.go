@@ -189,6 +189,10 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGQUIT)
 	defer signal.Stop(sigs)
 
+	if err := lease.Err(); err != nil { // the grant came too late to use
+		fmt.Fprintf(stderr, "redfence lock: lease on %q ended before the command could start (%v)\n", lease.Name(), err)
+		return 1, true
+	}
 	if err := cmd.Start(); err != nil {
 		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
 		return 127, false
