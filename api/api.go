@@ -81,6 +81,10 @@ type Options struct {
 	// RateBurst is how many requests an API key may send at once. The
 	// default is RateLimit rounded up.
 	RateBurst int
+	// StoreTimeout bounds each reference-store call, including the wait for
+	// a pooled connection, so an exhausted pool answers 503 quickly. The
+	// default is 2s.
+	StoreTimeout time.Duration
 	// Now is the clock for validity. The default is time.Now.
 	Now func() time.Time
 	// OpenAPI is the spec served at /openapi.yaml.
@@ -119,6 +123,9 @@ func NewHandler(locker Locker, st Store, opts Options) *Handler {
 		opts.Namespace = Tenant
 	}
 	opts.Logger = slog.New(principalLog{opts.Logger.Handler()})
+	if opts.StoreTimeout <= 0 {
+		opts.StoreTimeout = 2 * time.Second
+	}
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
@@ -482,7 +489,9 @@ func (h *Handler) doPut(w http.ResponseWriter, r *http.Request) error {
 	if len(params) > 0 {
 		return invalid("the body is missing or has invalid fields", params...)
 	}
-	res, err := h.store.PutResource(r.Context(), key, fencing.Token(*req.FencingToken), req.Data)
+	ctx, cancel := context.WithTimeout(r.Context(), h.opts.StoreTimeout)
+	defer cancel()
+	res, err := h.store.PutResource(ctx, key, fencing.Token(*req.FencingToken), req.Data)
 	if err != nil {
 		return err
 	}
@@ -501,7 +510,9 @@ func (h *Handler) getResource(w http.ResponseWriter, r *http.Request) {
 		h.writeError(w, r, err)
 		return
 	}
-	res, err := h.store.GetResource(r.Context(), key)
+	ctx, cancel := context.WithTimeout(r.Context(), h.opts.StoreTimeout)
+	defer cancel()
+	res, err := h.store.GetResource(ctx, key)
 	if err != nil {
 		h.writeError(w, r, err)
 		return

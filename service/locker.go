@@ -644,6 +644,12 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		close(decided)
 		wg.Wait()
 		l.drain(t, ch)
+		if sentinel == nil { // no quorum: decide why on every node's answer
+			sentinel, cause = ErrQuorum, nodeErrors(t.results)
+			if l.refused(t) {
+				sentinel, cause = ErrHeld, nil
+			}
+		}
 		e := &Error{Op: "acquire", Key: key, Err: sentinel, Nodes: t.results, Cause: cause}
 		if sentinel == ErrHeld {
 			e.RetryAfter = l.retryAfter(t)
@@ -652,10 +658,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	}
 
 	if t.yes < l.quorum {
-		if l.refused(t) {
-			return nil, fail(ErrHeld, nil)
-		}
-		return nil, fail(ErrQuorum, nodeErrors(t.results))
+		return nil, fail(nil, nil)
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, fail(ErrQuorum, err)
@@ -739,10 +742,10 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Nodes: t.results, Cause: cause}
 	}
 	if t.yes < l.quorum {
+		l.drain(t, ch) // decide on every node's answer, each within NodeTimeout
 		if l.refused(t) {
 			return lost(nil)
 		}
-		l.drain(t, ch)
 		return nil, &Error{Op: "extend", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
 	}
 	rec, err := l.last(ctx, key)
