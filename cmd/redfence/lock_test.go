@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -14,7 +13,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,27 +23,9 @@ import (
 // lockWait bounds every wait of the lock tests for an observable condition.
 const lockWait = 60 * time.Second
 
-// syncBuffer is an io.Writer safe for concurrent use.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // lockRun is one `redfence lock` run in this process.
 type lockRun struct {
-	stdout, stderr syncBuffer
+	stdout, stderr lockedBuffer
 	done           chan struct{}
 	err            error
 }
@@ -346,14 +326,14 @@ func TestLock_Usage(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			var stdout, stderr syncBuffer
+			var stdout, stderr lockedBuffer
 			err := run(t.Context(), append([]string{"lock"}, tc.args...), &stdout, &stderr)
 			if !errors.Is(err, errUsage) || !strings.Contains(stderr.String(), tc.want) {
 				t.Errorf("lock %q = %v, stderr %q; want a usage error mentioning %q", tc.args, err, stderr.String(), tc.want)
 			}
 		})
 	}
-	var stdout, stderr syncBuffer
+	var stdout, stderr lockedBuffer
 	if err := run(t.Context(), []string{"lock", "-h"}, &stdout, &stderr); err != nil || !strings.Contains(stderr.String(), "REDFENCE_FENCING_TOKEN") {
 		t.Errorf("lock -h = %v, %q; want the help", err, stderr.String())
 	}
@@ -387,7 +367,7 @@ func TestLock_Signals(t *testing.T) {
 	cmd := exec.Command(os.Args[0], "-test.run=^TestLockHelperProcess$", "--",
 		"lock", "--server", s.URL, "lock-signals", "--", "sh", "-c", script, "sh", dir)
 	cmd.Env = append(os.Environ(), "REDFENCE_LOCK_HELPER=1")
-	var stderr syncBuffer
+	var stderr lockedBuffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
