@@ -15,7 +15,7 @@ BIN       := bin/redfence
 ARGS      ?=
 TESTFLAGS ?=
 
-.PHONY: help deps build dev test test-ts chaos fmt-check cover clean bench bench-quick bench-deps
+.PHONY: help deps build dev test test-ts chaos fmt-check cover clean bench bench-quick bench-deps bench-micro
 
 ## help:      list targets
 help:
@@ -52,6 +52,10 @@ test-ts: deps build
 ## bench:     Redfence vs redsync vs etcd side by side (bench/, ~8 min); rewrites README's table (extra flags via BENCHFLAGS=...)
 bench: bench-deps build
 	cd bench && go run -mod=mod . -redfence ../$(BIN) -readme ../README.md $(BENCHFLAGS)
+
+## bench-micro: Go micro-benchmarks of the hot functions (quorum round, token issuance, request decode/encode), with -benchmem
+bench-micro: deps
+	go test -run '^$$' -bench . -benchmem ./service/ ./store/ ./api/
 
 ## bench-quick: the same cells for 1.5 s each (~2 min); prints the table only
 bench-quick: bench-deps build
