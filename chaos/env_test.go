@@ -2,7 +2,6 @@ package chaos_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -38,6 +37,7 @@ import (
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
 	"github.com/redfence/redfence/internal/openapitest"
+	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
 	"github.com/redfence/redfence/store"
 )
@@ -335,7 +335,7 @@ func (e *env) startInproc(cfg serverConfig) *inproc {
 			}
 		}
 	}
-	logs := &lockedBuffer{}
+	logs := &testutil.Buffer{}
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("log of the in-process server (warnings):\n%s", logs.String())
@@ -369,24 +369,6 @@ func (e *env) startInproc(cfg serverConfig) *inproc {
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
 	return &inproc{url: "http://" + ln.Addr().String(), locker: l}
-}
-
-// lockedBuffer is a bytes.Buffer safe for concurrent writers.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 // proc is a `redfence serve` process.

@@ -20,6 +20,7 @@ import (
 	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/migrations"
 )
 
@@ -83,26 +84,6 @@ func issue(t testing.TB, db *DB, key string) fencing.Token {
 		t.Fatalf("Issue(%q): %v", key, err)
 	}
 	return tok
-}
-
-// waitFor polls cond until it returns true, fails the test when it returns
-// an error or waitTimeout passes.
-func waitFor(t testing.TB, what string, cond func() (bool, error)) {
-	t.Helper()
-	deadline := time.Now().Add(waitTimeout)
-	for {
-		ok, err := cond()
-		if err != nil {
-			t.Fatalf("waiting for %s: %v", what, err)
-		}
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("gave up waiting for %s after %v", what, waitTimeout)
-		}
-		time.Sleep(5 * time.Millisecond) // polling interval, not synchronisation
-	}
 }
 
 // blockedBy counts the backends that wait for a lock held by the backend
@@ -475,7 +456,7 @@ func TestDB_PutResource_Race(t *testing.T) {
 			done <- result{r, err}
 		}()
 		obs := connect(t, url)
-		waitFor(t, "the write to wait on the token row lock", func() (bool, error) {
+		testutil.WaitFor(t, waitTimeout, "the write to wait on the token row lock", func() (bool, error) {
 			select {
 			case res := <-done:
 				if res.err != nil {
@@ -521,7 +502,7 @@ func TestDB_PutResource_Race(t *testing.T) {
 			done <- result{tok, err}
 		}()
 		obs := connect(t, url)
-		waitFor(t, "the issuance to wait on the writer's row lock", func() (bool, error) {
+		testutil.WaitFor(t, waitTimeout, "the issuance to wait on the writer's row lock", func() (bool, error) {
 			select {
 			case res := <-done:
 				return false, fmt.Errorf("Issue returned %d, %v while a write was uncommitted; want it to wait", res.tok, res.err)
@@ -668,7 +649,7 @@ func TestDB_PostgresRestart(t *testing.T) {
 	// Connections of the pool died with the server; the pool replaces them
 	// as they fail. Poll until an issuance succeeds.
 	var after fencing.Token
-	waitFor(t, "Issue to succeed after the restart", func() (bool, error) {
+	testutil.WaitFor(t, waitTimeout, "Issue to succeed after the restart", func() (bool, error) {
 		tok, err := db.Issue(t.Context(), fencing.Claim{Key: key})
 		if err != nil {
 			t.Logf("Issue after restart: %v", err)

@@ -14,6 +14,7 @@ import (
 	"github.com/redfence/redfence/api"
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/store"
 )
 
@@ -68,7 +69,7 @@ func TestAuth_RevocationAcrossServers(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, s := range servers {
-		waitFor(t, fmt.Sprintf("server %d to refuse the revoked key", i), func() (bool, error) {
+		testutil.WaitFor(t, waitTimeout, fmt.Sprintf("server %d to refuse the revoked key", i), func() (bool, error) {
 			return call(t, http.MethodGet, s.Addr(), "/v1/locks/x", "", auth(key)...).status == http.StatusUnauthorized, nil
 		})
 	}
@@ -90,7 +91,7 @@ func TestAuth_NoSecretsInLogs(t *testing.T) {
 	t.Parallel()
 	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
 	url := clustertest.Database(t)
-	var logs lockedBuffer
+	var logs testutil.Buffer
 	log := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	cfg := testConfig(t, addrs(nodes), url)
 	cfg.Auth = true
@@ -153,7 +154,7 @@ func TestAuth_NoSecretsInLogs(t *testing.T) {
 	if _, err := db.RevokeKey(t.Context(), aID); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the revocation to apply", func() (bool, error) {
+	testutil.WaitFor(t, waitTimeout, "the revocation to apply", func() (bool, error) {
 		return call(t, http.MethodGet, addr, "/v1/locks/s", "", hdr(a)...).status == http.StatusUnauthorized, nil
 	})
 

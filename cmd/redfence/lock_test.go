@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/redfence/redfence/client/clienttest"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // lockWait bounds every wait of the lock tests for an observable condition.
@@ -25,7 +26,7 @@ const lockWait = 60 * time.Second
 
 // lockRun is one `redfence lock` run in this process.
 type lockRun struct {
-	stdout, stderr lockedBuffer
+	stdout, stderr testutil.Buffer
 	done           chan struct{}
 	err            error
 }
@@ -326,14 +327,14 @@ func TestLock_Usage(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			var stdout, stderr lockedBuffer
+			var stdout, stderr testutil.Buffer
 			err := run(t.Context(), append([]string{"lock"}, tc.args...), &stdout, &stderr)
 			if !errors.Is(err, errUsage) || !strings.Contains(stderr.String(), tc.want) {
 				t.Errorf("lock %q = %v, stderr %q; want a usage error mentioning %q", tc.args, err, stderr.String(), tc.want)
 			}
 		})
 	}
-	var stdout, stderr lockedBuffer
+	var stdout, stderr testutil.Buffer
 	if err := run(t.Context(), []string{"lock", "-h"}, &stdout, &stderr); err != nil || !strings.Contains(stderr.String(), "REDFENCE_FENCING_TOKEN") {
 		t.Errorf("lock -h = %v, %q; want the help", err, stderr.String())
 	}
@@ -367,7 +368,7 @@ func TestLock_Signals(t *testing.T) {
 	cmd := exec.Command(os.Args[0], "-test.run=^TestLockHelperProcess$", "--",
 		"lock", "--server", s.URL, "lock-signals", "--", "sh", "-c", script, "sh", dir)
 	cmd.Env = append(os.Environ(), "REDFENCE_LOCK_HELPER=1")
-	var stderr lockedBuffer
+	var stderr testutil.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

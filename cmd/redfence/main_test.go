@@ -28,6 +28,7 @@ import (
 	"github.com/redfence/redfence/api"
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/migrations"
 )
 
@@ -258,26 +259,6 @@ func acquire(t testing.TB, addr, name string) api.LockResponse {
 	return g
 }
 
-// waitFor polls cond until it returns true; it fails the test on error or
-// after waitTimeout.
-func waitFor(t testing.TB, what string, cond func() (bool, error)) {
-	t.Helper()
-	deadline := time.Now().Add(waitTimeout)
-	for {
-		ok, err := cond()
-		if err != nil {
-			t.Fatalf("waiting for %s: %v", what, err)
-		}
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("gave up waiting for %s after %v", what, waitTimeout)
-		}
-		time.Sleep(10 * time.Millisecond) // polling interval, not synchronisation
-	}
-}
-
 // redfenceConns counts the connections the store (application_name
 // redfence) holds to the database at url.
 func redfenceConns(ctx context.Context, url string) (int, error) {
@@ -317,7 +298,7 @@ func TestOpen(t *testing.T) {
 			c.Close()
 			t.Errorf("dial %s after Close succeeded; want connection refused", addr)
 		}
-		waitFor(t, "the store's connections to close", func() (bool, error) {
+		testutil.WaitFor(t, waitTimeout, "the store's connections to close", func() (bool, error) {
 			n, err := redfenceConns(t.Context(), url)
 			return n == 0, err
 		})
@@ -356,7 +337,7 @@ func TestOpen(t *testing.T) {
 					t.Errorf("Open error = %q; want it to mention %s", err, tc.want)
 				}
 				// Whatever Open connected to is closed again.
-				waitFor(t, "the store's connections to close", func() (bool, error) {
+				testutil.WaitFor(t, waitTimeout, "the store's connections to close", func() (bool, error) {
 					n, err := redfenceConns(t.Context(), url)
 					return n == 0, err
 				})
@@ -451,24 +432,6 @@ func TestRun_Migrate(t *testing.T) {
 	})
 }
 
-// lockedBuffer is a bytes.Buffer safe for concurrent use.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // buildBinary builds the redfence command into a temporary directory.
 func buildBinary(t testing.TB) string {
 	t.Helper()
@@ -520,7 +483,7 @@ func TestServe_SIGTERM(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	var logs lockedBuffer
+	var logs testutil.Buffer
 	serving := make(chan string, 1)
 	exited := make(chan error, 1)
 	go func() {
@@ -592,7 +555,7 @@ func TestServe_SIGTERM(t *testing.T) {
 func TestServer_NoSecretsInLogs(t *testing.T) {
 	t.Parallel()
 	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
-	var logs lockedBuffer
+	var logs testutil.Buffer
 	log := slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	s, closeFn := open(t, testConfig(t, addrs(nodes), clustertest.Database(t)), log)
 	addr := s.Addr()

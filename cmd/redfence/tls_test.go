@@ -28,6 +28,7 @@ import (
 
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // testCA is a certificate authority made for one test.
@@ -266,7 +267,7 @@ func TestTLS_Reload(t *testing.T) {
 	dir := t.TempDir()
 	ca := newCA(t, dir, "ca")
 	certFile, keyFile := ca.issue(t, dir, "one", serverAuth)
-	var logs lockedBuffer
+	var logs testutil.Buffer
 	kp, err := newKeyPair(certFile, keyFile, slog.New(slog.NewTextHandler(&logs, nil)))
 	if err != nil {
 		t.Fatal(err)
@@ -318,7 +319,7 @@ func startTLSRedis(t testing.TB, dir string, ca *testCA) string {
 	cmd := exec.Command("redis-server", "--port", "0", "--tls-port", port(t, addr), "--bind", "127.0.0.1",
 		"--tls-cert-file", certFile, "--tls-key-file", keyFile, "--tls-ca-cert-file", ca.file,
 		"--tls-auth-clients", "yes", "--save", "", "--appendonly", "no", "--dir", dir)
-	var out lockedBuffer
+	var out testutil.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
@@ -341,7 +342,7 @@ func startTLSRedis(t testing.TB, dir string, ca *testCA) string {
 	probe := redis.NewClient(&redis.Options{Addr: addr, MaxRetries: -1,
 		TLSConfig: &tls.Config{RootCAs: roots, Certificates: []tls.Certificate{c}}})
 	defer probe.Close()
-	waitFor(t, "redis-server to answer over TLS", func() (bool, error) {
+	testutil.WaitFor(t, waitTimeout, "redis-server to answer over TLS", func() (bool, error) {
 		select {
 		case <-exited:
 			return false, errors.New("redis-server exited:\n" + out.String())
