@@ -380,12 +380,18 @@ func (h *Handler) extend(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
-	name, key, err := h.key(r)
-	if err != nil {
-		return err
+// held validates the name and the Lock-Token header of a request that acts
+// on a held lock (extend, release).
+func (h *Handler) held(r *http.Request) (name, key, token string, err error) {
+	if name, key, err = h.key(r); err != nil {
+		return name, key, "", err
 	}
-	token, err := lockToken(r)
+	token, err = lockToken(r)
+	return name, key, token, err
+}
+
+func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
+	name, key, token, err := h.held(r)
 	if err != nil {
 		return err
 	}
@@ -417,11 +423,7 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Handler) doRelease(w http.ResponseWriter, r *http.Request) error {
-	name, key, err := h.key(r)
-	if err != nil {
-		return err
-	}
-	token, err := lockToken(r)
+	name, key, token, err := h.held(r)
 	if err != nil {
 		return err
 	}
