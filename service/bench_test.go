@@ -6,6 +6,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
 )
 
 // BenchmarkLocker_AcquireRelease measures the quorum round and its
@@ -29,6 +32,50 @@ func BenchmarkLocker_AcquireRelease(b *testing.B) {
 				for pb.Next() {
 					key := fmt.Sprintf("k%d", seq.Add(1))
 					g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+					if err != nil {
+						b.Fatal(err)
+					}
+					if err := l.Release(ctx, key, g.Token); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		})
+	}
+}
+
+// BenchmarkLocker_RealRedis measures acquire+release cycles on 5 real
+// redis-server processes (memory issuer), from 64 concurrent callers: the
+// cost of the node round trips, which the per-node pipelines batch
+// (unpipelined: one round trip per command, the peer to compare with; writers:
+// pipelined writes in flight per node).
+func BenchmarkLocker_RealRedis(b *testing.B) {
+	rs := clustertest.Redis(b, 5, cluster.RedisOptions{})
+	for _, opts := range []RedisOptions{{Unpipelined: true}, {Writers: 1}, {Writers: 2}} {
+		name := fmt.Sprintf("writers=%d", opts.Writers)
+		if opts.Unpipelined {
+			name = "unpipelined"
+		}
+		b.Run(name, func(b *testing.B) {
+			var ns []Node
+			for _, r := range rs {
+				n := NewRedisNode(r.Addr(), opts)
+				b.Cleanup(func() { _ = n.Close() })
+				ns = append(ns, n)
+			}
+			l, err := New(ns, &memIssuer{}, Options{NodeTimeout: time.Second})
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx := context.Background()
+			var seq atomic.Int64
+			b.ReportAllocs()
+			b.SetParallelism(32) // 64 callers on 2 CPUs
+			b.ResetTimer()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					key := fmt.Sprintf("bench-%d", seq.Add(1))
+					g, err := l.Acquire(ctx, key, Request{TTL: 10 * time.Second})
 					if err != nil {
 						b.Fatal(err)
 					}

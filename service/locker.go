@@ -185,10 +185,12 @@ type Locker struct {
 	randMu sync.Mutex
 	rand   *mathrand.Rand
 
-	// waiters wakes blocked acquires in this process when a lock is released
-	// here; other processes' waiters fall back to jittered retry.
+	// waiters queues, per key, the acquires in this process that wait for
+	// it, first come first served: a release here wakes the first one only
+	// (no thundering herd). Every waiter also retries after a jittered
+	// delay, which is how releases elsewhere reach it.
 	waitMu  sync.Mutex
-	waiters map[string]chan struct{}
+	waiters map[string][]*waiter
 
 	// late holds, per lock token, the granting round of a grant whose slower
 	// nodes had not answered when it was returned (see lateRound).
@@ -234,7 +236,7 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		opts:      opts,
 		quorum:    len(nodes)/2 + 1,
 		rand:      mathrand.New(opts.Rand),
-		waiters:   make(map[string]chan struct{}),
+		waiters:   make(map[string][]*waiter),
 		late:      make(map[string]*lateRound),
 		releasing: make(map[string]chan struct{}),
 	}, nil
@@ -401,8 +403,9 @@ func (l *Locker) newToken() (string, error) {
 
 // Acquire takes the lock on key (see keyspace.Key). It tries once, and keeps
 // trying after a jittered delay while the lock is held or no quorum answers,
-// until req.Wait has passed. A cancelled ctx ends the wait at once with an error
-// matching ctx.Err().
+// until req.Wait has passed. Waiters for one key in this process are woken one
+// at a time, in arrival order, when it is released here. A cancelled ctx ends
+// the wait at once with an error matching ctx.Err().
 func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, error) {
 	if err := l.CheckTTL(req.TTL); err != nil {
 		return nil, err
@@ -410,15 +413,29 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 	if req.Wait < 0 || req.Wait > l.opts.MaxWait {
 		return nil, &InvalidError{Field: "wait", Reason: fmt.Sprintf("%v is outside [0, %v]", req.Wait, l.opts.MaxWait)}
 	}
-	token, err := l.newToken()
-	if err != nil {
-		return nil, err
-	}
 	deadline := l.opts.Now().Add(req.Wait)
+	var w *waiter
+	granted := false
+	defer func() {
+		if w != nil {
+			l.leave(key, w, granted)
+		}
+	}()
 	for {
-		wake := l.waiter(key)
+		if w == nil && req.Wait > 0 {
+			// Queued before the first try, so a release during it wakes us.
+			w = l.enqueue(key)
+		}
+		// A fresh lock token per try: a node that refuses a try holds
+		// somebody else's token, never one of ours, so the clean-up after a
+		// failed try can skip the nodes that said no.
+		token, err := l.newToken()
+		if err != nil {
+			return nil, err
+		}
 		g, aerr := l.try(ctx, key, token, req)
 		if aerr == nil {
+			granted = true
 			return g, nil
 		}
 		if err := ctx.Err(); err != nil {
@@ -435,6 +452,10 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			return nil, &Error{Op: "acquire", Key: key, Err: ErrWaitTimeout, Nodes: aerr.Nodes, RetryAfter: aerr.RetryAfter, Cause: aerr}
 		}
 		delay := min(l.jitter(aerr), left)
+		var wake <-chan struct{}
+		if w != nil {
+			wake = w.wake
+		}
 		if err := l.pause(ctx, delay, wake); err != nil {
 			return nil, fmt.Errorf("acquire %q: %w", key, err)
 		}
@@ -473,24 +494,58 @@ func (l *Locker) jitter(aerr *Error) time.Duration {
 	return d
 }
 
-// waiter returns a channel closed when key is next released in this process.
-func (l *Locker) waiter(key string) <-chan struct{} {
-	l.waitMu.Lock()
-	defer l.waitMu.Unlock()
-	ch, ok := l.waiters[key]
-	if !ok {
-		ch = make(chan struct{})
-		l.waiters[key] = ch
-	}
-	return ch
+// waiter is one blocked acquire in a key's queue.
+type waiter struct {
+	// wake holds at most one pending wake-up.
+	wake chan struct{}
 }
 
+// enqueue adds a waiter for key at the back of its queue.
+func (l *Locker) enqueue(key string) *waiter {
+	w := &waiter{wake: make(chan struct{}, 1)}
+	l.waitMu.Lock()
+	l.waiters[key] = append(l.waiters[key], w)
+	l.waitMu.Unlock()
+	return w
+}
+
+// leave removes w from key's queue. A waiter that leaves without the lock
+// while a wake-up was pending for it passes the wake-up on to the next one.
+func (l *Locker) leave(key string, w *waiter, granted bool) {
+	l.waitMu.Lock()
+	defer l.waitMu.Unlock()
+	q := l.waiters[key]
+	if i := slices.Index(q, w); i >= 0 {
+		q = slices.Delete(q, i, i+1)
+	}
+	if len(q) == 0 {
+		delete(l.waiters, key)
+		return
+	}
+	l.waiters[key] = q
+	if granted {
+		return
+	}
+	select {
+	case <-w.wake:
+		signal(q[0])
+	default:
+	}
+}
+
+// wake wakes the first waiter for key in this process, if any.
 func (l *Locker) wake(key string) {
 	l.waitMu.Lock()
 	defer l.waitMu.Unlock()
-	if ch, ok := l.waiters[key]; ok {
-		close(ch)
-		delete(l.waiters, key)
+	if q := l.waiters[key]; len(q) > 0 {
+		signal(q[0])
+	}
+}
+
+func signal(w *waiter) {
+	select {
+	case w.wake <- struct{}{}:
+	default: // one is pending already
 	}
 }
 
@@ -517,7 +572,10 @@ func (l *Locker) last(ctx context.Context, key string) (fencing.Record, error) {
 
 // round sends op to every node in parallel, each bounded by NodeTimeout, and
 // returns the channel the answers arrive on (buffered: senders never block).
-func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Context, i int, n Node) (bool, time.Duration, error), after func(i int)) (<-chan vote, *sync.WaitGroup) {
+// after, if set, runs on node i's goroutine once its answer is sent; wrote
+// is false when the node definitely changed nothing (it answered no, or
+// that it lost its memory).
+func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Context, i int, n Node) (bool, time.Duration, error), after func(i int, wrote bool)) (<-chan vote, *sync.WaitGroup) {
 	voting := name == "acquire" || name == "extend"
 	ch := make(chan vote, len(l.nodes))
 	var wg sync.WaitGroup
@@ -547,7 +605,7 @@ func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Con
 			l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
 			ch <- v
 			if after != nil {
-				after(i)
+				after(i, ok || err != nil && !errors.Is(err, ErrMemoryLost))
 			}
 		}()
 	}
@@ -626,8 +684,13 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 			l.recover(i, epoch)
 		}
 		return ok, rem, err
-	}, func(i int) {
+	}, func(i int, wrote bool) {
 		<-decided
+		if !wrote {
+			// The node refused: the key holds another try's token (tokens
+			// are per try), so deleting ours there would change nothing.
+			return
+		}
 		lr.mu.Lock()
 		undo := failed || lr.released && !lr.counted[i]
 		lr.mu.Unlock()
