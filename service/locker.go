@@ -578,15 +578,21 @@ func (l *Locker) last(ctx context.Context, key string) (fencing.Record, error) {
 func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Context, i int, n Node) (bool, time.Duration, error), after func(i int, wrote bool)) (<-chan vote, *sync.WaitGroup) {
 	voting := name == "acquire" || name == "extend"
 	ch := make(chan vote, len(l.nodes))
+	// One deadline for the round: every node's request starts now. The
+	// last node to answer cancels it.
+	nctx, cancel := l.nodeContext(ctx)
 	var wg sync.WaitGroup
+	wg.Add(len(l.nodes))
+	var left atomic.Int32
+	left.Store(int32(len(l.nodes)))
 	for i, n := range l.nodes {
-		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			nctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
 			t0 := time.Now()
 			ok, rem, err := op(nctx, i, n)
-			cancel()
+			if left.Add(-1) == 0 {
+				cancel() // the last answer is in
+			}
 			v := vote{i: i, NodeResult: NodeResult{Addr: n.Addr(), Latency: time.Since(t0), Remaining: rem}}
 			switch {
 			case errors.Is(err, ErrMemoryLost):
@@ -610,6 +616,10 @@ func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Con
 		}()
 	}
 	return ch, &wg
+}
+
+func (l *Locker) nodeContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, l.opts.NodeTimeout)
 }
 
 // tally collects votes until yes reaches the quorum or can no longer reach it.

@@ -37,7 +37,10 @@ type Node interface {
 
 // luaScript is a Lua script sent by its SHA-1 (EVALSHA), and by its source
 // when the node does not know it yet.
-type luaScript struct{ src, sha string }
+type luaScript struct {
+	src string
+	sha any // the SHA-1 as a string, boxed once
+}
 
 func newLuaScript(src string) luaScript {
 	return luaScript{src: src, sha: redis.NewScript(src).Hash()}

@@ -22,9 +22,14 @@ type call struct {
 	// src, when set, is the Lua source of an EVALSHA cmd: the writer
 	// resends it as EVAL after NOSCRIPT (the node restarted or its script
 	// cache was flushed).
-	src  string
+	src string
+	// done receives once when cmd has its answer (buffered: the writer
+	// never blocks, even for a caller that gave up).
 	done chan struct{}
 }
+
+// answer tells c's caller that c.cmd has its answer.
+func (c *call) answer() { c.done <- struct{}{} }
 
 // pipeliner sends a node's commands in batches: a writer takes every command
 // queued while the previous batch was on the wire and sends them as one
@@ -38,6 +43,8 @@ type pipeliner struct {
 	closed chan struct{}
 	once   sync.Once
 	wg     sync.WaitGroup
+	// calls recycles the calls whose callers saw the answer.
+	calls sync.Pool
 }
 
 func newPipeliner(client *redis.Client, writers int) *pipeliner {
@@ -52,7 +59,11 @@ func newPipeliner(client *redis.Client, writers int) *pipeliner {
 // do queues cmd and waits for its answer or for ctx to end. It returns the
 // command that answered (cmd, or the EVAL that replaced it).
 func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.Cmd, error) {
-	c := &call{ctx: ctx, cmd: cmd, src: src, done: make(chan struct{})}
+	c, _ := p.calls.Get().(*call)
+	if c == nil {
+		c = &call{done: make(chan struct{}, 1)}
+	}
+	c.ctx, c.cmd, c.src = ctx, cmd, src
 	select {
 	case p.queue <- c:
 	case <-ctx.Done():
@@ -62,7 +73,10 @@ func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.
 	}
 	select {
 	case <-c.done:
-		return c.cmd, c.cmd.Err()
+		cmd := c.cmd
+		*c = call{done: c.done}
+		p.calls.Put(c) // the writer is done with it
+		return cmd, cmd.Err()
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	case <-p.closed:
@@ -106,7 +120,7 @@ func (p *pipeliner) fail() {
 		select {
 		case c := <-p.queue:
 			c.cmd.SetErr(errNodeClosed)
-			close(c.done)
+			c.answer()
 		default:
 			return
 		}
@@ -122,7 +136,7 @@ func (p *pipeliner) send(batch []*call) {
 	for _, c := range batch {
 		if err := c.ctx.Err(); err != nil { // its caller is gone: do not send it
 			c.cmd.SetErr(err)
-			close(c.done)
+			c.answer()
 			continue
 		}
 		d, ok := c.ctx.Deadline()
@@ -143,11 +157,11 @@ func (p *pipeliner) send(batch []*call) {
 	_, _ = pipe.Exec(ctx) // each command carries its own error
 	var retry []*call
 	for _, c := range live {
-		if c.src != "" && redis.HasErrorPrefix(c.cmd.Err(), "NOSCRIPT") {
+		if err := c.cmd.Err(); err != nil && c.src != "" && redis.HasErrorPrefix(err, "NOSCRIPT") {
 			retry = append(retry, c)
 			continue
 		}
-		close(c.done)
+		c.answer()
 	}
 	if len(retry) == 0 {
 		return
@@ -164,6 +178,6 @@ func (p *pipeliner) send(batch []*call) {
 	}
 	_, _ = pipe.Exec(ctx)
 	for _, c := range retry {
-		close(c.done)
+		c.answer()
 	}
 }

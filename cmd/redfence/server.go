@@ -163,6 +163,13 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		BaseContext:    func(net.Listener) context.Context { return base },
 		TLSConfig:      s.tls,
 	}
+	if cfg.H2C && s.tls == nil {
+		// Many requests share one connection, and their frames share writes.
+		var p http.Protocols
+		p.SetHTTP1(true)
+		p.SetUnencryptedHTTP2(true)
+		s.http.Protocols = &p
+	}
 	go func() { s.served <- s.serve() }()
 	ok = true
 	log.Info("redfence serving", slog.String("addr", s.Addr()), slog.String("url", s.URL()), slog.Bool("auth", auth != nil), slog.Int("nodes", len(nodes)),
