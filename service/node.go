@@ -113,16 +113,16 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 		opts.Writers = 1
 	}
 	client := redis.NewClient(&redis.Options{
-			Addr:                  addr,
-			Username:              opts.Username,
-			Password:              opts.Password,
-			PoolSize:              opts.PoolSize,
-			DialTimeout:           opts.DialTimeout,
-			TLSConfig:             opts.TLSConfig,
-			ContextTimeoutEnabled: true,
-			MaxRetries:            -1,
-			DialerRetries:         1,
-			DisableIdentity:       true,
+		Addr:                  addr,
+		Username:              opts.Username,
+		Password:              opts.Password,
+		PoolSize:              opts.PoolSize,
+		DialTimeout:           opts.DialTimeout,
+		TLSConfig:             opts.TLSConfig,
+		ContextTimeoutEnabled: true,
+		MaxRetries:            -1,
+		DialerRetries:         1,
+		DisableIdentity:       true,
 	})
 	n := &RedisNode{addr: addr, client: client}
 	if !opts.Unpipelined {
