@@ -3,9 +3,10 @@
 // the embedded schema migrations.
 //
 // Guarantees: a token is returned only after the statement that issued it has
-// committed with synchronous_commit on (forced per connection), so tokens never
-// go backwards across restarts of Postgres or of Redfence, provided Postgres
-// itself runs with fsync on. A reference-store write is applied only when its
+// committed with synchronous_commit on (forced per connection; concurrent
+// issuances share one statement and one commit, see Options.IssueCommitters),
+// so tokens never go backwards across restarts of Postgres or of Redfence,
+// provided Postgres itself runs with fsync on. A reference-store write is applied only when its
 // token equals the newest token issued for its key, checked and written in one
 // statement that locks the token row, so no write with an older token can land
 // after a newer token was issued.
@@ -88,6 +89,20 @@ type Options struct {
 	StatementTimeout time.Duration
 	// Logger receives warnings about unsafe server settings. The default discards.
 	Logger *slog.Logger
+	// IssueCommitters is the number of goroutines that issue fencing tokens
+	// for Issue. Each, when free, takes all the claims waiting (see
+	// IssueBatchMax) and issues them in one statement and one durable commit;
+	// a lone claim is taken at once, never held back to fill a batch. It
+	// bounds the pool connections issuance holds at once, so keep it below
+	// MaxConns. The default is 2.
+	IssueCommitters int
+	// IssueBatchMax is the most claims one issuance statement serves. The
+	// default is 256.
+	IssueBatchMax int
+	// IssueTimeout bounds one issuance statement: it ends at the latest
+	// deadline of the Issue calls it serves, but never later than
+	// IssueTimeout after it started. The default is 10s.
+	IssueTimeout time.Duration
 	// Unfenced makes PutResource skip the token check. It exists only so fault
 	// tests can show their checker catches the violations fencing prevents;
 	// never set it elsewhere.
@@ -96,8 +111,9 @@ type Options struct {
 
 // DB is a Postgres connection pool with Redfence's queries.
 type DB struct {
-	pool *pgxpool.Pool
-	opts Options
+	pool   *pgxpool.Pool
+	opts   Options
+	issuer *issuer
 }
 
 // Open connects to the Postgres at url (a postgres:// URL or DSN) and checks
@@ -108,6 +124,15 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.IssueCommitters <= 0 {
+		opts.IssueCommitters = defaultIssueCommitters
+	}
+	if opts.IssueBatchMax <= 0 {
+		opts.IssueBatchMax = defaultIssueBatchMax
+	}
+	if opts.IssueTimeout <= 0 {
+		opts.IssueTimeout = defaultIssueTimeout
 	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
@@ -149,6 +174,7 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	if opts.Unfenced {
 		opts.Logger.Warn("reference store fencing is DISABLED (test-only switch): stale writes will be accepted")
 	}
+	db.issuer = newIssuer(pool, opts.IssueCommitters, opts.IssueBatchMax, opts.IssueTimeout)
 	return db, nil
 }
 
@@ -161,8 +187,14 @@ func redactErr(err error) error {
 	return err
 }
 
-// Close closes the pool.
-func (db *DB) Close() { db.pool.Close() }
+// Close stops token issuance and closes the pool. Issue calls still waiting
+// fail with ErrClosed (a statement running for them is cancelled), later
+// ones too, and the committer goroutines have returned when Close does. It
+// may be called more than once.
+func (db *DB) Close() {
+	db.issuer.close()
+	db.pool.Close()
+}
 
 // Ping checks that Postgres answers a query.
 func (db *DB) Ping(ctx context.Context) error {
@@ -209,25 +241,6 @@ func migrate(ctx context.Context, sqlDB *sql.DB) ([]string, error) {
 		applied = append(applied, r.Source.Path)
 	}
 	return applied, nil
-}
-
-var _ fencing.Issuer = (*DB)(nil)
-
-const issueSQL = `
-INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
-VALUES ($1, 1, $2, $3, now())
-ON CONFLICT (key) DO UPDATE
-   SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
-RETURNING token`
-
-// Issue implements fencing.Issuer: it increments the key's counter in one
-// statement and returns the new token once the commit is durable.
-func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error) {
-	var t int64
-	if err := db.pool.QueryRow(ctx, issueSQL, c.Key, c.Owner, c.Holder).Scan(&t); err != nil {
-		return 0, fmt.Errorf("store: issue token for %q: %w", c.Key, err)
-	}
-	return fencing.Token(t), nil
 }
 
 // Last returns the newest token record for key; its Token is 0 if none.

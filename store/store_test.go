@@ -597,8 +597,8 @@ func TestDB_PostgresRestart(t *testing.T) {
 	}{
 		{"Issue", func(ctx context.Context) error {
 			tok, err := db.Issue(ctx, fencing.Claim{Key: key})
-			if err == nil {
-				return fmt.Errorf("got token %d; want an error", tok)
+			if !errors.Is(err, ErrUnavailable) {
+				return fmt.Errorf("got %d, %v; want ErrUnavailable", tok, err)
 			}
 			return nil
 		}},

@@ -1,0 +1,375 @@
+package store
+
+// Fencing-token issuance with group commit.
+//
+// Issue does not run a statement itself: it queues its claim and waits. A
+// few committer goroutines (Options.IssueCommitters) each take the oldest
+// waiting claim together with everything else queued behind it (up to
+// Options.IssueBatchMax claims, one per key), issue all their tokens in ONE
+// statement, and hand every caller its token once that statement's commit is
+// durable. Nothing waits for a batch to fill: a committer that is idle takes
+// a lone claim at once, so a single caller sees the latency of one statement;
+// under load, claims that arrive while the committers are busy pile up and
+// share the next commit.
+//
+// Guarantees: a token is delivered only after the statement that issued it
+// committed with synchronous_commit on (rows are read to the end, which waits
+// for the server's ReadyForQuery after the commit). A key appears at most
+// once per statement, and claims for one key are issued in the order Issue
+// queued them: a committer skips a key that another batch of this DB has in
+// flight, leaving later claims queued in order. Each batch locks its rows in
+// ascending byte order of the keys, so batches of any number of processes
+// sharing the database cannot deadlock on each other.
+//
+// Not guaranteed: that a caller who leaves (its context ends) gets no token
+// issued; once its claim is in a running batch, the token may be committed
+// and is then burned, as fencing.Issuer allows.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/redfence/redfence/fencing"
+)
+
+// Defaults of the issuance Options.
+const (
+	defaultIssueCommitters = 2
+	defaultIssueBatchMax   = 256
+	defaultIssueTimeout    = 10 * time.Second
+)
+
+// ErrClosed is returned (wrapped) by Issue once Close was called. It matches
+// ErrUnavailable too.
+var ErrClosed = fmt.Errorf("%w: closed", ErrUnavailable)
+
+var _ fencing.Issuer = (*DB)(nil)
+
+// issueSQL issues the token of one claim. It serves batches of one.
+const issueSQL = `
+INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
+VALUES ($1, 1, $2, $3, now())
+ON CONFLICT (key) DO UPDATE
+   SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
+RETURNING token`
+
+// issueBatchSQL issues the tokens of several claims with distinct keys. The
+// rows are inserted (and so locked) in the order of the arrays, which the
+// caller sorts by key.
+const issueBatchSQL = `
+INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
+SELECT u.k, 1, u.o, u.h, now()
+  FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS u(k, o, h, i)
+ ORDER BY u.i
+ON CONFLICT (key) DO UPDATE
+   SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
+RETURNING key, token`
+
+// Issue implements fencing.Issuer: it returns a new token for c.Key, larger
+// than every token issued before for it, once the commit that recorded it is
+// durable. Concurrent calls share one statement and one commit (see
+// Options.IssueCommitters). When ctx ends first, Issue returns an error
+// wrapping ctx.Err(); the token may still be issued (and is then burned).
+// Errors from Postgres match ErrUnavailable or ErrInvalidData; after Close
+// they match ErrClosed.
+func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, fmt.Errorf("store: issue token for %q: %w", c.Key, err)
+	}
+	r := &issueReq{ctx: ctx, claim: c, done: make(chan issueResult, 1)}
+	if err := db.issuer.enqueue(r); err != nil {
+		return 0, err
+	}
+	select {
+	case res := <-r.done:
+		return res.tok, res.err
+	case <-ctx.Done():
+		select {
+		case res := <-r.done: // it came in just now: do not burn it
+			return res.tok, res.err
+		default:
+		}
+		return 0, fmt.Errorf("store: issue token for %q: gave up waiting (the token may still be issued): %w", c.Key, ctx.Err())
+	}
+}
+
+// issueResult is what a committer hands to a waiting Issue.
+type issueResult struct {
+	tok fencing.Token
+	err error
+}
+
+// issueReq is one queued claim.
+type issueReq struct {
+	// ctx is the caller's: it is checked (a claim whose caller left is
+	// dropped unissued) and its deadline bounds the batch, but it never
+	// cancels a batch.
+	ctx   context.Context
+	claim fencing.Claim
+	// done has room for the one result, so a committer never blocks on a
+	// caller that left.
+	done chan issueResult
+}
+
+// issueHooks let tests observe and stall issuance. Set them before the first
+// Issue.
+type issueHooks struct {
+	// enqueued runs in Issue after c was queued, with the queue length then.
+	enqueued func(c fencing.Claim, queued int)
+	// batch runs in a committer before a batch's statement, with its claims
+	// in statement order.
+	batch func(claims []fencing.Claim)
+}
+
+// issuer queues claims and runs the committers.
+type issuer struct {
+	pool     *pgxpool.Pool
+	batchMax int
+	timeout  time.Duration
+
+	// stop ends every running batch; it is cancelled by close.
+	stop   context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu   sync.Mutex
+	cond *sync.Cond // signalled when claims are queued or on close
+	// queue holds the waiting claims, oldest first.
+	queue []*issueReq
+	// inflight holds the keys of the claims taken by running batches.
+	inflight map[string]struct{}
+	closed   bool
+	hooks    issueHooks
+
+	// statements and claims count the statements run and the claims they
+	// served (including claims that got an error).
+	statements, claims atomic.Int64
+}
+
+// newIssuer starts the given number of committer goroutines, issuing over
+// pool; close stops them.
+func newIssuer(pool *pgxpool.Pool, committers, batchMax int, timeout time.Duration) *issuer {
+	q := &issuer{
+		pool:     pool,
+		batchMax: batchMax,
+		timeout:  timeout,
+		inflight: make(map[string]struct{}),
+	}
+	q.cond = sync.NewCond(&q.mu)
+	q.stop, q.cancel = context.WithCancel(context.Background())
+	q.wg.Add(committers)
+	for range committers {
+		go q.committer()
+	}
+	return q
+}
+
+// enqueue queues r and wakes a committer.
+func (q *issuer) enqueue(r *issueReq) error {
+	q.mu.Lock()
+	if q.closed {
+		q.mu.Unlock()
+		return fmt.Errorf("store: issue token for %q: %w", r.claim.Key, ErrClosed)
+	}
+	q.queue = append(q.queue, r)
+	n, hook := len(q.queue), q.hooks.enqueued
+	q.cond.Signal()
+	q.mu.Unlock()
+	if hook != nil {
+		hook(r.claim, n)
+	}
+	return nil
+}
+
+// close fails every queued claim with ErrClosed, ends the running batches
+// (their claims fail) and waits for the committers to return. It may be
+// called more than once.
+func (q *issuer) close() {
+	q.mu.Lock()
+	pending := q.queue
+	q.queue = nil
+	q.closed = true
+	q.cond.Broadcast()
+	q.mu.Unlock()
+	q.cancel() // before any caller hears of the close: running batches fail from now on
+	for _, r := range pending {
+		r.done <- issueResult{err: fmt.Errorf("store: issue token for %q: %w", r.claim.Key, ErrClosed)}
+	}
+	q.wg.Wait()
+}
+
+// committer runs batches until close.
+func (q *issuer) committer() {
+	defer q.wg.Done()
+	for {
+		batch, hook := q.take()
+		if batch == nil {
+			return
+		}
+		q.run(batch, hook)
+		q.mu.Lock()
+		for _, r := range batch {
+			delete(q.inflight, r.claim.Key)
+		}
+		q.mu.Unlock()
+	}
+}
+
+// take waits until claims can be taken and removes the next batch from the
+// queue: the oldest claims, at most batchMax, one per key and none for a key
+// in flight; claims whose caller left are dropped. It returns the batch with
+// the batch hook, or nil once closed.
+func (q *issuer) take() ([]*issueReq, func([]fencing.Claim)) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for {
+		if q.closed {
+			return nil, nil
+		}
+		var batch []*issueReq
+		rest := q.queue[:0] // filtered in place, order kept
+		for i, r := range q.queue {
+			if len(batch) == q.batchMax {
+				rest = append(rest, q.queue[i:]...)
+				break
+			}
+			if r.ctx.Err() != nil {
+				continue // its Issue has returned or is returning ctx.Err()
+			}
+			if _, busy := q.inflight[r.claim.Key]; busy {
+				rest = append(rest, r)
+				continue
+			}
+			q.inflight[r.claim.Key] = struct{}{}
+			batch = append(batch, r)
+		}
+		clear(q.queue[len(rest):])
+		q.queue = rest
+		if len(batch) > 0 {
+			if len(q.queue) > 0 {
+				// Some may be takeable by another committer (batch full).
+				q.cond.Signal()
+			}
+			return batch, q.hooks.batch
+		}
+		q.cond.Wait()
+	}
+}
+
+// run issues the tokens of batch and delivers them.
+func (q *issuer) run(batch []*issueReq, hook func([]fencing.Claim)) {
+	// Every batch locks its rows in the same order, so batches (of this and
+	// other processes) cannot deadlock.
+	slices.SortFunc(batch, func(a, b *issueReq) int { return strings.Compare(a.claim.Key, b.claim.Key) })
+	if hook != nil {
+		claims := make([]fencing.Claim, len(batch))
+		for i, r := range batch {
+			claims[i] = r.claim
+		}
+		hook(claims)
+	}
+	ctx, cancel := q.batchContext(batch)
+	defer cancel()
+	res := q.exec(ctx, batch)
+	if len(batch) > 1 && isDataException(res[0].err) {
+		// Postgres refused one claim's data (a NUL byte, a token past
+		// bigint...) and the statement changed nothing. Issue each claim
+		// alone so the others do not fail for it.
+		for i, r := range batch {
+			res[i] = q.exec(ctx, []*issueReq{r})[0]
+		}
+	}
+	for i, r := range batch {
+		if err := res[i].err; err != nil {
+			if q.stop.Err() != nil {
+				err = fmt.Errorf("%w: %w", ErrClosed, err)
+			} else {
+				err = classify(err)
+			}
+			res[i].err = fmt.Errorf("store: issue token for %q: %w", r.claim.Key, err)
+		}
+		r.done <- res[i]
+	}
+}
+
+// isDataException reports whether Postgres refused a statement for its data
+// (SQLSTATE class 22, as classify tells ErrInvalidData).
+func isDataException(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && strings.HasPrefix(pe.Code, "22")
+}
+
+// batchContext bounds a batch by the latest deadline of its callers, but
+// never beyond the issue timeout (which also bounds callers without one).
+// No caller's cancellation ends it; close does.
+func (q *issuer) batchContext(batch []*issueReq) (context.Context, context.CancelFunc) {
+	deadline := time.Now().Add(q.timeout)
+	var latest time.Time
+	for _, r := range batch {
+		d, ok := r.ctx.Deadline()
+		if !ok {
+			latest = deadline
+			break
+		}
+		if d.After(latest) {
+			latest = d
+		}
+	}
+	if latest.After(deadline) {
+		latest = deadline
+	}
+	return context.WithDeadline(q.stop, latest)
+}
+
+// exec runs one statement for batch (keys distinct and sorted) and returns
+// each claim's result, unwrapped. Results are returned only after the rows
+// were read to the end, that is after the commit.
+func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
+	q.statements.Add(1)
+	q.claims.Add(int64(len(batch)))
+	res := make([]issueResult, len(batch))
+	if len(batch) == 1 {
+		c := batch[0].claim
+		var t int64
+		err := q.pool.QueryRow(ctx, issueSQL, c.Key, c.Owner, c.Holder).Scan(&t)
+		res[0] = issueResult{tok: fencing.Token(t), err: err}
+		return res
+	}
+	keys := make([]string, len(batch))
+	owners := make([]string, len(batch))
+	holders := make([]string, len(batch))
+	for i, r := range batch {
+		keys[i], owners[i], holders[i] = r.claim.Key, r.claim.Owner, r.claim.Holder
+	}
+	got := make(map[string]int64, len(batch))
+	rows, err := q.pool.Query(ctx, issueBatchSQL, keys, owners, holders)
+	if err == nil {
+		var k string
+		var t int64
+		_, err = pgx.ForEachRow(rows, []any{&k, &t}, func() error {
+			got[k] = t
+			return nil
+		})
+	}
+	for i, k := range keys {
+		switch t, ok := got[k]; {
+		case err != nil:
+			res[i].err = err
+		case !ok:
+			res[i].err = errors.New("statement returned no token")
+		default:
+			res[i].tok = fencing.Token(t)
+		}
+	}
+	return res
+}
