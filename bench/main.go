@@ -58,7 +58,7 @@ type config struct {
 }
 
 // systemKeys are the -systems names, in table order.
-var systemKeys = []string{"http", "inproc", "redsync", "etcd", "single"}
+var systemKeys = []string{"h2c", "http", "inproc", "redsync", "etcd", "single"}
 
 func main() {
 	if err := run(); err != nil {
@@ -114,7 +114,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.warmup, "warmup", time.Second, "unmeasured warm-up per cell")
 	workers := fs.String("workers", "1,16,64", "comma-separated worker counts for the distinct and contended cases")
 	cases := fs.String("cases", "distinct,contended,handoff,degraded", "cases to run")
-	systems := fs.String("systems", strings.Join(systemKeys, ","), "systems to run: http, inproc, redsync, etcd, single")
+	systems := fs.String("systems", strings.Join(systemKeys, ","), "systems to run: h2c, http (HTTP/1.1), inproc, redsync, etcd, single")
 	fs.DurationVar(&c.ttl, "ttl", 10*time.Second, "lease TTL of every acquire")
 	fs.DurationVar(&c.wait, "wait", 30*time.Second, "wait of blocking acquires (handoff)")
 	fs.IntVar(&c.handoffWorkers, "handoff-workers", 64, "workers blocking on the hot name in the handoff case")
@@ -151,7 +151,7 @@ func parseFlags(args []string) (config, error) {
 		c.systems = append(c.systems, s)
 	}
 	if c.profileDir != "" {
-		c.systems = []string{"http", "inproc"}
+		c.systems = []string{"h2c", "inproc"}
 	}
 	if c.duration <= 0 || c.warmup < 0 {
 		return c, errors.New("-duration must be positive and -warmup not negative")
@@ -247,7 +247,7 @@ func setup(ctx context.Context, cfg config) (*env, error) {
 		defer inproc.close() // it only applied the migrations
 	}
 
-	if e.has("http") {
+	if e.has("http") || e.has("h2c") {
 		bin := cfg.redfenceBin
 		var overlay string
 		if cfg.profileDir != "" {
@@ -283,7 +283,12 @@ func setup(ctx context.Context, cfg config) (*env, error) {
 			return e, err
 		}
 		maxW := max(cfg.handoffWorkers, slices.Max(cfg.workers))
-		e.systems["http"] = newHTTPSystem("redfence http", e.srv, key, maxW, cfg.ttl)
+		if e.has("http") {
+			e.systems["http"] = newHTTPSystem("redfence http/1.1", e.srv, key, maxW, cfg.ttl, false)
+		}
+		if e.has("h2c") {
+			e.systems["h2c"] = newHTTPSystem("redfence h2c", e.srv, key, maxW, cfg.ttl, true)
+		}
 	}
 	if e.has("redsync") {
 		e.systems["redsync"] = newRedsyncSystem(e.cl.Addrs(), cfg.ttl)
@@ -359,7 +364,7 @@ func (e *env) plan() []cell {
 			add(distinct, w, systemKeys...)
 		}
 		if slices.Contains(e.cfg.cases, degraded) && slices.Contains(degradedAt, w) {
-			add(degraded, w, "http", "inproc", "redsync")
+			add(degraded, w, "h2c", "http", "inproc", "redsync")
 			degradedAt = slices.DeleteFunc(degradedAt, func(x int) bool { return x == w })
 		}
 	}
@@ -369,7 +374,7 @@ func (e *env) plan() []cell {
 		}
 	}
 	if slices.Contains(e.cfg.cases, handoff) {
-		add(handoff, e.cfg.handoffWorkers, "http", "inproc", "redsync", "etcd")
+		add(handoff, e.cfg.handoffWorkers, "h2c", "http", "inproc", "redsync", "etcd")
 	}
 	return cells
 }

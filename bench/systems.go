@@ -70,7 +70,9 @@ func (shared) close() {}
 // ---- Redfence over HTTP ---------------------------------------------------
 
 // httpSystem drives a `redfence serve` process over HTTP/1.1 keep-alive
-// connections (one per worker at most: MaxIdleConnsPerHost >= workers).
+// connections (one per worker at most: MaxIdleConnsPerHost >= workers), or
+// over HTTP/2 cleartext with prior knowledge (h2c: every worker's requests
+// multiplexed on one connection).
 type httpSystem struct {
 	label  string
 	srv    *redfenceServer
@@ -79,13 +81,18 @@ type httpSystem struct {
 	auth   string // "Bearer <API key>", or "" when the server runs without auth
 }
 
-func newHTTPSystem(label string, srv *redfenceServer, apiKey string, maxWorkers int, ttl time.Duration) *httpSystem {
+func newHTTPSystem(label string, srv *redfenceServer, apiKey string, maxWorkers int, ttl time.Duration, h2c bool) *httpSystem {
 	tr := &http.Transport{
 		MaxIdleConns:        2*maxWorkers + 16,
 		MaxIdleConnsPerHost: 2*maxWorkers + 16,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
 		ForceAttemptHTTP2:   false,
+	}
+	if h2c {
+		var p http.Protocols
+		p.SetUnencryptedHTTP2(true)
+		tr.Protocols = &p
 	}
 	s := &httpSystem{label: label, srv: srv, client: &http.Client{Transport: tr, Timeout: 2 * time.Minute}, ttlMS: ttl.Milliseconds()}
 	if apiKey != "" {
