@@ -16,6 +16,7 @@ package service
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha1" //nolint:gosec // matches Redis' sha1hex; not a security use
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
@@ -26,6 +27,7 @@ import (
 	mathrand "math/rand/v2"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -190,7 +192,9 @@ type Locker struct {
 	// (no thundering herd). Every waiter also retries after a jittered
 	// delay, which is how releases elsewhere reach it.
 	waitMu  sync.Mutex
-	waiters map[string][]*waiter
+	waiters map[string]*waitQueue
+	// watchers are the nodes that announce releases (see ReleaseWatcher).
+	watchers []ReleaseWatcher
 
 	// late holds, per lock token, the granting round of a grant whose slower
 	// nodes had not answered when it was returned (see lateRound).
@@ -229,17 +233,24 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 	for i, n := range nodes {
 		members[i] = &member{Node: n}
 	}
-	return &Locker{
+	l := &Locker{
 		nodes:     nodes,
 		members:   members,
 		issuer:    issuer,
 		opts:      opts,
 		quorum:    len(nodes)/2 + 1,
 		rand:      mathrand.New(opts.Rand),
-		waiters:   make(map[string][]*waiter),
+		waiters:   make(map[string]*waitQueue),
 		late:      make(map[string]*lateRound),
 		releasing: make(map[string]chan struct{}),
-	}, nil
+	}
+	for _, n := range nodes {
+		if w, ok := n.(ReleaseWatcher); ok {
+			w.OnRelease(l.announced)
+			l.watchers = append(l.watchers, w)
+		}
+	}
+	return l, nil
 }
 
 // Init registers the nodes with the Registry (a no-op without one): a node
@@ -500,13 +511,39 @@ type waiter struct {
 	wake chan struct{}
 }
 
-// enqueue adds a waiter for key at the back of its queue.
+// waitQueue is a key's waiters in arrival order.
+type waitQueue struct {
+	q []*waiter
+	// released is the digest of the last release that woke the queue: the
+	// same release announced again (by another node, or by Pub/Sub after
+	// the in-process wake-up) wakes nobody.
+	released string
+}
+
+// enqueue adds a waiter for key at the back of its queue. The first waiter
+// for a key starts watching its releases on the nodes that announce them.
 func (l *Locker) enqueue(key string) *waiter {
 	w := &waiter{wake: make(chan struct{}, 1)}
 	l.waitMu.Lock()
-	l.waiters[key] = append(l.waiters[key], w)
+	wq := l.waiters[key]
+	if wq == nil {
+		wq = &waitQueue{}
+		l.waiters[key] = wq
+		l.watch(key, true)
+	}
+	wq.q = append(wq.q, w)
 	l.waitMu.Unlock()
 	return w
+}
+
+func (l *Locker) watch(key string, on bool) {
+	if len(l.watchers) == 0 {
+		return
+	}
+	rkey := keyspace.RedisKey(key)
+	for _, w := range l.watchers {
+		w.WatchReleases(rkey, on)
+	}
 }
 
 // leave removes w from key's queue. A waiter that leaves without the lock
@@ -514,32 +551,48 @@ func (l *Locker) enqueue(key string) *waiter {
 func (l *Locker) leave(key string, w *waiter, granted bool) {
 	l.waitMu.Lock()
 	defer l.waitMu.Unlock()
-	q := l.waiters[key]
-	if i := slices.Index(q, w); i >= 0 {
-		q = slices.Delete(q, i, i+1)
-	}
-	if len(q) == 0 {
-		delete(l.waiters, key)
+	wq := l.waiters[key]
+	if wq == nil {
 		return
 	}
-	l.waiters[key] = q
+	if i := slices.Index(wq.q, w); i >= 0 {
+		wq.q = slices.Delete(wq.q, i, i+1)
+	}
+	if len(wq.q) == 0 {
+		delete(l.waiters, key)
+		l.watch(key, false)
+		return
+	}
 	if granted {
 		return
 	}
 	select {
 	case <-w.wake:
-		signal(q[0])
+		signal(wq.q[0])
 	default:
 	}
 }
 
-// wake wakes the first waiter for key in this process, if any.
-func (l *Locker) wake(key string) {
+// wake wakes the first waiter for key in this process, if any, for the
+// release of the lock token whose digest is digest.
+func (l *Locker) wake(key, digest string) {
 	l.waitMu.Lock()
 	defer l.waitMu.Unlock()
-	if q := l.waiters[key]; len(q) > 0 {
-		signal(q[0])
+	if wq := l.waiters[key]; wq != nil && len(wq.q) > 0 && wq.released != digest {
+		wq.released = digest
+		signal(wq.q[0])
 	}
+}
+
+// announced is called by the nodes that announce releases.
+func (l *Locker) announced(rkey, digest string) {
+	l.wake(strings.TrimPrefix(rkey, keyspace.RedisPrefix), digest)
+}
+
+// releaseDigest is the digest a node announces a release of token with.
+func releaseDigest(token string) string {
+	sum := sha1.Sum([]byte(token))
+	return hex.EncodeToString(sum[:])
 }
 
 func signal(w *waiter) {
@@ -892,7 +945,7 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 func (l *Locker) Release(ctx context.Context, key, token string) error {
 	t := l.releaseAll(ctx, keyspace.RedisKey(key), token, false)
 	if t.yes > 0 {
-		l.wake(key)
+		l.wake(key, releaseDigest(token))
 		return nil
 	}
 	if l.refused(t) {

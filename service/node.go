@@ -65,9 +65,15 @@ return 0`)
 	markScript = newLuaScript(`
 if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
 return 0`)
-	// releaseScript: compare-and-delete.
+	// releaseScript: compare-and-delete. A release is announced on the
+	// lock's channel (ARGV[2]) with the SHA-1 of the token (not the token,
+	// which is a secret), so servers with waiters for it wake them.
 	releaseScript = newLuaScript(`
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], redis.sha1hex(ARGV[1]))
+  return 1
+end
 return 0`)
 )
 
@@ -76,6 +82,7 @@ type RedisNode struct {
 	addr   string
 	client *redis.Client
 	pipe   *pipeliner
+	watch  *watcher
 }
 
 var _ Node = (*RedisNode)(nil)
@@ -124,7 +131,7 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 		DialerRetries:         1,
 		DisableIdentity:       true,
 	})
-	n := &RedisNode{addr: addr, client: client}
+	n := &RedisNode{addr: addr, client: client, watch: newWatcher(client, opts.DialTimeout)}
 	if !opts.Unpipelined {
 		n.pipe = newPipeliner(client, opts.Writers)
 	}
@@ -139,6 +146,7 @@ func (n *RedisNode) Close() error {
 	if n.pipe != nil {
 		n.pipe.close()
 	}
+	n.watch.close()
 	return n.client.Close()
 }
 
@@ -208,7 +216,7 @@ func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Dura
 
 // Release implements Node.
 func (n *RedisNode) Release(ctx context.Context, key, token string) (bool, error) {
-	v, err := n.eval(ctx, releaseScript, []string{key}, token)
+	v, err := n.eval(ctx, releaseScript, []string{key}, token, releasedChannel(key))
 	if err != nil {
 		return false, fmt.Errorf("release: %w", err)
 	}

@@ -92,13 +92,14 @@ func TestLocker_WaiterLeavePassesWake(t *testing.T) {
 		}
 	}
 	w1, w2, w3 := l.enqueue(key), l.enqueue(key), l.enqueue(key)
-	l.wake(key)
-	l.wake(key) // coalesces with the pending one
+	l.wake(key, "r1")
+	l.wake(key, "r2") // coalesces with the pending one
 	l.leave(key, w1, false)
 	if pending(w3) || !pending(w2) {
 		t.Fatal("the wake-up did not pass from the first waiter to the second alone")
 	}
-	l.wake(key)
+	l.wake(key, "r3")
+	l.wake(key, "r3") // the same release announced again: ignored
 	l.leave(key, w2, true)
 	if pending(w3) {
 		t.Fatal("a granted waiter passed its wake-up on")
@@ -107,5 +108,5 @@ func TestLocker_WaiterLeavePassesWake(t *testing.T) {
 	if n := len(l.waiters); n != 0 {
 		t.Errorf("%d keys still have waiters queued", n)
 	}
-	l.wake(key) // no waiter: nothing to do
+	l.wake(key, "r4") // no waiter: nothing to do
 }

@@ -34,6 +34,10 @@ func Key(ns, name string) string {
 // RedisKey returns the Redis key of the lock on key (as returned by Key).
 func RedisKey(key string) string { return RedisPrefix + key }
 
+// ReleasedPrefix prefixes the Pub/Sub channel on which a node announces that
+// a lock was released: ReleasedPrefix + key (as returned by Key).
+const ReleasedPrefix = "redfence:released:"
+
 // ValidName reports why name is not an acceptable lock or resource name, or ""
 // when it is: 1 to 200 characters of A-Z a-z 0-9 . _ - :, other than "." and "..".
 func ValidName(name string) string {
