@@ -35,8 +35,10 @@ func releasedChannel(rkey string) string {
 	return keyspace.ReleasedPrefix + strings.TrimPrefix(rkey, keyspace.RedisPrefix)
 }
 
-// watcher keeps one Pub/Sub connection per node subscribed to the channels
-// of the locks watched. Changes are applied by one goroutine, in order.
+// watcher keeps a Pub/Sub connection to one node subscribed to the channels
+// of the locks watched. One goroutine applies the changes in order and
+// delivers the messages; it runs (and holds the connection) only while
+// something is watched.
 type watcher struct {
 	client  *redis.Client
 	timeout time.Duration
@@ -45,15 +47,14 @@ type watcher struct {
 	fn      func(rkey, digest string)
 	want    map[string]bool // channel -> subscribe (true) or unsubscribe
 	kick    chan struct{}
-	started bool
-	closed  chan struct{}
+	running chan struct{} // closed when the running goroutine ends; nil if none
+	closed  bool
+	stop    chan struct{}
 	once    sync.Once
-	done    chan struct{}
 }
 
 func newWatcher(client *redis.Client, timeout time.Duration) *watcher {
-	return &watcher{client: client, timeout: timeout, want: map[string]bool{}, kick: make(chan struct{}, 1),
-		closed: make(chan struct{}), done: make(chan struct{})}
+	return &watcher{client: client, timeout: timeout, want: map[string]bool{}, kick: make(chan struct{}, 1), stop: make(chan struct{})}
 }
 
 // OnRelease implements ReleaseWatcher.
@@ -67,10 +68,20 @@ func (n *RedisNode) OnRelease(fn func(rkey, digest string)) {
 func (n *RedisNode) WatchReleases(rkey string, on bool) {
 	w := n.watch
 	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		return
+	}
 	w.want[releasedChannel(rkey)] = on
-	if !w.started {
-		w.started = true
-		go w.run()
+	if w.running == nil {
+		if !on {
+			delete(w.want, releasedChannel(rkey)) // nothing is subscribed
+			w.mu.Unlock()
+			return
+		}
+		done := make(chan struct{})
+		w.running = done
+		go w.run(done)
 	}
 	w.mu.Unlock()
 	select {
@@ -81,30 +92,31 @@ func (n *RedisNode) WatchReleases(rkey string, on bool) {
 
 func (w *watcher) close() {
 	w.once.Do(func() {
-		close(w.closed)
 		w.mu.Lock()
-		if !w.started {
-			w.started = true // no run after close
-			close(w.done)
-		}
+		w.closed = true
+		done := w.running
 		w.mu.Unlock()
+		close(w.stop)
+		if done != nil {
+			<-done
+		}
 	})
-	<-w.done
 }
 
-// run applies the wanted subscriptions and delivers messages until close.
-// go-redis reconnects a broken Pub/Sub connection and subscribes again to
-// every channel it had.
-func (w *watcher) run() {
-	defer close(w.done)
+// run applies the wanted subscriptions and delivers messages until nothing
+// is subscribed or the node is closed. go-redis reconnects a broken Pub/Sub
+// connection and subscribes again to every channel it had.
+func (w *watcher) run(done chan struct{}) {
+	defer close(done)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	ps := w.client.Subscribe(ctx)
 	defer ps.Close()
 	msgs := ps.Channel(redis.WithChannelSize(1024))
+	subscribed := map[string]bool{}
 	for {
 		select {
-		case <-w.closed:
+		case <-w.stop:
 			return
 		case m := <-msgs:
 			w.mu.Lock()
@@ -117,19 +129,27 @@ func (w *watcher) run() {
 			w.mu.Lock()
 			var sub, unsub []string
 			for ch, on := range w.want {
-				if on {
+				if on && !subscribed[ch] {
 					sub = append(sub, ch)
-				} else {
+					subscribed[ch] = true
+				} else if !on && subscribed[ch] {
 					unsub = append(unsub, ch)
+					delete(subscribed, ch)
 				}
 			}
 			clear(w.want)
+			if len(subscribed) == 0 {
+				// Nothing left to watch: end, and let the next watch
+				// start afresh.
+				w.running = nil
+				w.mu.Unlock()
+				return
+			}
 			w.mu.Unlock()
 			w.apply(ctx, ps, sub, unsub)
 		}
 	}
 }
-
 func (w *watcher) apply(ctx context.Context, ps *redis.PubSub, sub, unsub []string) {
 	ctx, cancel := context.WithTimeout(ctx, w.timeout)
 	defer cancel()
