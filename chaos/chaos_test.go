@@ -982,7 +982,11 @@ func TestChaos_PostgresKill(t *testing.T) {
 func TestChaos_PoolExhaustion(t *testing.T) {
 	e := newEnv(t, "09", "Postgres pool exhausted", envOptions{})
 	const issueTimeout, stmtTimeout, pool = time.Second, 5 * time.Second, 4
-	s := e.startInproc(serverConfig{MaxTTL: 10 * time.Second, IssueTimeout: issueTimeout, StatementTimeout: stmtTimeout, DBMaxConns: pool})
+	// The writers' own store timeout must not free a connection while the
+	// probes run (acquire, then status: up to 2 issue timeouts): only the
+	// statement timeout or the rollback ends their wait.
+	s := e.startInproc(serverConfig{MaxTTL: 10 * time.Second, IssueTimeout: issueTimeout, StatementTimeout: stmtTimeout, DBMaxConns: pool,
+		StoreTimeout: 2 * stmtTimeout})
 	ctx := t.Context()
 	tr := &http.Transport{MaxIdleConnsPerHost: 64}
 	hc := &http.Client{Transport: tr, Timeout: 30 * time.Second}

@@ -256,6 +256,9 @@ type serverConfig struct {
 
 	// In-process servers only.
 	Unfenced, NoQuarantine bool
+	// StoreTimeout bounds reference-store calls (api.Options.StoreTimeout;
+	// 0: its default).
+	StoreTimeout time.Duration
 	// Hook runs between quorum and issuance of acquires sent with
 	// chaos.StallHeader (value: the header's).
 	Hook func(ctx context.Context, key, value string)
@@ -352,7 +355,7 @@ func (e *env) startInproc(cfg serverConfig) *inproc {
 	if err := l.Init(ctx); err != nil {
 		t.Fatal(err)
 	}
-	h := api.NewHandler(l, db, api.Options{DefaultTTL: cfg.MaxTTL, OpenAPI: redfence.OpenAPI})
+	h := api.NewHandler(l, db, api.Options{DefaultTTL: cfg.MaxTTL, OpenAPI: redfence.OpenAPI, StoreTimeout: cfg.StoreTimeout})
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
