@@ -64,6 +64,8 @@ type Options struct {
 	// own refusal is plain text, this one is problem+json.
 	MaxHeaderBytes int
 	// Logger receives one line per request and failures. The default discards.
+	// The access, audit and failure lines carry no source location (their
+	// records have no program counter).
 	Logger *slog.Logger
 	// Registry receives the HTTP metrics and is served at /metrics. The
 	// default is a new registry.
@@ -97,9 +99,18 @@ type Handler struct {
 	store  Store
 	opts   Options
 	log    *slog.Logger
+	// raw is the handler of Options.Logger, for the lines that add the
+	// principal themselves (the hot path) or must not have it.
+	raw    slog.Handler
 	router *chi.Mux
 	m      *metrics
 	limits *limiter
+	ids    *requestIDs
+	routes routeLabels
+	grants *grantCache
+	// acquireH and releaseH serve POST and DELETE /v1/locks/{name} past
+	// the router: authorization and the handler.
+	acquireH, releaseH http.Handler
 }
 
 // NewHandler returns the API over locker and st.
@@ -122,30 +133,76 @@ func NewHandler(locker Locker, st Store, opts Options) *Handler {
 	if opts.Namespace == nil {
 		opts.Namespace = Tenant
 	}
-	opts.Logger = slog.New(principalLog{opts.Logger.Handler()})
+	raw := opts.Logger.Handler()
+	opts.Logger = slog.New(principalLog{raw})
 	if opts.StoreTimeout <= 0 {
 		opts.StoreTimeout = 2 * time.Second
 	}
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	h := &Handler{locker: locker, store: st, opts: opts, log: opts.Logger, m: newMetrics(opts.Registry)}
+	h := &Handler{locker: locker, store: st, opts: opts, log: opts.Logger, raw: raw, m: newMetrics(opts.Registry),
+		ids: newRequestIDs(), grants: newGrantCache()}
 	h.limits = newLimiter(rate.Limit(opts.RateLimit), opts.RateBurst)
-	h.router = h.routes()
+	h.router = h.newRouter()
+	h.acquireH = h.authorize(store.ScopeLocks)(http.HandlerFunc(h.acquire))
+	h.releaseH = h.authorize(store.ScopeLocks)(http.HandlerFunc(h.release))
 	return h
 }
 
+// lockRoute is the route of the lock: its acquire and release skip the
+// router.
+const (
+	lockRoute  = "/v1/locks/{name}"
+	lockPrefix = "/v1/locks/"
+)
+
 // ServeHTTP implements http.Handler.
-func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) { h.router.ServeHTTP(w, r) }
+//
+// Acquire and release (POST and DELETE /v1/locks/{name}), most of the
+// traffic, go past the router straight to the same middleware and handler:
+// the router's context, path values and pattern joins cost more than the
+// rest of the routing. Only requests the router would certainly send there
+// take this way (TestFastRoute compares): a path of the form
+// /v1/locks/NAME with no escaped form of its own (the router would route
+// on that), NAME not empty and without a slash, and no router already in
+// the context (a Handler mounted in another chi router).
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if next, name := h.fastRoute(r); next != nil {
+		h.serve(w, r, name, lockRoute, next)
+		return
+	}
+	h.router.ServeHTTP(w, r)
+}
+
+// fastRoute returns the handler and the raw {name} of a request that can
+// skip the router, or nil.
+func (h *Handler) fastRoute(r *http.Request) (http.Handler, string) {
+	var next http.Handler
+	switch r.Method {
+	case http.MethodPost:
+		next = h.acquireH
+	case http.MethodDelete:
+		next = h.releaseH
+	default:
+		return nil, ""
+	}
+	p := r.URL.Path
+	if r.URL.RawPath != "" || len(p) <= len(lockPrefix) || p[:len(lockPrefix)] != lockPrefix ||
+		strings.IndexByte(p[len(lockPrefix):], '/') >= 0 || r.Context().Value(chi.RouteCtxKey) != nil {
+		return nil, ""
+	}
+	return next, p[len(lockPrefix):]
+}
 
 // Routes returns the router, for route listing in tests and docs.
 func (h *Handler) Routes() chi.Routes { return h.router }
 
-func (h *Handler) routes() *chi.Mux {
+func (h *Handler) newRouter() *chi.Mux {
 	r := chi.NewRouter()
-	r.Use(h.requestID, h.recoverer, h.accessLog, h.limitHeaders)
+	r.Use(h.front)
 	r.NotFound(func(w http.ResponseWriter, r *http.Request) {
-		writeProblem(w, &Problem{Type: ProblemTypePrefix + kNotFound.slug, Title: kNotFound.title, Status: kNotFound.status,
+		writeProblem(w, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
 			Detail: "no route " + r.URL.Path, Instance: r.URL.Path, RequestID: requestID(r.Context())})
 	})
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
@@ -156,7 +213,7 @@ func (h *Handler) routes() *chi.Mux {
 			}
 		}
 		w.Header().Set("Allow", strings.Join(allow, ", "))
-		writeProblem(w, &Problem{Type: ProblemTypePrefix + kMethod.slug, Title: kMethod.title, Status: kMethod.status,
+		writeProblem(w, &Problem{Type: kMethod.typ, Title: kMethod.title, Status: kMethod.status,
 			Detail:   fmt.Sprintf("%s is not allowed here; use %s", req.Method, strings.Join(allow, ", ")),
 			Instance: req.URL.Path, RequestID: requestID(req.Context())})
 	})
@@ -181,7 +238,13 @@ func (h *Handler) routes() *chi.Mux {
 
 // key validates the {name} path parameter and returns its storage key.
 func (h *Handler) key(r *http.Request) (name, key string, err error) {
-	name, err = url.PathUnescape(chi.URLParam(r, "name"))
+	raw := ""
+	if st := stateFrom(r.Context()); st != nil && st.name != "" {
+		raw = st.name
+	} else {
+		raw = chi.URLParam(r, "name")
+	}
+	name, err = url.PathUnescape(raw)
 	if err != nil {
 		return name, "", invalid("the name in the path is not valid percent-encoding", InvalidParam{Name: "name", Reason: "bad percent-encoding"})
 	}
@@ -194,44 +257,101 @@ func (h *Handler) key(r *http.Request) (name, key string, err error) {
 // lockToken reads the Lock-Token header: the 27-character base64url token
 // acquire returned.
 func lockToken(r *http.Request) (string, error) {
-	v := r.Header.Values(LockTokenHeader)
+	v := r.Header[LockTokenHeader] // canonical: Values without canonicalising
 	if len(v) != 1 {
 		return "", invalid(fmt.Sprintf("exactly one %s header is required, got %d", LockTokenHeader, len(v)),
 			InvalidParam{Name: LockTokenHeader, Reason: "required, once"})
 	}
 	t := v[0]
-	if len(t) != 27 || strings.Trim(t, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_") != "" {
+	if len(t) != 27 || !base64URL(t) {
 		return "", invalid(LockTokenHeader+" is malformed: want the 27-character lock_token returned by acquire",
 			InvalidParam{Name: LockTokenHeader, Reason: "must be 27 characters of base64url"})
 	}
 	return t, nil
 }
 
+// base64URL reports whether s is made of the base64url alphabet only.
+func base64URL(s string) bool {
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'A' && c <= 'Z' || c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return false
+		}
+	}
+	return true
+}
+
+// header returns the first value of the header key, which must be in
+// canonical form: Header.Get without canonicalising.
+func header(h http.Header, key string) string {
+	if v := h[key]; len(v) > 0 {
+		return v[0]
+	}
+	return ""
+}
+
 // decode reads a JSON body into v strictly: one object, no unknown fields, no
 // trailing data, at most MaxBodyBytes. An empty body leaves v unchanged when
 // optional is true.
-func (h *Handler) decode(w http.ResponseWriter, r *http.Request, v any, optional bool) error {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, h.opts.MaxBodyBytes))
+func (h *Handler) decode(_ http.ResponseWriter, r *http.Request, v any, optional bool) error {
+	buf := getBuf()
+	defer putBuf(buf)
+	body, err := h.readJSON(r, buf, optional)
+	if err != nil || body == nil {
+		return err
+	}
+	return decodeJSON(body, v)
+}
+
+// decodeAcquire is decode for an acquire body: plain bodies take a fast
+// path (fastAcquireRequest), the rest encoding/json's.
+func (h *Handler) decodeAcquire(r *http.Request, req *AcquireRequest) error {
+	buf := getBuf()
+	defer putBuf(buf)
+	body, err := h.readJSON(r, buf, true)
+	if err != nil || body == nil || fastAcquireRequest(body, req) {
+		return err
+	}
+	slow := new(AcquireRequest) // escapes, as anything encoding/json decodes into
+	err = decodeJSON(body, slow)
+	*req = *slow // what was decoded before an error too, as decode would leave it
+	return err
+}
+
+// readJSON reads the body of r into *buf and checks it is a JSON object
+// sent as JSON: it returns the body, or nil for an empty body when optional
+// is true. The body aliases *buf.
+func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte, error) {
+	body, err := readBody((*buf)[:0], r.Body, h.opts.MaxBodyBytes)
+	*buf = body
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
-			return &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", mbe.Limit)}
+			return nil, &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", mbe.Limit)}
 		}
-		return invalid("could not read the body: " + err.Error())
+		return nil, invalid("could not read the body: " + err.Error())
 	}
 	if len(bytes.TrimSpace(body)) == 0 {
 		if optional {
-			return nil
+			return nil, nil
 		}
-		return invalid("a JSON body is required", InvalidParam{Name: "body", Reason: "required"})
+		return nil, invalid("a JSON body is required", InvalidParam{Name: "body", Reason: "required"})
 	}
-	ct := r.Header.Get("Content-Type")
-	if mt, _, err := mime.ParseMediaType(ct); err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
-		return &requestError{kind: kMediaType, detail: fmt.Sprintf("Content-Type %q is not application/json", ct)}
+	ct := header(r.Header, "Content-Type")
+	if ct != "application/json" { // what ParseMediaType would accept at once
+		if mt, _, err := mime.ParseMediaType(ct); err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
+			return nil, &requestError{kind: kMediaType, detail: fmt.Sprintf("Content-Type %q is not application/json", ct)}
+		}
 	}
 	if body := bytes.TrimSpace(body); body[0] != '{' {
-		return invalid("the body must be a JSON object", InvalidParam{Name: "body", Reason: "must be a JSON object"})
+		return nil, invalid("the body must be a JSON object", InvalidParam{Name: "body", Reason: "must be a JSON object"})
 	}
+	return body, nil
+}
+
+// decodeJSON decodes body, a JSON object, into v with encoding/json,
+// strictly.
+func decodeJSON(body []byte, v any) error {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
@@ -241,6 +361,31 @@ func (h *Handler) decode(w http.ResponseWriter, r *http.Request, v any, optional
 		return invalid("the body has data after the JSON object", InvalidParam{Name: "body", Reason: "trailing data"})
 	}
 	return nil
+}
+
+// readBody appends body to buf, reading at most limit bytes: past that it
+// returns an *http.MaxBytesError, as http.MaxBytesReader would.
+func readBody(buf []byte, body io.Reader, limit int64) ([]byte, error) {
+	for {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
+		}
+		room := buf[len(buf):cap(buf)]
+		if over := int64(len(buf)) + int64(len(room)) - (limit + 1); over > 0 {
+			room = room[:int64(len(room))-over] // read one byte past the limit, no more
+		}
+		n, err := body.Read(room)
+		buf = buf[:len(buf)+n]
+		if int64(len(buf)) > limit {
+			return buf[:limit], &http.MaxBytesError{Limit: limit}
+		}
+		if err == io.EOF {
+			return buf, nil
+		}
+		if err != nil {
+			return buf, err
+		}
+	}
 }
 
 func jsonReason(err error) string {
@@ -288,8 +433,8 @@ func millis(name string, v *int64, def time.Duration) (time.Duration, error) {
 // serviceBounds turns a *service.InvalidError into an invalid-request naming
 // the JSON field.
 func serviceBounds(err error) error {
-	var ie *service.InvalidError
-	if errors.As(err, &ie) {
+	var buf [8]error
+	if ie, ok := asErr[*service.InvalidError](flatten(buf[:0], err)); ok {
 		field := ie.Field + "_ms"
 		return invalid(field+" "+ie.Reason, InvalidParam{Name: field, Reason: ie.Reason})
 	}
@@ -300,20 +445,22 @@ func (h *Handler) acquire(w http.ResponseWriter, r *http.Request) {
 	name, key, err := h.key(r)
 	var req AcquireRequest
 	if err == nil {
-		err = h.decode(w, r, &req, true)
+		err = h.decodeAcquire(r, &req)
 		if err == nil {
 			err = h.doAcquire(w, r, name, key, &req)
 		}
 	}
 	if err != nil {
-		outcome := classifyOutcome(err)
+		var buf [8]error
+		tree := flatten(buf[:0], err)
+		outcome := tree.classify().slug
 		h.m.acquire(outcome)
 		owner := ""
 		if req.Owner != nil {
 			owner = *req.Owner
 		}
-		h.audit(r, slog.LevelInfo, "lock refused", name, owner, 0, outcome)
-		h.writeError(w, r, err)
+		h.audit(r, slog.LevelInfo, "lock refused", name, owner, 0, outcome, noTTL)
+		h.writeErrorTree(w, r, err, tree)
 	}
 }
 
@@ -340,10 +487,51 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 	}
 	h.m.acquire("granted")
 	h.m.acquireSeconds.Observe(time.Since(start).Seconds())
-	h.audit(r, slog.LevelInfo, "lock granted", name, owner, g.Fencing, "granted", slog.Int64("ttl_ms", ttl.Milliseconds()))
-	w.Header().Set("Location", "/v1/locks/"+name)
-	writeJSON(w, http.StatusCreated, h.lockResponse(name, g, true))
+	h.remember(r, key, g)
+	h.audit(r, slog.LevelInfo, "lock granted", name, owner, g.Fencing, "granted", ttl.Milliseconds())
+	loc := r.URL.Path // "/v1/locks/"+name, without building it, when it is
+	if len(loc) != len(lockPrefix)+len(name) || loc[:len(lockPrefix)] != lockPrefix || loc[len(lockPrefix):] != name {
+		loc = lockPrefix + name
+	}
+	setHeader(w, "Location", loc)
+	h.writeLock(w, http.StatusCreated, name, g, true)
 	return nil
+}
+
+// remember caches the grant g of key for the audit line of its release,
+// when audit lines are logged at all.
+func (h *Handler) remember(r *http.Request, key string, g *service.Grant) {
+	if h.raw.Enabled(r.Context(), slog.LevelInfo) {
+		h.grants.put(g.Token, grantEntry{key: key, owner: g.Owner, fencing: g.Fencing, expires: g.Expires}, h.opts.Now())
+	}
+}
+
+// grantFor returns the owner and fencing token of the grant lockToken
+// received for key, for an audit line at level: from the cache of this
+// Handler's grants, else looked up in the background (see lookupGrant); the
+// returned function waits for the answer.
+func (h *Handler) grantFor(r *http.Request, level slog.Level, key, lockToken string) grantAnswer {
+	if !h.raw.Enabled(r.Context(), level) {
+		return grantAnswer{}
+	}
+	if e, ok := h.grants.get(key, lockToken, h.opts.Now()); ok {
+		return grantAnswer{owner: e.owner, fencing: e.fencing}
+	}
+	return grantAnswer{lookup: h.lookupGrant(r, level, key, lockToken)}
+}
+
+// grantAnswer is grantFor's answer: known, or being looked up.
+type grantAnswer struct {
+	owner   string
+	fencing fencing.Token
+	lookup  func() (string, fencing.Token)
+}
+
+func (a grantAnswer) get() (string, fencing.Token) {
+	if a.lookup != nil {
+		return a.lookup()
+	}
+	return a.owner, a.fencing
 }
 
 func validOwner(s string) string {
@@ -371,6 +559,25 @@ func (h *Handler) lockResponse(name string, g *service.Grant, withToken bool) *L
 		resp.LockToken = g.Token
 	}
 	return resp
+}
+
+// writeLock writes the LockResponse of g (lockResponse), encoded by hand.
+func (h *Handler) writeLock(w http.ResponseWriter, status int, name string, g *service.Grant, withToken bool) {
+	buf := getBuf()
+	defer putBuf(buf)
+	var expires [40]byte
+	resp := LockResponse{
+		Name:         name,
+		FencingToken: int64(g.Fencing),
+		TTLMS:        g.TTL.Milliseconds(),
+		ValidityMS:   max(g.Validity(h.opts.Now()).Milliseconds(), 0),
+		Owner:        g.Owner,
+	}
+	if withToken {
+		resp.LockToken = g.Token
+	}
+	*buf = appendLockResponse(*buf, &resp, appendRFC3339Nano(expires[:0], g.Expires))
+	writeBody(w, status, "application/json", *buf)
 }
 
 func (h *Handler) extend(w http.ResponseWriter, r *http.Request) {
@@ -405,13 +612,14 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	}
 	g, err := h.locker.Extend(r.Context(), key, token, ttl)
 	if err != nil {
-		owner, ft := h.lookupGrant(r, slog.LevelInfo, key, token)()
-		h.audit(r, slog.LevelInfo, "lock extend refused", name, owner, ft, classifyOutcome(err))
+		owner, ft := h.grantFor(r, slog.LevelInfo, key, token).get()
+		h.audit(r, slog.LevelInfo, "lock extend refused", name, owner, ft, classifyOutcome(err), noTTL)
 		return serviceBounds(err)
 	}
-	h.m.extensions.WithLabelValues("extended").Inc()
-	h.audit(r, slog.LevelDebug, "lock extended", name, g.Owner, g.Fencing, "extended", slog.Int64("ttl_ms", ttl.Milliseconds()))
-	writeJSON(w, http.StatusOK, h.lockResponse(name, g, false))
+	h.m.extended("extended")
+	h.remember(r, key, g)
+	h.audit(r, slog.LevelDebug, "lock extended", name, g.Owner, g.Fencing, "extended", ttl.Milliseconds())
+	h.writeLock(w, http.StatusOK, name, g, false)
 	return nil
 }
 
@@ -427,17 +635,18 @@ func (h *Handler) doRelease(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	grant := h.lookupGrant(r, slog.LevelInfo, key, token) // for the audit line, in parallel
+	grant := h.grantFor(r, slog.LevelInfo, key, token) // for the audit line; a lookup runs in parallel
 	start := time.Now()
 	if err := h.locker.Release(r.Context(), key, token); err != nil {
-		owner, ft := grant()
-		h.audit(r, slog.LevelInfo, "lock release refused", name, owner, ft, classifyOutcome(err))
+		owner, ft := grant.get()
+		h.audit(r, slog.LevelInfo, "lock release refused", name, owner, ft, classifyOutcome(err), noTTL)
 		return err
 	}
 	h.m.releaseSeconds.Observe(time.Since(start).Seconds())
-	h.m.releases.WithLabelValues("released").Inc()
-	owner, ft := grant()
-	h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released")
+	h.m.released("released")
+	h.grants.drop(token)
+	owner, ft := grant.get()
+	h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released", noTTL)
 	w.WriteHeader(http.StatusNoContent)
 	return nil
 }
@@ -582,8 +791,8 @@ func encodeJSON(w io.Writer, v any) error {
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("Cache-Control", "no-store")
+	setHeader(w, "Content-Type", "application/json")
+	setHeader(w, "Cache-Control", "no-store")
 	w.WriteHeader(status)
 	_ = encodeJSON(w, v)
 }

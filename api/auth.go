@@ -29,6 +29,7 @@ import (
 // never logged; its id (the public part) is.
 
 // Authenticator resolves an API key (the bearer token) to its principal.
+// The principal may be shared by the requests of a key: it is read-only.
 type Authenticator interface {
 	// Authenticate returns the principal of key. The error matches
 	// ErrUnauthorized when key is malformed, unknown, revoked or wrong; any
@@ -66,6 +67,9 @@ type principalKey struct{}
 // PrincipalFrom returns the principal authenticated for a request's context,
 // or nil when the API is open.
 func PrincipalFrom(ctx context.Context) *Principal {
+	if st := stateFrom(ctx); st != nil && st.principal != nil {
+		return st.principal
+	}
 	p, _ := ctx.Value(principalKey{}).(*Principal)
 	return p
 }
@@ -128,7 +132,7 @@ func unauthorized(cause error) *authError {
 // bearer returns the credentials of the request's one Authorization: Bearer
 // header.
 func bearer(r *http.Request) (string, error) {
-	v := r.Header.Values("Authorization")
+	v := r.Header["Authorization"] // canonical: Values without canonicalising
 	if len(v) == 0 {
 		return "", &authError{kind: kUnauthorized, challenge: authRealm,
 			detail: "a valid API key is required: send Authorization: Bearer <API key>",
@@ -169,6 +173,14 @@ func (h *Handler) authorize(scope string) func(http.Handler) http.Handler {
 			}
 			if err != nil {
 				h.writeError(w, r, err)
+				return
+			}
+			if st, ok := r.Context().(*reqState); ok {
+				// The request's state holds it: no new context and request.
+				// The access and panic lines, written by the layers around,
+				// go without it, as they did when it was in a new context.
+				st.principal = p
+				next.ServeHTTP(w, r)
 				return
 			}
 			next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), principalKey{}, p)))
@@ -239,7 +251,10 @@ type KeyAuth struct {
 
 type cached struct {
 	key *store.APIKey // nil: no key has this id
-	at  time.Time     // when the lookup started
+	// principal is the key's principal, made once for every request with
+	// the key (nil with key).
+	principal *Principal
+	at        time.Time // when the lookup started
 }
 
 var _ Authenticator = (*KeyAuth)(nil)
@@ -280,11 +295,11 @@ func (a *KeyAuth) Authenticate(ctx context.Context, key string) (*Principal, err
 	if !ok {
 		return nil, fmt.Errorf("%w: not of the form %s<id>_<secret>", ErrUnauthorized, store.KeyPrefix)
 	}
-	k, err := a.lookup(ctx, id)
+	c, err := a.lookup(ctx, id)
 	if err != nil {
 		return nil, err
 	}
-	switch {
+	switch k := c.key; {
 	case k == nil:
 		return nil, fmt.Errorf("%w: no key has id %s", ErrUnauthorized, id)
 	case !k.Verify(key):
@@ -292,18 +307,18 @@ func (a *KeyAuth) Authenticate(ctx context.Context, key string) (*Principal, err
 	case k.Revoked():
 		return nil, fmt.Errorf("%w: key %s was revoked at %s", ErrUnauthorized, id, k.RevokedAt.UTC().Format(time.RFC3339))
 	}
-	return &Principal{KeyID: k.ID, Tenant: k.Tenant, Scopes: k.Scopes}, nil
+	return c.principal, nil
 }
 
 // lookup returns the key with id (nil if there is none) from the cache, or
 // from the store. Concurrent lookups of one id share one query.
-func (a *KeyAuth) lookup(ctx context.Context, id string) (*store.APIKey, error) {
+func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 	now := a.opts.Now()
 	a.mu.Lock()
 	e, ok := a.cache[id]
 	a.mu.Unlock()
 	if ok && !now.Before(e.at) && now.Sub(e.at) < a.opts.CacheTTL {
-		return e.key, nil
+		return e, nil
 	}
 	ch := a.group.DoChan(id, func() (any, error) {
 		a.mu.Lock()
@@ -321,17 +336,21 @@ func (a *KeyAuth) lookup(ctx context.Context, id string) (*store.APIKey, error) 
 		if err != nil {
 			return nil, err
 		}
-		a.store(id, cached{key: k, at: start}, gen)
-		return k, nil
+		c := cached{key: k, at: start}
+		if k != nil {
+			c.principal = &Principal{KeyID: k.ID, Tenant: k.Tenant, Scopes: k.Scopes}
+		}
+		a.store(id, c, gen)
+		return c, nil
 	})
 	select {
 	case res := <-ch:
 		if res.Err != nil {
-			return nil, res.Err
+			return cached{}, res.Err
 		}
-		return res.Val.(*store.APIKey), nil
+		return res.Val.(cached), nil
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return cached{}, ctx.Err()
 	}
 }
 

@@ -6,48 +6,156 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
+	"strings"
 	"testing"
 )
 
-// FuzzDecode checks the strict body decoder: it never panics, rejects with
-// a 4xx problem kind, and what it accepts is exactly one JSON object whose
-// fields are all known.
+// decodeSeeds are bodies for the decode fuzz tests: plain ones (the fast
+// path's) and every corner the fast path must leave to encoding/json or get
+// exactly right.
+var decodeSeeds = []string{
+	``, `{}`, `{"ttl_ms":1000}`, `{"ttl_ms":1000,"wait_ms":5,"owner":"a"}`, `{"ttl_ms":"1"}`,
+	`{"bogus":1}`, `{} {}`, `[]`, `null`, `{"owner":"\u0000"}`, `{"ttl_ms":1e3}`, `{"ttl_ms":-1}`,
+	`{"ttl_ms":99999999999999999999}`, "{\"owner\":\"\xff\"}", `{"ttl_ms":1000`, ` {"wait_ms":0} `,
+	// duplicates: the last wins, null clears
+	`{"ttl_ms":1,"ttl_ms":2}`, `{"owner":"a","owner":null}`, `{"owner":null,"owner":"b"}`,
+	`{"ttl_ms":"x","ttl_ms":1}`, `{"owner":"alice","owner":5}`, `{"owner":"alice","bogus":1}`,
+	`{"ttl_ms":null,"wait_ms":null,"owner":null}`,
+	// key spelling: encoding/json folds case (and ſ, K), reads escapes
+	`{"TTL_MS":1}`, `{"Owner":"x"}`, `{"ttl_m\u017f":1}`, `{"ttl\u005fms":1}`, `{"owner\u0000":1}`,
+	// numbers
+	`{"ttl_ms":-0}`, `{"ttl_ms":0}`, `{"ttl_ms":01}`, `{"ttl_ms":1.0}`, `{"ttl_ms":1E2}`, `{"ttl_ms":-}`,
+	`{"ttl_ms":999999999999999999}`, `{"ttl_ms":9223372036854775807}`, `{"ttl_ms":9223372036854775808}`,
+	`{"ttl_ms":-9223372036854775808}`, `{"ttl_ms":1x}`, `{"ttl_ms":+1}`, `{"ttl_ms":true}`,
+	`{"ttl_ms":{}}`, `{"ttl_ms":[1]}`, `{"ttl_ms":nul}`, `{"ttl_ms":nullx}`,
+	// strings
+	`{"owner":"\"q\""}`, `{"owner":"a\\b"}`, `{"owner":"\ud800"}`, `{"owner":"\ud83d\ude00"}`,
+	"{\"owner\":\"\xe2\x80\xa8\"}", "{\"owner\":\"caf\xc3\xa9 \xe6\x97\xa5\"}", "{\"owner\":\"\xed\xa0\x80\"}",
+	"{\"owner\":\"a\tb\"}", `{"owner":"<>&"}`, `{"owner":""}`, "{\"owner\":\"\x7f\"}",
+	`{"owner":true}`, `{"owner":{}}`, `{"owner":[]}`, `{"owner":"x"` + "\n}",
+	// whitespace, trailing data
+	"\t{\r\n\"ttl_ms\" : 1 ,\n\"owner\":\"w\" }\n", "\v{}", "{}\v", "\u00a0{}", "{}\u00a0", `{},`, `{}}`,
+	`{"ttl_ms":1,}`, `{,}`, `{"ttl_ms" 1}`, `{"ttl_ms":1 "wait_ms":2}`, `{}` + "\x00",
+	`{"a":1,"ttl_ms":"x"}`,
+}
+
+// FuzzDecode checks the strict body decoders: they never panic, reject with
+// a 4xx problem kind, and what they accept is exactly one JSON object whose
+// fields are all known. It is also a differential test of the acquire
+// decoder (decodeAcquire, with its fast path) against the encoding/json one
+// (decode): they must agree on accepting, on the problem of a refusal, and
+// on the value decoded, even when refused (acquire logs the owner of a
+// refused body).
 func FuzzDecode(f *testing.F) {
-	for _, s := range []string{
-		``, `{}`, `{"ttl_ms":1000}`, `{"ttl_ms":1000,"wait_ms":5,"owner":"a"}`, `{"ttl_ms":"1"}`,
-		`{"bogus":1}`, `{} {}`, `[]`, `null`, `{"owner":"\u0000"}`, `{"ttl_ms":1e3}`, `{"ttl_ms":-1}`,
-		`{"ttl_ms":99999999999999999999}`, "{\"owner\":\"\xff\"}", `{"ttl_ms":1000`, ` {"wait_ms":0} `,
-	} {
+	for _, s := range decodeSeeds {
 		f.Add(s, "application/json")
 	}
 	f.Add(`{"ttl_ms":1000}`, "text/plain")
 	f.Add(`{"ttl_ms":1000}`, "application/merge-patch+json; charset=utf-8")
+	f.Add(`{"ttl_ms":1000}`, "Application/JSON")
+	f.Add(``, "")
 	h := NewHandler(nil, nil, Options{MaxBodyBytes: 4096})
-	f.Fuzz(func(t *testing.T, body, ctype string) {
-		r := httptest.NewRequest(http.MethodPost, "/v1/locks/x", bytes.NewBufferString(body))
+	f.Fuzz(func(t *testing.T, body, ctype string) { checkDecode(t, h, body, ctype) })
+}
+
+// FuzzDecodeAcquire is FuzzDecode with the Content-Type fixed, so that the
+// fuzzer spends its time on the JSON, where the fast path is.
+func FuzzDecodeAcquire(f *testing.F) {
+	for _, s := range decodeSeeds {
+		f.Add(s)
+	}
+	h := NewHandler(nil, nil, Options{MaxBodyBytes: 4096})
+	f.Fuzz(func(t *testing.T, body string) { checkDecode(t, h, body, "application/json") })
+}
+
+func checkDecode(t *testing.T, h *Handler, body, ctype string) {
+	request := func() *http.Request {
+		r := httptest.NewRequest(http.MethodPost, "/v1/locks/x", strings.NewReader(body))
 		r.Header.Set("Content-Type", ctype)
-		var req AcquireRequest
-		err := h.decode(httptest.NewRecorder(), r, &req, true)
-		if err != nil {
-			var re *requestError
-			if !errors.As(err, &re) || re.kind.status < 400 || re.kind.status > 499 {
-				t.Fatalf("decode(%q) = %v; want a 4xx request error", body, err)
-			}
-			return
+		return r
+	}
+	var req AcquireRequest
+	err := h.decode(httptest.NewRecorder(), request(), &req, true)
+	var fast AcquireRequest
+	fastErr := h.decodeAcquire(request(), &fast)
+	if !sameRequestError(err, fastErr) {
+		t.Fatalf("body %q: decode = %v, decodeAcquire = %v", body, err, fastErr)
+	}
+	if !reflect.DeepEqual(req, fast) {
+		t.Fatalf("body %q: decode gave %s, decodeAcquire %s", body, showAcquire(req), showAcquire(fast))
+	}
+	var direct AcquireRequest
+	if fastAcquireRequest([]byte(body), &direct) {
+		var slow AcquireRequest
+		if err := decodeJSON([]byte(body), &slow); err != nil {
+			t.Fatalf("the fast path accepted %q, encoding/json refuses it: %v", body, err)
 		}
-		if len(bytes.TrimSpace([]byte(body))) == 0 {
-			return
+		if !reflect.DeepEqual(direct, slow) {
+			t.Fatalf("body %q: the fast path gave %s, encoding/json %s", body, showAcquire(direct), showAcquire(slow))
 		}
-		var fields map[string]json.RawMessage
-		if err := json.Unmarshal([]byte(body), &fields); err != nil {
-			t.Fatalf("decode accepted %q, which is not one JSON object: %v", body, err)
+	}
+	if err != nil {
+		var re *requestError
+		if !errors.As(err, &re) || re.kind.status < 400 || re.kind.status > 499 {
+			t.Fatalf("decode(%q) = %v; want a 4xx request error", body, err)
 		}
-		for k := range fields {
-			switch k {
-			case "ttl_ms", "wait_ms", "owner":
-			default:
+		return
+	}
+	if len(bytes.TrimSpace([]byte(body))) == 0 {
+		return
+	}
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal([]byte(body), &fields); err != nil {
+		t.Fatalf("decode accepted %q, which is not one JSON object: %v", body, err)
+	}
+	for k := range fields {
+		switch k {
+		case "ttl_ms", "wait_ms", "owner":
+		default:
+			if !knownFolded(k) {
 				t.Fatalf("decode accepted unknown field %q in %q", k, body)
 			}
 		}
-	})
+	}
+}
+
+// knownFolded reports whether k is a field name as encoding/json matches
+// them: without regard to case (it folds Unicode too, ſ to s and K to k).
+func knownFolded(k string) bool {
+	var v struct {
+		TTLMS  *int64 `json:"ttl_ms"`
+		WaitMS *int64 `json:"wait_ms"`
+		Owner  *int64 `json:"owner"`
+	}
+	dec := json.NewDecoder(bytes.NewReader([]byte(`{` + quoteJSON(k) + `:1}`)))
+	dec.DisallowUnknownFields()
+	return dec.Decode(&v) == nil
+}
+
+func quoteJSON(s string) string {
+	b, _ := json.Marshal(s)
+	return string(b)
+}
+
+// sameRequestError reports whether a and b are the same answer to the
+// client: both nil, or problems of the same kind, detail and parameters.
+func sameRequestError(a, b error) bool {
+	if a == nil || b == nil {
+		return a == nil && b == nil
+	}
+	var ra, rb *requestError
+	if !errors.As(a, &ra) || !errors.As(b, &rb) {
+		return a.Error() == b.Error()
+	}
+	return ra.kind == rb.kind && ra.detail == rb.detail && reflect.DeepEqual(ra.params, rb.params)
+}
+
+func showAcquire(r AcquireRequest) string {
+	b, _ := json.Marshal(r)
+	s := string(b)
+	if r.TTLMS != nil && *r.TTLMS == 0 {
+		s += " (ttl_ms 0 set)"
+	}
+	return s
 }

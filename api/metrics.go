@@ -6,7 +6,9 @@ import (
 	"log/slog"
 	"net/http"
 	"sort"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -68,6 +70,72 @@ type metrics struct {
 	releaseSeconds prometheus.Histogram
 	staleWrites    prometheus.Counter
 	quorumFailures *prometheus.CounterVec
+
+	// The series of the label values seen so far, resolved once: a lookup
+	// in a map that is replaced, never changed, on a new label value.
+	http           seriesCache[httpKey, httpSeries]
+	acquireByOut   seriesCache[string, prometheus.Counter]
+	extendByOut    seriesCache[string, prometheus.Counter]
+	releaseByOut   seriesCache[string, prometheus.Counter]
+	quorumFailedOp map[string]prometheus.Counter // made up front, never changed
+}
+
+// httpKey is the labels of one request's HTTP series.
+type httpKey struct {
+	route, method string
+	code          int
+}
+
+type httpSeries struct {
+	requests prometheus.Counter
+	seconds  prometheus.Observer
+}
+
+// seriesCache maps label values to their series, resolving each once. Reads
+// take no lock: the map is copied on write, which happens once per label
+// value. Callers bound the label values (see request).
+type seriesCache[K comparable, V any] struct {
+	mu sync.Mutex
+	m  atomic.Pointer[map[K]V]
+}
+
+func (c *seriesCache[K, V]) load(k K) (V, bool) {
+	if m := c.m.Load(); m != nil {
+		v, ok := (*m)[k]
+		return v, ok
+	}
+	var zero V
+	return zero, false
+}
+
+// store caches v under k, unless another series got there first: it
+// returns the one cached.
+func (c *seriesCache[K, V]) store(k K, v V) V {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	old := c.m.Load()
+	if old != nil {
+		if v, ok := (*old)[k]; ok {
+			return v
+		}
+	}
+	m := make(map[K]V, lenOf(old)+1)
+	if old != nil {
+		for k, v := range *old {
+			m[k] = v
+		}
+	}
+	m[k] = v
+	c.m.Store(&m)
+	return v
+}
+
+// counter returns vec's counter for label, through c.
+func counter(c *seriesCache[string, prometheus.Counter], vec *prometheus.CounterVec, label string) prometheus.Counter {
+	if v, ok := c.load(label); ok {
+		return v
+	}
+	return c.store(label, vec.WithLabelValues(label))
 }
 
 func newMetrics(reg *prometheus.Registry) *metrics {
@@ -102,19 +170,71 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 	}
 	// Every operation shows up at 0, so rates and alerts work before the
 	// first failure.
+	m.quorumFailedOp = make(map[string]prometheus.Counter)
 	for _, op := range []string{"acquire", "extend", "release", "status"} {
-		m.quorumFailures.WithLabelValues(op)
+		m.quorumFailedOp[op] = m.quorumFailures.WithLabelValues(op)
 	}
 	register(reg, collectors.NewGoCollector())
 	register(reg, collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 
-func (m *metrics) acquire(outcome string) {
-	m.acquisitions.WithLabelValues(outcome).Inc()
-	if outcome == kQuorum.slug {
-		m.quorumFailures.WithLabelValues("acquire").Inc()
+// standardMethod reports whether the request series of method are cached:
+// any other method (a client can send anything) is resolved each time, so
+// the cache stays bounded by the route table.
+func standardMethod(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete,
+		http.MethodConnect, http.MethodOptions, http.MethodTrace:
+		return true
 	}
+	return false
+}
+
+// request counts and times one request.
+func (m *metrics) request(route, method string, code int, d time.Duration) {
+	k := httpKey{route, method, code}
+	s, ok := m.http.load(k)
+	if !ok {
+		s = m.resolveHTTP(k)
+		if standardMethod(method) && code >= 100 && code <= 999 {
+			m.http.store(k, s)
+		}
+	}
+	s.requests.Inc()
+	s.seconds.Observe(d.Seconds())
+}
+
+func (m *metrics) resolveHTTP(k httpKey) httpSeries {
+	return httpSeries{
+		requests: m.requests.WithLabelValues(k.route, k.method, strconv.Itoa(k.code)),
+		seconds:  m.requestSeconds.WithLabelValues(k.route, k.method),
+	}
+}
+
+func (m *metrics) acquire(outcome string) {
+	counter(&m.acquireByOut, m.acquisitions, outcome).Inc()
+	if outcome == kQuorum.slug {
+		m.quorumFailed("acquire")
+	}
+}
+
+// extended counts a lease extension with its outcome.
+func (m *metrics) extended(outcome string) {
+	counter(&m.extendByOut, m.extensions, outcome).Inc()
+}
+
+// released counts a release with its outcome.
+func (m *metrics) released(outcome string) {
+	counter(&m.releaseByOut, m.releases, outcome).Inc()
+}
+
+func (m *metrics) quorumFailed(op string) {
+	if c, ok := m.quorumFailedOp[op]; ok {
+		c.Inc()
+		return
+	}
+	m.quorumFailures.WithLabelValues(op).Inc()
 }
 
 // failed counts a failed lock operation (extend, release or status).
@@ -122,12 +242,12 @@ func (m *metrics) failed(op string, err error) {
 	k := classify(err)
 	switch op {
 	case "extend":
-		m.extensions.WithLabelValues(k.slug).Inc()
+		m.extended(k.slug)
 	case "release":
-		m.releases.WithLabelValues(k.slug).Inc()
+		m.released(k.slug)
 	}
 	if k == kQuorum {
-		m.quorumFailures.WithLabelValues(op).Inc()
+		m.quorumFailed(op)
 	}
 }
 
@@ -275,7 +395,9 @@ func (s *nodeState) Collect(ch chan<- prometheus.Metric) {
 
 // lastIssued is the part of a Store that tells which grant a lock token
 // belongs to (*store.DB has it). Audit lines use it to name the owner and
-// fencing token of a release; without it they name the lock only.
+// fencing token of a release (or a refused extension) of a grant this
+// Handler does not remember (grantCache: made by another server, or before
+// a restart); without it they name the lock only.
 type lastIssued interface {
 	Last(ctx context.Context, key string) (fencing.Record, error)
 }
@@ -318,21 +440,28 @@ func (h *Handler) lookupGrant(r *http.Request, level slog.Level, key, lockToken 
 	}
 }
 
+// noTTL leaves ttl_ms out of an audit line.
+const noTTL = -1
+
 // audit logs one audit record: a grant, extension, release or refusal, with
-// the lock's name, the owner label, the fencing token (when known) and the
-// outcome ("granted", "extended", "released" or the problem type). It never
-// logs the lock token.
-func (h *Handler) audit(r *http.Request, level slog.Level, msg, name, owner string, token fencing.Token, outcome string, extra ...slog.Attr) {
-	if !h.log.Enabled(r.Context(), level) {
+// the lock's name, the owner label, the fencing token (when known), the
+// outcome ("granted", "extended", "released" or the problem type) and, for
+// grants and extensions, ttl_ms (unless noTTL). It never logs the lock
+// token.
+func (h *Handler) audit(r *http.Request, level slog.Level, msg, name, owner string, token fencing.Token, outcome string, ttlMS int64) {
+	ctx := r.Context()
+	if !h.raw.Enabled(ctx, level) {
 		return
 	}
-	attrs := make([]slog.Attr, 0, 6+len(extra))
-	attrs = append(attrs, slog.Bool("audit", true), slog.String("request_id", requestID(r.Context())),
+	var buf [7]slog.Attr
+	attrs := append(buf[:0], slog.Bool("audit", true), slog.String("request_id", requestID(ctx)),
 		slog.String("name", name), slog.String("owner", owner))
 	if token.Valid() {
 		attrs = append(attrs, slog.Int64("fencing_token", int64(token)))
 	}
 	attrs = append(attrs, slog.String("outcome", outcome))
-	attrs = append(attrs, extra...)
-	h.log.LogAttrs(r.Context(), level, msg, attrs...)
+	if ttlMS != noTTL {
+		attrs = append(attrs, slog.Int64("ttl_ms", ttlMS))
+	}
+	h.logRecord(ctx, time.Now(), PrincipalFrom(ctx), level, msg, attrs...)
 }

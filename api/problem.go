@@ -58,34 +58,39 @@ type kind struct {
 	slug   string
 	status int
 	title  string
+	typ    string // ProblemTypePrefix + slug
+}
+
+func newKind(slug string, status int, title string) kind {
+	return kind{slug: slug, status: status, title: title, typ: ProblemTypePrefix + slug}
 }
 
 // The problem types. Slugs are stable and append-only.
 var (
-	kInvalid     = kind{"invalid-request", http.StatusBadRequest, "The request is invalid"}
-	kTooLarge    = kind{"request-too-large", http.StatusRequestEntityTooLarge, "The request body is too large"}
-	kMediaType   = kind{"unsupported-media-type", http.StatusUnsupportedMediaType, "The request body must be application/json"}
-	kNotFound    = kind{"not-found", http.StatusNotFound, "No such route"}
-	kMethod      = kind{"method-not-allowed", http.StatusMethodNotAllowed, "Method not allowed on this route"}
-	kNoResource  = kind{"resource-not-found", http.StatusNotFound, "No such resource"}
-	kHeld        = kind{"lock-held", http.StatusConflict, "The lock is held by another client"}
-	kWaitTimeout = kind{"wait-timeout", http.StatusConflict, "The lock stayed held for the whole wait"}
-	kLost        = kind{"lock-lost", http.StatusConflict, "The lock is no longer held by this token"}
-	kNotHolder   = kind{"not-holder", http.StatusConflict, "The lock is not held by this token"}
-	kStale       = kind{"stale-token", http.StatusConflict, "The fencing token is not the newest issued for this name"}
-	kQuorum      = kind{"quorum-unavailable", http.StatusServiceUnavailable, "Too few Redis nodes answered to decide"}
-	kFencing     = kind{"fencing-unavailable", http.StatusServiceUnavailable, "No fencing token could be issued"}
-	kExpired     = kind{"lease-expired", http.StatusServiceUnavailable, "The lease ran out before it could be granted"}
-	kStore       = kind{"store-unavailable", http.StatusServiceUnavailable, "The reference store (Postgres) is unavailable"}
-	kCancelled   = kind{"cancelled", 499, "The client closed the request"}
-	kInternal    = kind{"internal-error", http.StatusInternalServerError, "Internal server error"}
+	kInvalid     = newKind("invalid-request", http.StatusBadRequest, "The request is invalid")
+	kTooLarge    = newKind("request-too-large", http.StatusRequestEntityTooLarge, "The request body is too large")
+	kMediaType   = newKind("unsupported-media-type", http.StatusUnsupportedMediaType, "The request body must be application/json")
+	kNotFound    = newKind("not-found", http.StatusNotFound, "No such route")
+	kMethod      = newKind("method-not-allowed", http.StatusMethodNotAllowed, "Method not allowed on this route")
+	kNoResource  = newKind("resource-not-found", http.StatusNotFound, "No such resource")
+	kHeld        = newKind("lock-held", http.StatusConflict, "The lock is held by another client")
+	kWaitTimeout = newKind("wait-timeout", http.StatusConflict, "The lock stayed held for the whole wait")
+	kLost        = newKind("lock-lost", http.StatusConflict, "The lock is no longer held by this token")
+	kNotHolder   = newKind("not-holder", http.StatusConflict, "The lock is not held by this token")
+	kStale       = newKind("stale-token", http.StatusConflict, "The fencing token is not the newest issued for this name")
+	kQuorum      = newKind("quorum-unavailable", http.StatusServiceUnavailable, "Too few Redis nodes answered to decide")
+	kFencing     = newKind("fencing-unavailable", http.StatusServiceUnavailable, "No fencing token could be issued")
+	kExpired     = newKind("lease-expired", http.StatusServiceUnavailable, "The lease ran out before it could be granted")
+	kStore       = newKind("store-unavailable", http.StatusServiceUnavailable, "The reference store (Postgres) is unavailable")
+	kCancelled   = newKind("cancelled", 499, "The client closed the request")
+	kInternal    = newKind("internal-error", http.StatusInternalServerError, "Internal server error")
 	// Access control (auth.go).
-	kUnauthorized    = kind{"unauthorized", http.StatusUnauthorized, "A valid API key is required"}
-	kForbidden       = kind{"forbidden", http.StatusForbidden, "The API key lacks the scope this call needs"}
-	kRateLimited     = kind{"rate-limited", http.StatusTooManyRequests, "Too many requests with this API key"}
-	kAuthUnavailable = kind{"auth-unavailable", http.StatusServiceUnavailable, "The API key could not be checked"}
+	kUnauthorized    = newKind("unauthorized", http.StatusUnauthorized, "A valid API key is required")
+	kForbidden       = newKind("forbidden", http.StatusForbidden, "The API key lacks the scope this call needs")
+	kRateLimited     = newKind("rate-limited", http.StatusTooManyRequests, "Too many requests with this API key")
+	kAuthUnavailable = newKind("auth-unavailable", http.StatusServiceUnavailable, "The API key could not be checked")
 	// Hardening.
-	kHeadersTooLarge = kind{"headers-too-large", http.StatusRequestHeaderFieldsTooLarge, "The request headers are too large"}
+	kHeadersTooLarge = newKind("headers-too-large", http.StatusRequestHeaderFieldsTooLarge, "The request headers are too large")
 )
 
 // ProblemTypes lists every problem type slug the API can return.
@@ -112,65 +117,158 @@ func invalid(detail string, params ...InvalidParam) error {
 	return &requestError{kind: kInvalid, detail: detail, params: params}
 }
 
+// errTree is the errors of an error tree in the order errors.Is and
+// errors.As visit them (depth first, each error before what it wraps), for
+// the several tests that classify and describe an error: errors.Is and As
+// would each unwrap it again, and a *service.Error allocates the slice of
+// what it wraps on each Unwrap.
+type errTree []error
+
+// flatten returns the errors of err's tree, in buf if it fits.
+func flatten(buf []error, err error) errTree {
+	var stackBuf [4]error
+	stack := append(stackBuf[:0], err)
+	for len(stack) > 0 {
+		e := stack[len(stack)-1]
+		stack = stack[:len(stack)-1]
+		for e != nil {
+			buf = append(buf, e)
+			switch x := e.(type) {
+			case interface{ Unwrap() error }:
+				e = x.Unwrap()
+			case interface{ Unwrap() []error }:
+				kids := x.Unwrap()
+				e = nil
+				if len(kids) > 0 {
+					e = kids[0]
+					for i := len(kids) - 1; i >= 1; i-- {
+						stack = append(stack, kids[i])
+					}
+				}
+			default:
+				e = nil
+			}
+		}
+	}
+	return buf
+}
+
+// is reports what errors.Is(err, target) does, for a comparable target.
+func (t errTree) is(target error) bool {
+	for _, e := range t {
+		if e == target {
+			return true
+		}
+		if x, ok := e.(interface{ Is(error) bool }); ok && x.Is(target) {
+			return true
+		}
+	}
+	return false
+}
+
+// asErr returns what errors.As(err, &target) would set for a target of
+// type P.
+func asErr[P interface {
+	*T
+	error
+}, T any](t errTree) (P, bool) {
+	for _, e := range t {
+		if v, ok := e.(P); ok {
+			return v, true
+		}
+		if x, ok := e.(interface{ As(any) bool }); ok {
+			var v P
+			if x.As(&v) {
+				return v, true
+			}
+		}
+	}
+	return nil, false
+}
+
 // classify maps an error to its row of the table. The order matters: a wait
 // timeout also matches the reason of its last attempt.
 func classify(err error) kind {
-	var re *requestError
-	var ae *authError
-	switch {
-	case errors.As(err, &re):
+	var buf [8]error
+	return flatten(buf[:0], err).classify()
+}
+
+func (t errTree) classify() kind {
+	if re, ok := asErr[*requestError](t); ok {
 		return re.kind
-	case errors.As(err, &ae):
+	}
+	if ae, ok := asErr[*authError](t); ok {
 		return ae.kind
-	case errors.Is(err, service.ErrInvalid):
+	}
+	switch {
+	case t.is(service.ErrInvalid):
 		return kInvalid
-	case errors.Is(err, service.ErrWaitTimeout) && errors.Is(err, service.ErrHeld):
+	case t.is(service.ErrWaitTimeout) && t.is(service.ErrHeld):
 		return kWaitTimeout
-	case errors.Is(err, service.ErrHeld):
+	case t.is(service.ErrHeld):
 		return kHeld
-	case errors.Is(err, service.ErrQuorum):
+	case t.is(service.ErrQuorum):
 		return kQuorum
-	case errors.Is(err, service.ErrFencing):
+	case t.is(service.ErrFencing):
 		return kFencing
-	case errors.Is(err, service.ErrExpired):
+	case t.is(service.ErrExpired):
 		return kExpired
-	case errors.Is(err, service.ErrLost):
+	case t.is(service.ErrLost):
 		return kLost
-	case errors.Is(err, service.ErrNotHolder):
+	case t.is(service.ErrNotHolder):
 		return kNotHolder
-	case errors.Is(err, fencing.ErrStale):
+	case t.is(fencing.ErrStale):
 		return kStale
-	case errors.Is(err, store.ErrNotFound):
+	case t.is(store.ErrNotFound):
 		return kNoResource
-	case errors.Is(err, store.ErrInvalidData):
+	case t.is(store.ErrInvalidData):
 		return kInvalid
-	case errors.Is(err, store.ErrUnavailable):
+	case t.is(store.ErrUnavailable):
 		return kStore
-	case errors.Is(err, context.Canceled):
+	case t.is(context.Canceled):
 		return kCancelled
 	}
 	return kInternal
 }
 
 func retryAfterHeader(w http.ResponseWriter, d time.Duration) {
-	secs := int64(math.Ceil(d.Seconds()))
-	w.Header().Set("Retry-After", strconv.FormatInt(max(secs, 1), 10))
+	secs := max(int64(math.Ceil(d.Seconds())), 1)
+	v := ""
+	if secs < 100 {
+		v = smallInts[secs]
+	} else {
+		v = strconv.FormatInt(secs, 10)
+	}
+	setHeader(w, "Retry-After", v)
 }
+
+// smallInts are the decimal strings of 0 to 99.
+var smallInts = func() (s [100]string) {
+	for i := range s {
+		s[i] = strconv.Itoa(i)
+	}
+	return s
+}()
 
 // writeError writes err as problem+json and logs what the client must not see.
 func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) {
-	k := classify(err)
-	p := &Problem{Type: ProblemTypePrefix + k.slug, Title: k.title, Status: k.status, Instance: r.URL.Path, RequestID: requestID(r.Context())}
-	var re *requestError
-	var se *service.Error
-	var stale *store.StaleError
-	var ae *authError
+	var buf [8]error
+	h.writeErrorTree(w, r, err, flatten(buf[:0], err))
+}
+
+// writeErrorTree is writeError with err's tree flattened by the caller.
+func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err error, tree errTree) {
+	k := tree.classify()
+	p := &Problem{Type: k.typ, Title: k.title, Status: k.status, Instance: r.URL.Path, RequestID: requestID(r.Context())}
+	re, isRE := asErr[*requestError](tree)
+	ae, isAE := asErr[*authError](tree)
+	stale, isStale := asErr[*store.StaleError](tree)
 	switch {
-	case errors.As(err, &re):
+	case isRE:
 		p.Detail, p.InvalidParams = re.detail, re.params
-	case errors.As(err, &ae):
+	case isAE:
 		ae.describe(w, p)
-	case errors.As(err, &stale):
+	case isStale:
 		cur := int64(stale.Current)
 		p.CurrentFencingToken = &cur
 		// Name the name, not the storage key: a tenant's key is
@@ -182,15 +280,18 @@ func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		p.Detail = shown.Error()[len("store: "):]
 	case k == kNoResource:
 		p.Detail = "no document has been written under this name"
-	case errors.Is(err, store.ErrInvalidData):
+	case tree.is(store.ErrInvalidData):
 		p.Detail = "Postgres cannot store this data (for example a string holding \\u0000)"
 		p.InvalidParams = []InvalidParam{{Name: "data", Reason: "not storable as jsonb"}}
 	case k == kStore:
 		p.Detail = "Postgres did not answer; nothing was written"
-	case errors.Is(err, service.ErrInvalid):
+	case tree.is(service.ErrInvalid):
 		p.Detail = err.Error()
 	}
-	if errors.As(err, &se) {
+	if se, ok := asErr[*service.Error](tree); ok {
+		if len(se.Nodes) > 0 {
+			p.Nodes = make([]NodeOutcome, 0, len(se.Nodes))
+		}
 		for _, n := range se.Nodes {
 			o := NodeOutcome{Address: n.Addr, Outcome: n.Outcome.String()}
 			if n.Err != nil {
@@ -232,14 +333,16 @@ func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) 
 		level = slog.LevelError
 	}
 	// err never carries a lock token: service errors name keys and nodes only.
-	h.log.LogAttrs(r.Context(), level, "request failed", slog.String("request_id", p.RequestID),
-		slog.String("problem", k.slug), slog.String("error", err.Error()))
+	if ctx := r.Context(); h.raw.Enabled(ctx, level) {
+		h.logRecord(ctx, time.Now(), PrincipalFrom(ctx), level, "request failed", slog.String("request_id", p.RequestID),
+			slog.String("problem", k.slug), slog.String("error", err.Error()))
+	}
 	writeProblem(w, p)
 }
 
 func writeProblem(w http.ResponseWriter, p *Problem) {
-	w.Header().Set("Content-Type", "application/problem+json")
-	w.Header().Set("Cache-Control", "no-store")
-	w.WriteHeader(p.Status)
-	_ = encodeJSON(w, p)
+	buf := getBuf()
+	defer putBuf(buf)
+	*buf = appendProblem(*buf, p)
+	writeBody(w, p.Status, "application/problem+json", *buf)
 }

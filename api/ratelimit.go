@@ -1,6 +1,7 @@
 package api
 
 import (
+	"math"
 	"sync"
 	"time"
 
@@ -57,10 +58,23 @@ func (l *limiter) reserve(key string, now time.Time) time.Duration {
 		b = rate.NewLimiter(l.rate, l.burst)
 		l.buckets[key] = b
 	}
-	res := b.ReserveN(now, 1)
-	if d := res.DelayFrom(now); d > 0 {
-		res.CancelAt(now)
-		return d
+	if b.AllowN(now, 1) {
+		return 0
 	}
-	return 0
+	// What ReserveN(now, 1).DelayFrom(now) would say, without making the
+	// reservation (and cancelling it): AllowN took nothing.
+	return durationFromTokens(l.rate, 1-b.TokensAt(now))
+}
+
+// durationFromTokens is how long it takes to accumulate tokens at rate r,
+// as package rate computes it.
+func durationFromTokens(r rate.Limit, tokens float64) time.Duration {
+	if r <= 0 {
+		return rate.InfDuration
+	}
+	d := (tokens / float64(r)) * float64(time.Second)
+	if d > float64(math.MaxInt64) {
+		return rate.InfDuration
+	}
+	return time.Duration(d)
 }

@@ -1,0 +1,526 @@
+package api
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/go-chi/chi/v5"
+	"github.com/prometheus/client_golang/prometheus"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/redfence/redfence/internal/testutil"
+	"github.com/redfence/redfence/service"
+	"github.com/redfence/redfence/store"
+)
+
+// These tests run the HTTP layer over the in-memory fakes of
+// handler_bench_test.go; the integration tests run it over Redis and
+// Postgres.
+
+// fakeEnv is a Handler over the fakes, logging JSON at Info to a buffer.
+type fakeEnv struct {
+	h    *Handler
+	l    *benchFakeLocker
+	logs *testutil.Buffer
+	reg  *prometheus.Registry
+	now  time.Time
+}
+
+func newFakeEnv(t *testing.T, auth bool) *fakeEnv {
+	t.Helper()
+	e := &fakeEnv{l: newBenchFakeLocker(), logs: &testutil.Buffer{}, reg: prometheus.NewRegistry(),
+		now: time.Date(2026, 5, 4, 3, 2, 1, 0, time.UTC)}
+	e.l.now = func() time.Time { return e.now }
+	opts := Options{Logger: slog.New(slog.NewJSONHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		Registry: e.reg, Now: func() time.Time { return e.now }}
+	if auth {
+		id, _ := store.KeyID(benchAPIKey)
+		keys := benchFakeKeys{id: {ID: id, Tenant: "bench", Scopes: store.AllScopes(), Hash: store.HashKey(benchAPIKey)}}
+		opts.Auth = NewKeyAuth(keys, KeyAuthOptions{CacheTTL: time.Hour})
+		opts.RateLimit = 1000
+	}
+	e.h = NewHandler(e.l, benchFakeStore{e.l}, opts)
+	return e
+}
+
+// do sends a request; hdr are header name, value pairs.
+func (e *fakeEnv) do(h http.Handler, method, target, body string, hdr ...string) *httptest.ResponseRecorder {
+	r := httptest.NewRequest(method, target, strings.NewReader(body))
+	if body != "" {
+		r.Header.Set("Content-Type", "application/json")
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		r.Header.Add(hdr[i], hdr[i+1])
+	}
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, r)
+	return w
+}
+
+func (e *fakeEnv) acquire(t *testing.T, h http.Handler, name, body string) LockResponse {
+	t.Helper()
+	w := e.do(h, http.MethodPost, "/v1/locks/"+name, body)
+	if w.Code != http.StatusCreated {
+		t.Fatalf("acquire %s = %d %s", name, w.Code, w.Body)
+	}
+	var g LockResponse
+	if err := json.Unmarshal(w.Body.Bytes(), &g); err != nil {
+		t.Fatal(err)
+	}
+	return g
+}
+
+// lines returns the log lines with msg.
+func (e *fakeEnv) lines(t *testing.T, msg string) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, l := range strings.Split(strings.TrimSpace(e.logs.String()), "\n") {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(l), &m); err != nil {
+			t.Fatalf("log line %q: %v", l, err)
+		}
+		if m["msg"] == msg {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func (e *fakeEnv) lastCalls() int {
+	e.l.mu.Lock()
+	defer e.l.mu.Unlock()
+	return e.l.lastCalls
+}
+
+// TestReleaseAudit checks that the release audit line names the owner and
+// the fencing token of the grant: from the Handler's own cache for its
+// grants, from the store for the others (another server's, an expired
+// one), and names nobody for a token of another lock.
+func TestReleaseAudit(t *testing.T) {
+	e := newFakeEnv(t, false)
+	release := func(name, token string) int {
+		return e.do(e.h, http.MethodDelete, "/v1/locks/"+name, "", LockTokenHeader, token).Code
+	}
+	lastReleased := func() map[string]any {
+		ls := e.lines(t, "lock released")
+		return ls[len(ls)-1]
+	}
+
+	// Granted here: the cache answers.
+	g := e.acquire(t, e.h, "orders", `{"ttl_ms":30000,"owner":"alice"}`)
+	if code := release("orders", g.LockToken); code != http.StatusNoContent {
+		t.Fatalf("release = %d", code)
+	}
+	if m := lastReleased(); m["owner"] != "alice" || m["fencing_token"] != float64(g.FencingToken) || m["outcome"] != "released" || m["audit"] != true {
+		t.Errorf("release audit line = %v; want owner alice, fencing token %d", m, g.FencingToken)
+	}
+	if n := e.lastCalls(); n != 0 {
+		t.Errorf("the store was asked %d times for a grant this Handler made", n)
+	}
+	if n := e.h.grants.len(); n != 0 {
+		t.Errorf("the grant cache holds %d entries after the release", n)
+	}
+
+	// Granted by another server (another Handler on the same locks): the
+	// store answers.
+	other := NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: slog.New(slog.DiscardHandler)})
+	g = e.acquire(t, other, "orders", `{"owner":"bob"}`)
+	if code := release("orders", g.LockToken); code != http.StatusNoContent {
+		t.Fatalf("release = %d", code)
+	}
+	if m := lastReleased(); m["owner"] != "bob" || m["fencing_token"] != float64(g.FencingToken) {
+		t.Errorf("release audit line = %v; want owner bob, fencing token %d", m, g.FencingToken)
+	}
+	if n := e.lastCalls(); n != 1 {
+		t.Errorf("the store was asked %d times for another server's grant; want 1", n)
+	}
+
+	// Expired in the cache: the store answers.
+	g = e.acquire(t, e.h, "orders", `{"ttl_ms":1000,"owner":"carol"}`)
+	e.now = e.now.Add(2 * time.Second)
+	if code := release("orders", g.LockToken); code != http.StatusNoContent {
+		t.Fatalf("release = %d", code)
+	}
+	if m := lastReleased(); m["owner"] != "carol" || m["fencing_token"] != float64(g.FencingToken) {
+		t.Errorf("release audit line = %v; want owner carol, fencing token %d", m, g.FencingToken)
+	}
+	if n := e.lastCalls(); n != 2 {
+		t.Errorf("the store was asked %d times; want 2", n)
+	}
+
+	// A token of another lock: nobody.
+	g = e.acquire(t, e.h, "a", `{"owner":"dave"}`)
+	if code := release("b", g.LockToken); code != http.StatusConflict {
+		t.Fatalf("release of b with a's token = %d", code)
+	}
+	ls := e.lines(t, "lock release refused")
+	if m := ls[len(ls)-1]; m["owner"] != "" || m["fencing_token"] != nil || m["outcome"] != "not-holder" {
+		t.Errorf("refused release audit line = %v; want no owner, no fencing token, not-holder", m)
+	}
+
+	// An extension keeps the cache's entry alive past the first expiry.
+	e.acquire(t, e.h, "c", `{"ttl_ms":1000,"owner":"erin"}`)
+	gc := e.lastGrantToken("c")
+	before := e.lastCalls()
+	if w := e.do(e.h, http.MethodPost, "/v1/locks/c/extend", `{"ttl_ms":5000}`, LockTokenHeader, gc); w.Code != http.StatusOK {
+		t.Fatalf("extend = %d %s", w.Code, w.Body)
+	}
+	e.now = e.now.Add(2 * time.Second)
+	if code := release("c", gc); code != http.StatusNoContent {
+		t.Fatalf("release = %d", code)
+	}
+	if m := lastReleased(); m["owner"] != "erin" {
+		t.Errorf("release audit line = %v; want owner erin", m)
+	}
+	if n := e.lastCalls(); n != before {
+		t.Errorf("the store was asked for an extended grant")
+	}
+
+	for _, tok := range []string{g.LockToken, gc} {
+		if strings.Contains(e.logs.String(), tok) {
+			t.Fatal("the log contains a lock token")
+		}
+	}
+}
+
+func (e *fakeEnv) lastGrantToken(key string) string {
+	e.l.mu.Lock()
+	defer e.l.mu.Unlock()
+	return e.l.held[key]
+}
+
+func TestGrantCacheBounded(t *testing.T) {
+	c := newGrantCache()
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	tok := func(i int) string {
+		return strings.Repeat(string(rune('A'+i%26)), 3) + strings.Repeat("x", i%7) + string(rune('a'+i%23)) + itoa(i)
+	}
+
+	c.put(tok(1), grantEntry{key: "k", owner: "o", fencing: 7, expires: now.Add(time.Second)}, now)
+	if e, ok := c.get("k", tok(1), now); !ok || e.owner != "o" || e.fencing != 7 {
+		t.Fatalf("get = %+v %v", e, ok)
+	}
+	if _, ok := c.get("other", tok(1), now); ok {
+		t.Fatal("a token sent for another lock hit the cache")
+	}
+	if _, ok := c.get("k", tok(1), now.Add(time.Second)); ok {
+		t.Fatal("an expired grant hit the cache")
+	}
+	if c.len() != 0 {
+		t.Fatalf("the expired entry is still there")
+	}
+
+	// Live grants that are released leave nothing behind.
+	for i := range 10000 {
+		c.put(tok(i), grantEntry{key: "k", expires: now.Add(time.Hour)}, now)
+	}
+	if c.len() != 10000 {
+		t.Fatalf("len = %d; want 10000", c.len())
+	}
+	for i := range 10000 {
+		c.drop(tok(i))
+	}
+	if c.len() != 0 {
+		t.Fatalf("len = %d after every release", c.len())
+	}
+
+	// Grants never released stay at most about twice the live ones.
+	for round := range 20 {
+		now = now.Add(time.Minute)
+		for i := range 5000 {
+			c.put(tok(round*5000+i), grantEntry{key: "k", expires: now.Add(30 * time.Second)}, now)
+		}
+		if n := c.len(); n > 2*5000+2*grantShards*minGrantLimit {
+			t.Fatalf("round %d: %d entries for 5000 live grants", round, n)
+		}
+	}
+}
+
+func itoa(i int) string {
+	b, _ := json.Marshal(i)
+	return string(b)
+}
+
+func TestRequestIDs(t *testing.T) {
+	e := newFakeEnv(t, false)
+	hex16 := regexp.MustCompile(`^[0-9a-f]{16}$`)
+	seen := map[string]bool{}
+	for range 1000 {
+		id := e.do(e.h, http.MethodGet, "/healthz", "").Header().Get(RequestIDHeader)
+		if !hex16.MatchString(id) || seen[id] {
+			t.Fatalf("request id %q: want 16 hex digits, unique", id)
+		}
+		seen[id] = true
+	}
+	other := NewHandler(e.l, benchFakeStore{e.l}, Options{}).ids.next()
+	if other[:8] == e.h.ids.next()[:8] {
+		t.Errorf("two Handlers share the request id prefix %s", other[:8])
+	}
+	for _, tc := range []struct{ sent, want string }{
+		{"client-id_1.2", "client-id_1.2"},
+		{strings.Repeat("a", 64), strings.Repeat("a", 64)},
+		{strings.Repeat("a", 65), ""},
+		{"has space", ""},
+		{"ünïcode", ""},
+	} {
+		w := e.do(e.h, http.MethodPost, "/v1/locks/"+itoa(len(tc.sent))+"x", `{}`, RequestIDHeader, tc.sent)
+		got := w.Header().Get(RequestIDHeader)
+		if tc.want != "" && got != tc.want || tc.want == "" && !hex16.MatchString(got) {
+			t.Errorf("X-Request-Id %q answered with %q", tc.sent, got)
+		}
+	}
+}
+
+// TestAccessLog checks the access line: one per request, with exactly the
+// fields it always had, never the principal or headers.
+func TestAccessLog(t *testing.T) {
+	e := newFakeEnv(t, true)
+	e.do(e.h, http.MethodPost, "/v1/locks/orders", `{"owner":"w"}`, "Authorization", "Bearer "+benchAPIKey)
+	e.logs = &testutil.Buffer{}
+	e.h.raw = slog.NewJSONHandler(e.logs, nil)
+	e.h.log = slog.New(principalLog{e.h.raw})
+	w := e.do(e.h, http.MethodPost, "/v1/locks/orders", `{"owner":"w"}`, "Authorization", "Bearer "+benchAPIKey, RequestIDHeader, "rid-1")
+	if w.Code != http.StatusConflict {
+		t.Fatalf("acquire of a held lock = %d %s", w.Code, w.Body)
+	}
+	ls := e.lines(t, "http request")
+	if len(ls) != 1 {
+		t.Fatalf("%d access lines; want 1:\n%s", len(ls), e.logs)
+	}
+	m := ls[0]
+	for _, k := range []string{"time", "level", "msg", "request_id", "method", "path", "route", "status", "bytes", "duration_ms", "remote"} {
+		if _, ok := m[k]; !ok {
+			t.Errorf("the access line lacks %s: %v", k, m)
+		}
+	}
+	if len(m) != 11 {
+		t.Errorf("the access line has %d fields; want 11: %v", len(m), m)
+	}
+	if m["request_id"] != "rid-1" || m["method"] != "POST" || m["path"] != "/v1/locks/orders" || m["route"] != "/v1/locks/{name}" ||
+		m["status"] != float64(409) || m["bytes"] != float64(w.Body.Len()) || m["remote"] != "192.0.2.1:1234" {
+		t.Errorf("access line = %v", m)
+	}
+	// The refusal's lines carry the principal, as before.
+	for _, msg := range []string{"lock refused", "request failed"} {
+		if ls := e.lines(t, msg); len(ls) != 1 || ls[0]["tenant"] != "bench" || ls[0]["key_id"] == nil {
+			t.Errorf("%q lines = %v; want one, with tenant and key id", msg, ls)
+		}
+	}
+	// Field order, as the JSON handler wrote it.
+	wantOrder := `"msg":"lock refused","audit":true,"request_id":"rid-1","name":"orders","owner":"w","outcome":"lock-held","tenant":"bench","key_id":"0123456789abcdef"}`
+	if !strings.Contains(e.logs.String(), wantOrder) {
+		t.Errorf("no line ends %s:\n%s", wantOrder, e.logs)
+	}
+}
+
+// TestFastRoute sends the same requests to a Handler as they come (acquire
+// and release skip the router) and through the router (forced by a route
+// context in the request's context, as when the Handler is mounted in
+// another chi router), and compares the answers, the log and the metrics.
+func TestFastRoute(t *testing.T) {
+	paths := []string{
+		"/v1/locks/x", "/v1/locks/orders:invoice-7", "/v1/locks/", "/v1/locks", "/v1/locks/x/", "/v1/locks/x/extend",
+		"/v1/locks//x", "/v1/locks/a%2Fb", "/v1/locks/100%25", "/v1/locks/%C3%A9t%C3%A9", "/v1/locks/a%20b", "/v1/locks/%41",
+		"/v1/locks/..", "/v1/locks/.", "/v1/lockss/x", "/V1/locks/x", "/v1/locks/x?ttl=1", "/v1/locks/" + strings.Repeat("n", 201),
+		"/v1/locks/bad!name", "/v1/resources/x", "/healthz", "/nope", "/v1/locks/x#f",
+	}
+	methods := []string{http.MethodPost, http.MethodDelete, http.MethodGet, http.MethodPut, http.MethodPatch, "post", "delete", "FOO"}
+	for _, auth := range []bool{false, true} {
+		fast, routed := newFakeEnv(t, auth), newFakeEnv(t, auth)
+		forced := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			routed.h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), chi.RouteCtxKey, chi.NewRouteContext())))
+		})
+		var hdr []string
+		if auth {
+			hdr = []string{"Authorization", "Bearer " + benchAPIKey}
+		}
+		token := "AAAAAAAAAAAAAAAAAAAAAAAAAAA"
+		n := 0
+		for _, p := range paths {
+			for _, m := range methods {
+				for _, body := range []string{"", `{"ttl_ms":30000,"owner":"w"}`, `{"ttl_ms":"x"}`} {
+					n++
+					h := append([]string{RequestIDHeader, "req-" + itoa(n), LockTokenHeader, token}, hdr...)
+					a := fast.do(fast.h, m, p, body, h...)
+					want := routed.do(forced, m, p, body, h...)
+					if a.Code != want.Code || !bytes.Equal(a.Body.Bytes(), want.Body.Bytes()) || !sameHeaders(a.Header(), want.Header()) {
+						t.Fatalf("%s %s %q (auth %v):\nfast   %d %v %s\nrouted %d %v %s", m, p, body, auth,
+							a.Code, a.Header(), a.Body, want.Code, want.Header(), want.Body)
+					}
+					if a.Code == http.StatusCreated {
+						var g LockResponse
+						_ = json.Unmarshal(a.Body.Bytes(), &g)
+						token = g.LockToken
+					}
+				}
+			}
+			// Refused before routing (431): "unmatched" either way.
+			big := []string{RequestIDHeader, "big", "X-Big", strings.Repeat("b", 70<<10)}
+			if a, want := fast.do(fast.h, http.MethodPost, p, "", big...), routed.do(forced, http.MethodPost, p, "", big...); a.Code != http.StatusRequestHeaderFieldsTooLarge || a.Body.String() != want.Body.String() {
+				t.Fatalf("POST %s with big headers: %d %s; routed %d %s", p, a.Code, a.Body, want.Code, want.Body)
+			}
+			if routeDecision(t, fast.h, p) && !strings.HasPrefix(p, "/v1/locks/") {
+				t.Fatalf("%s skipped the router", p)
+			}
+		}
+		if la, lb := stripTimes(fast.logs.String()), stripTimes(routed.logs.String()); la == "" || la != lb {
+			t.Errorf("auth %v: the logs differ:\nfast:\n%s\nrouted:\n%s", auth, la, lb)
+		}
+		if ma, mb := metricsText(t, fast.reg), metricsText(t, routed.reg); ma != mb {
+			t.Errorf("auth %v: the metrics differ:\nfast:\n%s\nrouted:\n%s", auth, ma, mb)
+		}
+	}
+}
+
+// routeDecision reports whether a POST to p skips the router, and checks the
+// router would have sent it to the same handler with the same name.
+func routeDecision(t *testing.T, h *Handler, p string) bool {
+	t.Helper()
+	r := httptest.NewRequest(http.MethodPost, p, nil)
+	next, name := h.fastRoute(r)
+	rctx := chi.NewRouteContext()
+	path := r.URL.RawPath
+	if path == "" {
+		path = r.URL.Path
+	}
+	matched := h.router.Match(rctx, http.MethodPost, path)
+	if next != nil && (!matched || rctx.RoutePattern() != lockRoute || rctx.URLParam("name") != name) {
+		t.Fatalf("%s skips the router as {name} %q; the router: matched %v, %s, name %q", p, name, matched, rctx.RoutePattern(), rctx.URLParam("name"))
+	}
+	return next != nil
+}
+
+func sameHeaders(a, b http.Header) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if strings.Join(v, "\x00") != strings.Join(b[k], "\x00") {
+			return false
+		}
+	}
+	return true
+}
+
+var timesRE = regexp.MustCompile(`"time":"[^"]*",|"duration_ms":[0-9.e-]+,`)
+
+func stripTimes(s string) string { return timesRE.ReplaceAllString(s, "") }
+
+func metricsText(t *testing.T, reg *prometheus.Registry) string {
+	t.Helper()
+	fams, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	for _, f := range fams {
+		if !strings.HasPrefix(f.GetName(), "redfence_") {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			b.WriteString(f.GetName())
+			for _, l := range m.GetLabel() {
+				b.WriteString(" " + l.GetName() + "=" + l.GetValue())
+			}
+			if c := m.GetCounter(); c != nil {
+				b.WriteString(" " + itoa(int(c.GetValue())))
+			}
+			if h := m.GetHistogram(); h != nil {
+				b.WriteString(" count " + itoa(int(h.GetSampleCount())))
+			}
+			b.WriteString("\n")
+		}
+	}
+	return b.String()
+}
+
+// TestMetricsCached checks that the cached series count what
+// WithLabelValues would, and that the cache keeps to standard methods.
+func TestMetricsCached(t *testing.T) {
+	e := newFakeEnv(t, false)
+	for range 5 {
+		g := e.acquire(t, e.h, "orders", `{}`)
+		e.do(e.h, http.MethodDelete, "/v1/locks/orders", "", LockTokenHeader, g.LockToken)
+	}
+	e.do(e.h, http.MethodDelete, "/v1/locks/orders", "", LockTokenHeader, "AAAAAAAAAAAAAAAAAAAAAAAAAAA")
+	for i := range 20 {
+		e.do(e.h, "M"+itoa(i), "/nowhere", "")
+	}
+	m := e.h.m
+	for _, tc := range []struct {
+		c    prometheus.Collector
+		want float64
+	}{
+		{m.requests.WithLabelValues(lockRoute, "POST", "201"), 5},
+		{m.requests.WithLabelValues(lockRoute, "DELETE", "204"), 5},
+		{m.requests.WithLabelValues(lockRoute, "DELETE", "409"), 1},
+		{m.requests.WithLabelValues("unmatched", "M3", "405"), 1},
+		{m.acquisitions.WithLabelValues("granted"), 5},
+		{m.releases.WithLabelValues("released"), 5},
+		{m.releases.WithLabelValues("not-holder"), 1},
+	} {
+		if got := promtest.ToFloat64(tc.c); got != tc.want {
+			t.Errorf("%v = %v; want %v", tc.c, got, tc.want)
+		}
+	}
+	if got := promtest.CollectAndCount(m.requestSeconds); got != 2+20 {
+		t.Errorf("%d latency series; want 22", got)
+	}
+	if mp := m.http.m.Load(); mp == nil || len(*mp) != 3 {
+		t.Errorf("the request series cache holds %v; want the 3 standard-method series", mp)
+	}
+}
+
+// panicLocker panics in Acquire, with v.
+type panicLocker struct {
+	*benchFakeLocker
+	v any
+}
+
+func (p panicLocker) Acquire(context.Context, string, service.Request) (*service.Grant, error) {
+	panic(p.v)
+}
+
+// TestPanic checks that a panic in a handler becomes a logged 500 problem
+// (without an access line), on both ways to the handler, and that
+// http.ErrAbortHandler goes through.
+func TestPanic(t *testing.T) {
+	logs := &testutil.Buffer{}
+	h := NewHandler(panicLocker{newBenchFakeLocker(), "boom"}, nil, Options{Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+	for _, route := range []string{"fast", "router"} {
+		r := httptest.NewRequest(http.MethodPost, "/v1/locks/x", nil)
+		if route == "router" {
+			r = r.WithContext(context.WithValue(r.Context(), chi.RouteCtxKey, chi.NewRouteContext()))
+		}
+		r.Header.Set(RequestIDHeader, "p-"+route)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		if w.Code != http.StatusInternalServerError || w.Header().Get("Content-Type") != "application/problem+json" ||
+			!strings.Contains(w.Body.String(), `"type":"urn:redfence:problem:internal-error"`) || !strings.Contains(w.Body.String(), `"request_id":"p-`+route+`"`) {
+			t.Errorf("%s: panic answered %d %v %s", route, w.Code, w.Header(), w.Body)
+		}
+	}
+	if n := strings.Count(logs.String(), `"msg":"panic"`); n != 2 || !strings.Contains(logs.String(), `"panic":"boom"`) {
+		t.Errorf("%d panic lines:\n%s", n, logs)
+	}
+	if strings.Contains(logs.String(), `"msg":"http request"`) {
+		t.Errorf("an access line for a panic:\n%s", logs)
+	}
+
+	h = NewHandler(panicLocker{newBenchFakeLocker(), http.ErrAbortHandler}, nil, Options{})
+	defer func() {
+		if v := recover(); v != http.ErrAbortHandler {
+			t.Errorf("recovered %v; want http.ErrAbortHandler", v)
+		}
+	}()
+	h.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest(http.MethodPost, "/v1/locks/x", nil))
+	t.Error("http.ErrAbortHandler did not go through")
+}
