@@ -58,7 +58,10 @@ type config struct {
 }
 
 // systemKeys are the -systems names, in table order.
-var systemKeys = []string{"h2c", "http", "inproc", "redsync", "etcd", "single"}
+var systemKeys = []string{"http", "h2c", "inproc", "redsync", "etcd", "single"}
+
+// defaultSystems are the systems run without -systems (h2c only on request).
+var defaultSystems = []string{"http", "inproc", "redsync", "etcd", "single"}
 
 func main() {
 	if err := run(); err != nil {
@@ -114,7 +117,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.warmup, "warmup", time.Second, "unmeasured warm-up per cell")
 	workers := fs.String("workers", "1,16,64", "comma-separated worker counts for the distinct and contended cases")
 	cases := fs.String("cases", "distinct,contended,handoff,degraded", "cases to run")
-	systems := fs.String("systems", strings.Join(systemKeys, ","), "systems to run: h2c, http (HTTP/1.1), inproc, redsync, etcd, single")
+	systems := fs.String("systems", strings.Join(defaultSystems, ","), "systems to run: http (HTTP/1.1), h2c (HTTP/2 cleartext; starts the server with REDFENCE_H2C=true), inproc, redsync, etcd, single")
 	fs.DurationVar(&c.ttl, "ttl", 10*time.Second, "lease TTL of every acquire")
 	fs.DurationVar(&c.wait, "wait", 30*time.Second, "wait of blocking acquires (handoff)")
 	fs.IntVar(&c.handoffWorkers, "handoff-workers", 64, "workers blocking on the hot name in the handoff case")
@@ -151,7 +154,7 @@ func parseFlags(args []string) (config, error) {
 		c.systems = append(c.systems, s)
 	}
 	if c.profileDir != "" {
-		c.systems = []string{"h2c", "inproc"}
+		c.systems = []string{"http", "inproc"}
 	}
 	if c.duration <= 0 || c.warmup < 0 {
 		return c, errors.New("-duration must be positive and -warmup not negative")
@@ -272,6 +275,9 @@ func setup(ctx context.Context, cfg config) (*env, error) {
 			// above any rate here (the limiter still runs on every request).
 			"REDFENCE_RATE_LIMIT=1000000000", "REDFENCE_RATE_BURST=1000000000",
 		}
+		if e.has("h2c") {
+			env = append(env, "REDFENCE_H2C=true")
+		}
 		if key == "" {
 			env = append(env, "REDFENCE_AUTH=false")
 		}
@@ -364,7 +370,7 @@ func (e *env) plan() []cell {
 			add(distinct, w, systemKeys...)
 		}
 		if slices.Contains(e.cfg.cases, degraded) && slices.Contains(degradedAt, w) {
-			add(degraded, w, "h2c", "http", "inproc", "redsync")
+			add(degraded, w, "http", "h2c", "inproc", "redsync")
 			degradedAt = slices.DeleteFunc(degradedAt, func(x int) bool { return x == w })
 		}
 	}
@@ -374,7 +380,7 @@ func (e *env) plan() []cell {
 		}
 	}
 	if slices.Contains(e.cfg.cases, handoff) {
-		add(handoff, e.cfg.handoffWorkers, "h2c", "http", "inproc", "redsync", "etcd")
+		add(handoff, e.cfg.handoffWorkers, "http", "h2c", "inproc", "redsync", "etcd")
 	}
 	return cells
 }

@@ -158,7 +158,7 @@ func (e *env) profile(ctx context.Context) error {
 	var a0, a1, cpu []byte
 	var stmts []stmt
 	cpuDone := make(chan error, 1)
-	r := e.run(ctx, cell{kind: distinct, workers: w, sys: e.systems["h2c"]}, hooks{
+	r := e.run(ctx, cell{kind: distinct, workers: w, sys: e.systems["http"]}, hooks{
 		start: func(ctx context.Context) {
 			m0 = e.serverMem(ctx)
 			a0, _ = e.pprofGet(ctx, "/debug/pprof/allocs")
@@ -184,7 +184,7 @@ func (e *env) profile(ctx context.Context) error {
 			return err
 		}
 	}
-	e.profileSection(&rep, "redfence h2c (server process)", r, m1.Mallocs-m0.Mallocs, m1.TotalAlloc-m0.TotalAlloc, m1.NumGC-m0.NumGC, stmts)
+	e.profileSection(&rep, "redfence http/1.1 (server process)", r, m1.Mallocs-m0.Mallocs, m1.TotalAlloc-m0.TotalAlloc, m1.NumGC-m0.NumGC, stmts)
 	p("%s", pprofTop(dir, "server-cpu.pprof", "", "CPU, flat", "-top"))
 	p("%s", pprofTop(dir, "server-cpu.pprof", "", "CPU, cumulative", "-top", "-cum"))
 	p("%s", pprofTop(dir, "server-allocs-1.pprof", "server-allocs-0.pprof", "allocations (objects) in the window", "-top", "-sample_index=alloc_objects"))

@@ -35,7 +35,7 @@ type Config struct {
 	ReadHeaderTimeout time.Duration `split_words:"true" default:"5s" desc:"time to read request headers"`
 	ReadTimeout       time.Duration `split_words:"true" default:"30s" desc:"time to read a whole request"`
 	IdleTimeout       time.Duration `split_words:"true" default:"120s" desc:"keep-alive idle timeout"`
-	H2C               bool          `envconfig:"H2C" default:"true" desc:"without TLS, also serve HTTP/2 to clients that start with its preface (prior knowledge, as gRPC does); with TLS, HTTP/2 is negotiated anyway"`
+	H2C               bool          `envconfig:"H2C" default:"false" desc:"without TLS, also serve HTTP/2 to clients that start with its preface (prior knowledge, as gRPC does); with TLS, HTTP/2 is negotiated anyway"`
 	ShutdownTimeout   time.Duration `split_words:"true" default:"30s" desc:"grace period for in-flight requests on SIGINT/SIGTERM"`
 	LogLevel          string        `split_words:"true" default:"info" desc:"debug, info, warn or error"`
 	LogFormat         string        `split_words:"true" default:"json" desc:"json or text"`

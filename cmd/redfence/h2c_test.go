@@ -11,9 +11,10 @@ import (
 	"github.com/redfence/redfence/internal/cluster/clustertest"
 )
 
-// TestServer_H2C: without TLS the server speaks HTTP/2 to a client with
-// prior knowledge (and HTTP/1.1 to everyone else), and a lock taken over
-// HTTP/2 is released over HTTP/1.1; REDFENCE_H2C=false serves HTTP/1.1 only.
+// TestServer_H2C: with REDFENCE_H2C=true and no TLS the server speaks HTTP/2
+// to a client with prior knowledge (and HTTP/1.1 to everyone else), and a
+// lock taken over HTTP/2 is released over HTTP/1.1; by default it serves
+// HTTP/1.1 only.
 func TestServer_H2C(t *testing.T) {
 	t.Parallel()
 	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
@@ -25,9 +26,7 @@ func TestServer_H2C(t *testing.T) {
 
 	t.Run("On", func(t *testing.T) {
 		cfg := testConfig(t, addrs(nodes), db)
-		if !cfg.H2C {
-			t.Fatal("REDFENCE_H2C is off by default")
-		}
+		cfg.H2C = true
 		s, _ := open(t, cfg, discard)
 		req, _ := http.NewRequest(http.MethodPost, "http://"+s.Addr()+"/v1/locks/h2c", strings.NewReader(`{"ttl_ms":10000}`))
 		req.Header.Set("Content-Type", "application/json")
@@ -49,11 +48,13 @@ func TestServer_H2C(t *testing.T) {
 
 	t.Run("Off", func(t *testing.T) {
 		cfg := testConfig(t, addrs(nodes), db)
-		cfg.H2C = false
+		if cfg.H2C {
+			t.Fatal("REDFENCE_H2C is on by default")
+		}
 		s, _ := open(t, cfg, discard)
 		_, err := h2.Get("http://" + s.Addr() + "/healthz")
 		if err == nil {
-			t.Fatal("an HTTP/2 prior-knowledge request was served with REDFENCE_H2C=false")
+			t.Fatal("an HTTP/2 prior-knowledge request was served without REDFENCE_H2C")
 		}
 		var ne interface{ Timeout() bool }
 		if errors.As(err, &ne) && ne.Timeout() {
