@@ -47,12 +47,11 @@ func BenchmarkLocker_AcquireRelease(b *testing.B) {
 // BenchmarkLocker_RealRedis measures acquire+release cycles on 5 real
 // redis-server processes (memory issuer), from 64 concurrent callers: the
 // cost of the node round trips, which the per-node pipelines batch
-// (unpipelined: one round trip per command, the peer to compare with; writers:
-// pipelined writes in flight per node).
+// (unpipelined: one round trip per command, the peer to compare with).
 func BenchmarkLocker_RealRedis(b *testing.B) {
 	rs := clustertest.Redis(b, 5, cluster.RedisOptions{})
-	for _, opts := range []RedisOptions{{Unpipelined: true}, {Writers: 1}, {Writers: 2}} {
-		name := fmt.Sprintf("writers=%d", opts.Writers)
+	for _, opts := range []RedisOptions{{Unpipelined: true}, {}} {
+		name := "pipelined"
 		if opts.Unpipelined {
 			name = "unpipelined"
 		}
@@ -84,6 +83,44 @@ func BenchmarkLocker_RealRedis(b *testing.B) {
 					}
 				}
 			})
+		})
+	}
+}
+
+// BenchmarkLocker_RealRedisSerial is BenchmarkLocker_RealRedis with one
+// caller: the latency of a cycle when nothing else is queued.
+func BenchmarkLocker_RealRedisSerial(b *testing.B) {
+	rs := clustertest.Redis(b, 5, cluster.RedisOptions{})
+	for _, opts := range []RedisOptions{{Unpipelined: true}, {}} {
+		name := "pipelined"
+		if opts.Unpipelined {
+			name = "unpipelined"
+		}
+		b.Run(name, func(b *testing.B) {
+			var ns []Node
+			for _, r := range rs {
+				n := NewRedisNode(r.Addr(), opts)
+				b.Cleanup(func() { _ = n.Close() })
+				ns = append(ns, n)
+			}
+			l, err := New(ns, &memIssuer{}, Options{NodeTimeout: time.Second})
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx := context.Background()
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				i++
+				key := fmt.Sprintf("serial-%d", i)
+				g, err := l.Acquire(ctx, key, Request{TTL: 10 * time.Second})
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := l.Release(ctx, key, g.Token); err != nil {
+					b.Fatal(err)
+				}
+			}
 		})
 	}
 }

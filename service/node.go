@@ -98,11 +98,6 @@ type RedisOptions struct {
 	// DialTimeout bounds connecting. The default is 1s; each call's own
 	// context deadline still applies.
 	DialTimeout time.Duration
-	// Writers is how many pipelined writes may be in flight to the node at
-	// once, each on its own connection. The default is 1: one connection
-	// carries every command, in order, batched while the previous batch is
-	// on the wire.
-	Writers int
 	// Unpipelined sends every command on its own round trip from a pool of
 	// connections instead. It exists to measure what the pipeline buys.
 	Unpipelined bool
@@ -115,9 +110,6 @@ type RedisOptions struct {
 func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 	if opts.DialTimeout <= 0 {
 		opts.DialTimeout = time.Second
-	}
-	if opts.Writers <= 0 {
-		opts.Writers = 1
 	}
 	client := redis.NewClient(&redis.Options{
 		Addr:                  addr,
@@ -133,7 +125,7 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 	})
 	n := &RedisNode{addr: addr, client: client, watch: newWatcher(client, opts.DialTimeout)}
 	if !opts.Unpipelined {
-		n.pipe = newPipeliner(client, opts.Writers)
+		n.pipe = newPipeliner(client)
 	}
 	return n
 }

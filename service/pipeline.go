@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -31,41 +32,62 @@ type call struct {
 // answer tells c's caller that c.cmd has its answer.
 func (c *call) answer() { c.done <- struct{}{} }
 
-// pipeliner sends a node's commands in batches: a writer takes every command
-// queued while the previous batch was on the wire and sends them as one
-// pipeline, one write and one read for the lot (auto-pipelining, as rueidis
-// does). Commands are sent in queue order. A caller that gives up (its
-// context ends) returns at once; a command still queued then is dropped
-// rather than sent.
+// pipeliner sends a node's commands in batches, one batch on the wire at a
+// time: every command queued while a batch is on the wire goes out in the
+// next one, one write and one read for the lot (auto-pipelining, as rueidis
+// does). A caller that finds no batch on the wire sends its command (and
+// whatever is queued) itself, on its own goroutine, so an idle node costs no
+// hand-off; otherwise it queues the command for the writer goroutine. A
+// caller that gives up (its context ends) returns at once; a command still
+// queued then is dropped rather than sent.
 type pipeliner struct {
 	client *redis.Client
 	queue  chan *call
 	closed chan struct{}
 	once   sync.Once
 	wg     sync.WaitGroup
+	// sending is held while a batch is on the wire; buf is its batch and
+	// pipe the pipeline that sends it (Exec leaves it empty for reuse).
+	sending sync.Mutex
+	buf     []*call
+	pipe    redis.Pipeliner
 	// calls recycles the calls whose callers saw the answer.
 	calls sync.Pool
+	// queued counts the calls handed to the writer goroutine (for tests).
+	queued atomic.Int64
 }
 
-func newPipeliner(client *redis.Client, writers int) *pipeliner {
-	p := &pipeliner{client: client, queue: make(chan *call, 4*maxBatch), closed: make(chan struct{})}
-	p.wg.Add(writers)
-	for range writers {
-		go p.run()
-	}
+func newPipeliner(client *redis.Client) *pipeliner {
+	p := &pipeliner{client: client, queue: make(chan *call, 4*maxBatch), closed: make(chan struct{}),
+		buf: make([]*call, 0, maxBatch), pipe: client.Pipeline()}
+	p.wg.Add(1)
+	go p.run()
 	return p
 }
 
-// do queues cmd and waits for its answer or for ctx to end. It returns the
-// command that answered (cmd, or the EVAL that replaced it).
+// do sends cmd, or queues it, and waits for its answer or for ctx to end.
+// It returns the command that answered (cmd, or the EVAL that replaced it).
 func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.Cmd, error) {
+	select {
+	case <-p.closed:
+		return nil, errNodeClosed
+	default:
+	}
 	c, _ := p.calls.Get().(*call)
 	if c == nil {
 		c = &call{done: make(chan struct{}, 1)}
 	}
 	c.ctx, c.cmd, c.src = ctx, cmd, src
+	if p.sending.TryLock() {
+		// Nothing on the wire: send now, with whatever is queued.
+		p.buf = p.sendLocked(append(p.buf[:0], c))
+		p.sending.Unlock()
+		<-c.done // answered by the send
+		return p.recycle(c)
+	}
 	select {
 	case p.queue <- c:
+		p.queued.Add(1)
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	case <-p.closed:
@@ -73,10 +95,7 @@ func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.
 	}
 	select {
 	case <-c.done:
-		cmd := c.cmd
-		*c = call{done: c.done}
-		p.calls.Put(c) // the writer is done with it
-		return cmd, cmd.Err()
+		return p.recycle(c)
 	case <-ctx.Done():
 		return nil, ctx.Err()
 	case <-p.closed:
@@ -84,34 +103,63 @@ func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.
 	}
 }
 
+// recycle returns c's command and puts c back in the pool: its answer was
+// received, so nothing refers to it any more.
+func (p *pipeliner) recycle(c *call) (*redis.Cmd, error) {
+	cmd := c.cmd
+	*c = call{done: c.done}
+	p.calls.Put(c)
+	return cmd, cmd.Err()
+}
+
 func (p *pipeliner) close() {
 	p.once.Do(func() { close(p.closed) })
 	p.wg.Wait()
 }
 
+// run is the writer goroutine: it sends what callers queued while a batch
+// was on the wire.
 func (p *pipeliner) run() {
 	defer p.wg.Done()
-	batch := make([]*call, 0, maxBatch)
 	for {
+		var c *call
 		select {
-		case c := <-p.queue:
-			batch = append(batch[:0], c)
+		case c = <-p.queue:
 		case <-p.closed:
 			p.fail()
 			return
 		}
-	more:
-		for len(batch) < maxBatch {
-			select {
-			case c := <-p.queue:
-				batch = append(batch, c)
-			default:
-				break more
-			}
-		}
-		p.send(batch)
-		clear(batch)
+		p.sending.Lock()
+		p.buf = p.sendLocked(append(p.buf[:0], c))
+		p.sending.Unlock()
 	}
+}
+
+// sendLocked adds to batch what is queued, sends it and answers every call.
+// It returns batch emptied, for reuse. p.sending is held.
+func (p *pipeliner) sendLocked(batch []*call) []*call {
+	select {
+	case <-p.closed:
+		for _, c := range batch {
+			c.cmd.SetErr(errNodeClosed)
+			c.answer()
+		}
+		clear(batch)
+		return batch[:0]
+	default:
+	}
+more:
+	for len(batch) < maxBatch {
+		select {
+		case c := <-p.queue:
+			batch = append(batch, c)
+		default:
+			break more
+		}
+	}
+	p.send(batch)
+	clear(batch)
+	return batch[:0]
 }
 
 // fail answers every call still queued after close.
@@ -130,7 +178,7 @@ func (p *pipeliner) fail() {
 // send writes batch as one pipeline, bounded by the latest of its callers'
 // deadlines, and answers every call.
 func (p *pipeliner) send(batch []*call) {
-	pipe := p.client.Pipeline()
+	pipe := p.pipe
 	var deadline time.Time
 	live := batch[:0]
 	for _, c := range batch {

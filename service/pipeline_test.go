@@ -99,7 +99,7 @@ func TestPipeline_Batches(t *testing.T) {
 		case err := <-errs:
 			return false, err
 		default:
-			return len(n.pipe.queue) == callers, nil
+			return n.pipe.queued.Load() == callers, nil
 		}
 	})
 	close(h.hold)
@@ -164,7 +164,7 @@ func TestPipeline_GoneCallerNotSent(t *testing.T) {
 	ctx, cancel := context.WithCancel(bg)
 	gone := make(chan error, 1)
 	go func() { _, _, err := n.Acquire(ctx, "never", "t1", time.Minute, ""); gone <- err }()
-	testutil.WaitFor(t, time.Minute, "the call queued", func() (bool, error) { return len(n.pipe.queue) == 1, nil })
+	testutil.WaitFor(t, time.Minute, "the call queued", func() (bool, error) { return n.pipe.queued.Load() == 1, nil })
 	cancel()
 	if err := <-gone; !errors.Is(err, context.Canceled) {
 		t.Fatalf("gone caller: %v; want context.Canceled", err)
@@ -200,7 +200,7 @@ func TestPipeline_Close(t *testing.T) {
 	<-h.holding
 	queued := make(chan error, 1)
 	go func() { _, _, err := n.Acquire(bg, "b", "t1", time.Minute, ""); queued <- err }()
-	testutil.WaitFor(t, time.Minute, "the call queued", func() (bool, error) { return len(n.pipe.queue) == 1, nil })
+	testutil.WaitFor(t, time.Minute, "the call queued", func() (bool, error) { return n.pipe.queued.Load() == 1, nil })
 	closed := make(chan error, 1)
 	go func() { closed <- n.Close() }()
 	if err := <-queued; !errors.Is(err, errNodeClosed) {
