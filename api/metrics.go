@@ -267,6 +267,19 @@ type Observer struct {
 	issueFailed  prometheus.Counter
 	issueSeconds prometheus.Histogram
 	nodes        *nodeState
+	// series caches, per node, operation and outcome, the series NodeOp
+	// feeds: resolving label values takes a hash and a lock per call.
+	series sync.Map // nodeOpKey -> *nodeOpSeries
+}
+
+type nodeOpKey struct {
+	addr, op string
+	outcome  service.Outcome
+}
+
+type nodeOpSeries struct {
+	requests prometheus.Counter
+	seconds  prometheus.Observer
 }
 
 var _ service.Observer = (*Observer)(nil)
@@ -303,9 +316,18 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 
 // NodeOp implements service.Observer.
 func (o *Observer) NodeOp(addr, op string, outcome service.Outcome, d time.Duration) {
-	o.nodeRequests.WithLabelValues(addr, op, outcome.String()).Inc()
-	o.nodeSeconds.WithLabelValues(addr, op).Observe(d.Seconds())
-	o.nodes.seen(addr)
+	k := nodeOpKey{addr, op, outcome}
+	v, ok := o.series.Load(k)
+	if !ok {
+		o.nodes.seen(addr)
+		v, _ = o.series.LoadOrStore(k, &nodeOpSeries{
+			requests: o.nodeRequests.WithLabelValues(addr, op, outcome.String()),
+			seconds:  o.nodeSeconds.WithLabelValues(addr, op),
+		})
+	}
+	ser := v.(*nodeOpSeries)
+	ser.requests.Inc()
+	ser.seconds.Observe(d.Seconds())
 }
 
 // Waiting implements service.Observer.
