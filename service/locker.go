@@ -215,6 +215,10 @@ type lateRound struct {
 	// counted marks the nodes whose answer was in when the grant was
 	// decided; Release deletes on those itself.
 	counted []bool
+	// left counts the nodes still to finish; tracked says the round is in
+	// Locker.late, and the last node to finish removes it.
+	left    int
+	tracked bool
 }
 
 // New returns a Locker over nodes that issues tokens from issuer.
@@ -739,7 +743,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	// the grant was returned, so the lock lives on as many nodes as possible.
 	decided := make(chan struct{})
 	var failed bool // written before close(decided), read after
-	lr := &lateRound{}
+	lr := &lateRound{left: len(l.nodes)}
 	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
 		epoch, _ := l.members[i].state()
 		ok, rem, err := n.Acquire(ctx, rkey, token, req.TTL, epoch)
@@ -749,6 +753,17 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		return ok, rem, err
 	}, func(i int, wrote bool) {
 		<-decided
+		defer func() {
+			lr.mu.Lock()
+			lr.left--
+			last := lr.left == 0 && lr.tracked
+			lr.mu.Unlock()
+			if last {
+				l.lateMu.Lock()
+				delete(l.late, token)
+				l.lateMu.Unlock()
+			}
+		}()
 		if !wrote {
 			// The node refused: the key holds another try's token (tokens
 			// are per try), so deleting ours there would change nothing.
@@ -813,16 +828,11 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		for i, r := range t.results {
 			lr.counted[i] = r.Outcome != 0
 		}
+		lr.tracked = true // no node finishes before decided is closed
 		lr.mu.Unlock()
 		l.lateMu.Lock()
 		l.late[token] = lr
 		l.lateMu.Unlock()
-		go func() {
-			wg.Wait()
-			l.lateMu.Lock()
-			delete(l.late, token)
-			l.lateMu.Unlock()
-		}()
 	}
 	close(decided)
 	return &Grant{Key: key, Token: token, Fencing: ft, TTL: req.TTL, Start: start, Expires: expires, Owner: req.Owner}, nil
@@ -913,27 +923,37 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 	if prev != nil {
 		<-prev // each of its nodes answers within NodeTimeout
 	}
-	ch, wg := l.round(context.WithoutCancel(ctx), "release", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+	// The last node to finish, if the caller returned before it, lets a
+	// repeated release go on.
+	var mu sync.Mutex
+	left, done := len(l.nodes), chan struct{}(nil)
+	ch, _ := l.round(context.WithoutCancel(ctx), "release", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		ok, err := n.Release(ctx, rkey, token)
 		return ok, 0, err
-	}, nil)
-	t := &tally{results: make([]NodeResult, len(l.nodes))}
-	for t.got < len(l.nodes) && (all || t.yes < l.quorum) {
-		l.add(t, <-ch)
-	}
-	if t.got < len(l.nodes) {
-		done := make(chan struct{})
-		l.lateMu.Lock()
-		l.releasing[token] = done
-		l.lateMu.Unlock()
-		go func() {
-			wg.Wait()
+	}, func(int, bool) {
+		mu.Lock()
+		left--
+		last := left == 0 && done != nil
+		mu.Unlock()
+		if last {
 			l.lateMu.Lock()
 			delete(l.releasing, token)
 			l.lateMu.Unlock()
 			close(done)
-		}()
+		}
+	})
+	t := &tally{results: make([]NodeResult, len(l.nodes))}
+	for t.got < len(l.nodes) && (all || t.yes < l.quorum) {
+		l.add(t, <-ch)
 	}
+	mu.Lock()
+	if left > 0 {
+		done = make(chan struct{})
+		l.lateMu.Lock()
+		l.releasing[token] = done
+		l.lateMu.Unlock()
+	}
+	mu.Unlock()
 	return t
 }
 
