@@ -45,82 +45,53 @@ func BenchmarkLocker_AcquireRelease(b *testing.B) {
 }
 
 // BenchmarkLocker_RealRedis measures acquire+release cycles on 5 real
-// redis-server processes (memory issuer), from 64 concurrent callers: the
-// cost of the node round trips, which the per-node pipelines batch
-// (unpipelined: one round trip per command, the peer to compare with).
+// redis-server processes (memory issuer): the cost of the node round trips,
+// which the per-node pipelines batch (unpipelined: one round trip per
+// command, the peer to compare with). parallel: 64 callers; serial: one, the
+// latency of a cycle when nothing else is queued.
 func BenchmarkLocker_RealRedis(b *testing.B) {
 	rs := clustertest.Redis(b, 5, cluster.RedisOptions{})
-	for _, opts := range []RedisOptions{{Unpipelined: true}, {}} {
-		name := "pipelined"
-		if opts.Unpipelined {
-			name = "unpipelined"
-		}
-		b.Run(name, func(b *testing.B) {
-			var ns []Node
-			for _, r := range rs {
-				n := NewRedisNode(r.Addr(), opts)
-				b.Cleanup(func() { _ = n.Close() })
-				ns = append(ns, n)
-			}
-			l, err := New(ns, &memIssuer{}, Options{NodeTimeout: time.Second})
-			if err != nil {
-				b.Fatal(err)
-			}
-			ctx := context.Background()
-			var seq atomic.Int64
-			b.ReportAllocs()
-			b.SetParallelism(32) // 64 callers on 2 CPUs
-			b.ResetTimer()
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					key := fmt.Sprintf("bench-%d", seq.Add(1))
-					g, err := l.Acquire(ctx, key, Request{TTL: 10 * time.Second})
-					if err != nil {
-						b.Fatal(err)
-					}
-					if err := l.Release(ctx, key, g.Token); err != nil {
-						b.Fatal(err)
-					}
+	for _, parallel := range []bool{true, false} {
+		for _, opts := range []RedisOptions{{Unpipelined: true}, {}} {
+			name := map[bool]string{true: "parallel", false: "serial"}[parallel] + "/" +
+				map[bool]string{true: "unpipelined", false: "pipelined"}[opts.Unpipelined]
+			b.Run(name, func(b *testing.B) {
+				var ns []Node
+				for _, r := range rs {
+					n := NewRedisNode(r.Addr(), opts)
+					b.Cleanup(func() { _ = n.Close() })
+					ns = append(ns, n)
 				}
-			})
-		})
-	}
-}
-
-// BenchmarkLocker_RealRedisSerial is BenchmarkLocker_RealRedis with one
-// caller: the latency of a cycle when nothing else is queued.
-func BenchmarkLocker_RealRedisSerial(b *testing.B) {
-	rs := clustertest.Redis(b, 5, cluster.RedisOptions{})
-	for _, opts := range []RedisOptions{{Unpipelined: true}, {}} {
-		name := "pipelined"
-		if opts.Unpipelined {
-			name = "unpipelined"
-		}
-		b.Run(name, func(b *testing.B) {
-			var ns []Node
-			for _, r := range rs {
-				n := NewRedisNode(r.Addr(), opts)
-				b.Cleanup(func() { _ = n.Close() })
-				ns = append(ns, n)
-			}
-			l, err := New(ns, &memIssuer{}, Options{NodeTimeout: time.Second})
-			if err != nil {
-				b.Fatal(err)
-			}
-			ctx := context.Background()
-			b.ReportAllocs()
-			i := 0
-			for b.Loop() {
-				i++
-				key := fmt.Sprintf("serial-%d", i)
-				g, err := l.Acquire(ctx, key, Request{TTL: 10 * time.Second})
+				l, err := New(ns, &memIssuer{}, Options{NodeTimeout: time.Second})
 				if err != nil {
 					b.Fatal(err)
 				}
-				if err := l.Release(ctx, key, g.Token); err != nil {
-					b.Fatal(err)
+				var seq atomic.Int64
+				cycle := func() {
+					key := fmt.Sprintf("bench-%d", seq.Add(1))
+					g, err := l.Acquire(context.Background(), key, Request{TTL: 10 * time.Second})
+					if err == nil {
+						err = l.Release(context.Background(), key, g.Token)
+					}
+					if err != nil {
+						b.Fatal(err)
+					}
 				}
-			}
-		})
+				b.ReportAllocs()
+				if !parallel {
+					for b.Loop() {
+						cycle()
+					}
+					return
+				}
+				b.SetParallelism(32) // 64 callers on 2 CPUs
+				b.ResetTimer()
+				b.RunParallel(func(pb *testing.PB) {
+					for pb.Next() {
+						cycle()
+					}
+				})
+			})
+		}
 	}
 }
