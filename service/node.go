@@ -149,13 +149,27 @@ func (n *RedisNode) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.
 		return n.pipe.do(ctx, cmd, src)
 	}
 	_ = n.client.Process(ctx, cmd)
-	if src != "" && redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
-		args := slices.Clone(cmd.Args())
-		args[0], args[1] = "eval", src
-		cmd = redis.NewCmd(ctx, args...)
+	if noScript(cmd, src) {
+		cmd = evalOf(ctx, cmd, src)
 		_ = n.client.Process(ctx, cmd)
 	}
 	return cmd, cmd.Err()
+}
+
+// noScript reports whether cmd, an EVALSHA of the script src, failed
+// because the node does not know the script (it restarted, or its script
+// cache was flushed).
+func noScript(cmd *redis.Cmd, src string) bool {
+	err := cmd.Err()
+	return err != nil && src != "" && redis.HasErrorPrefix(err, "NOSCRIPT")
+}
+
+// evalOf returns cmd, an EVALSHA, as the EVAL of src with the same keys and
+// arguments: it runs the script and loads it for later EVALSHAs.
+func evalOf(ctx context.Context, cmd *redis.Cmd, src string) *redis.Cmd {
+	args := slices.Clone(cmd.Args())
+	args[0], args[1] = "eval", src
+	return redis.NewCmd(ctx, args...)
 }
 
 // eval runs script with keys and args through the node's pipeline.

@@ -205,7 +205,7 @@ func (p *pipeliner) send(batch []*call) {
 	_, _ = pipe.Exec(ctx) // each command carries its own error
 	var retry []*call
 	for _, c := range live {
-		if err := c.cmd.Err(); err != nil && c.src != "" && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		if noScript(c.cmd, c.src) {
 			retry = append(retry, c)
 			continue
 		}
@@ -217,11 +217,7 @@ func (p *pipeliner) send(batch []*call) {
 	// EVAL loads the script again; later batches find it by its hash.
 	pipe = p.client.Pipeline()
 	for _, c := range retry {
-		args := c.cmd.Args()
-		eval := make([]any, len(args))
-		copy(eval, args)
-		eval[0], eval[1] = "eval", c.src
-		c.cmd = redis.NewCmd(c.ctx, eval...)
+		c.cmd = evalOf(c.ctx, c.cmd, c.src)
 		_ = pipe.Process(c.ctx, c.cmd)
 	}
 	_, _ = pipe.Exec(ctx)
