@@ -58,7 +58,7 @@ type config struct {
 }
 
 // systemKeys are the -systems names, in table order.
-var systemKeys = []string{"http", "h2c", "inproc", "redsync", "etcd", "single"}
+var systemKeys = []string{"http", "http-nethttp", "h2c", "inproc", "redsync", "etcd", "single"}
 
 // defaultSystems are the systems run without -systems (h2c only on request).
 var defaultSystems = []string{"http", "inproc", "redsync", "etcd", "single"}
@@ -117,7 +117,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.warmup, "warmup", time.Second, "unmeasured warm-up per cell")
 	workers := fs.String("workers", "1,16,64", "comma-separated worker counts for the distinct and contended cases")
 	cases := fs.String("cases", "distinct,contended,handoff,degraded", "cases to run")
-	systems := fs.String("systems", strings.Join(defaultSystems, ","), "systems to run: http (HTTP/1.1), h2c (HTTP/2 cleartext; starts the server with REDFENCE_H2C=true), inproc, redsync, etcd, single")
+	systems := fs.String("systems", strings.Join(defaultSystems, ","), "systems to run: http (HTTP/1.1, lean wrk-style load generator), http-nethttp (HTTP/1.1 through net/http's client), h2c (HTTP/2 cleartext; starts the server with REDFENCE_H2C=true), inproc, redsync, etcd, single")
 	fs.DurationVar(&c.ttl, "ttl", 10*time.Second, "lease TTL of every acquire")
 	fs.DurationVar(&c.wait, "wait", 30*time.Second, "wait of blocking acquires (handoff)")
 	fs.IntVar(&c.handoffWorkers, "handoff-workers", 64, "workers blocking on the hot name in the handoff case")
@@ -250,7 +250,7 @@ func setup(ctx context.Context, cfg config) (*env, error) {
 		defer inproc.close() // it only applied the migrations
 	}
 
-	if e.has("http") || e.has("h2c") {
+	if e.has("http") || e.has("http-nethttp") || e.has("h2c") {
 		bin := cfg.redfenceBin
 		var overlay string
 		if cfg.profileDir != "" {
@@ -290,7 +290,10 @@ func setup(ctx context.Context, cfg config) (*env, error) {
 		}
 		maxW := max(cfg.handoffWorkers, slices.Max(cfg.workers))
 		if e.has("http") {
-			e.systems["http"] = newHTTPSystem("redfence http/1.1", e.srv, key, maxW, cfg.ttl, false)
+			e.systems["http"] = newRawHTTPSystem("redfence http/1.1", e.srv, key, cfg.ttl)
+		}
+		if e.has("http-nethttp") {
+			e.systems["http-nethttp"] = newHTTPSystem("redfence http/1.1 net/http client", e.srv, key, maxW, cfg.ttl, false)
 		}
 		if e.has("h2c") {
 			e.systems["h2c"] = newHTTPSystem("redfence h2c", e.srv, key, maxW, cfg.ttl, true)
@@ -370,7 +373,7 @@ func (e *env) plan() []cell {
 			add(distinct, w, systemKeys...)
 		}
 		if slices.Contains(e.cfg.cases, degraded) && slices.Contains(degradedAt, w) {
-			add(degraded, w, "http", "h2c", "inproc", "redsync")
+			add(degraded, w, "http", "http-nethttp", "h2c", "inproc", "redsync")
 			degradedAt = slices.DeleteFunc(degradedAt, func(x int) bool { return x == w })
 		}
 	}
@@ -380,7 +383,7 @@ func (e *env) plan() []cell {
 		}
 	}
 	if slices.Contains(e.cfg.cases, handoff) {
-		add(handoff, e.cfg.handoffWorkers, "http", "h2c", "inproc", "redsync", "etcd")
+		add(handoff, e.cfg.handoffWorkers, "http", "http-nethttp", "h2c", "inproc", "redsync", "etcd")
 	}
 	return cells
 }
