@@ -206,17 +206,23 @@ type Locker struct {
 	releasing map[string]chan struct{}
 }
 
-// lateRound marks a granted round with nodes still to answer. If the grant is
-// released before they do, each of them deletes what it set once it answers,
-// so a late SET cannot outlive the release and Release need not wait for it.
+// lateRound is the clean-up state of one acquire round, shared by its nodes'
+// answers and the decision. Until the round is decided, the nodes that
+// answer are only noted; the decision deletes what they may have set if the
+// try failed. A node that answers after the decision deletes what it set
+// itself if the try failed, or if the grant was already released (its SET
+// may have come after the release's DEL). A granted round with nodes still
+// to answer is kept in Locker.late so that Release can mark it released.
 type lateRound struct {
-	mu       sync.Mutex
+	mu      sync.Mutex
+	decided bool
+	failed  bool
+	// wrote lists the nodes that answered before the decision and may have
+	// set the key.
+	wrote    []int
 	released bool
-	// counted marks the nodes whose answer was in when the grant was
-	// decided; Release deletes on those itself.
-	counted []bool
-	// left counts the nodes still to finish; tracked says the round is in
-	// Locker.late, and the last node to finish removes it.
+	// left counts the nodes still to answer; tracked says the round is in
+	// Locker.late, and the last node to answer removes it.
 	left    int
 	tracked bool
 }
@@ -627,12 +633,23 @@ func (l *Locker) last(ctx context.Context, key string) (fencing.Record, error) {
 	return l.issuer.Last(ctx, key)
 }
 
+// nodeOp is a round's request to one node. sync blocks for the answer; async,
+// when set and the node answers asynchronously (see asyncNode), has the
+// node's pipeline deliver it to done instead, so the round costs no
+// goroutine per node.
+type nodeOp struct {
+	sync  func(ctx context.Context, i int, n Node) (bool, time.Duration, error)
+	async func(ctx context.Context, i int, n asyncNode, done func(bool, time.Duration, error))
+}
+
 // round sends op to every node in parallel, each bounded by NodeTimeout, and
-// returns the channel the answers arrive on (buffered: senders never block).
-// after, if set, runs on node i's goroutine once its answer is sent; wrote
-// is false when the node definitely changed nothing (it answered no, or
-// that it lost its memory).
-func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Context, i int, n Node) (bool, time.Duration, error), after func(i int, wrote bool)) (<-chan vote, *sync.WaitGroup) {
+// returns the channel the answers arrive on (buffered: senders never block)
+// and a WaitGroup that is done once every node has answered and its after
+// has run. after, if set, runs once node i's answer is sent; wrote is false
+// when the node definitely changed nothing (it answered no, or that it lost
+// its memory). after must not block: it may run on a node's pipeline writer.
+// An answer that comes after the node's deadline counts as a timeout.
+func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i int, wrote bool)) (<-chan vote, *sync.WaitGroup) {
 	voting := name == "acquire" || name == "extend"
 	ch := make(chan vote, len(l.nodes))
 	// One deadline for the round: every node's request starts now. The
@@ -642,34 +659,49 @@ func (l *Locker) round(ctx context.Context, name string, op func(ctx context.Con
 	wg.Add(len(l.nodes))
 	var left atomic.Int32
 	left.Store(int32(len(l.nodes)))
+	finish := func(i int, t0 time.Time, ok bool, rem time.Duration, err error, async bool) {
+		defer wg.Done()
+		n := l.nodes[i]
+		if async && err == nil && nctx.Err() != nil {
+			// Answered too late (the pipeline delivers what it read):
+			// count a timeout, as a blocking call would have returned
+			// one, and treat the node as changed.
+			err = fmt.Errorf("%s: %w", name, nctx.Err())
+		}
+		if left.Add(-1) == 0 {
+			cancel() // the last answer is in
+		}
+		v := vote{i: i, NodeResult: NodeResult{Addr: n.Addr(), Latency: time.Since(t0), Remaining: rem}}
+		switch {
+		case errors.Is(err, ErrMemoryLost):
+			v.Outcome = Quarantined
+			v.Err = &NodeError{Addr: n.Addr(), Err: err}
+		case err != nil:
+			v.Outcome = l.classify(err)
+			v.Err = &NodeError{Addr: n.Addr(), Err: err}
+		case ok && voting && !l.counts(i, l.opts.Now()):
+			v.Outcome = Quarantined
+		case ok:
+			v.Outcome = Yes
+		default:
+			v.Outcome = No
+		}
+		l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
+		ch <- v
+		if after != nil {
+			after(i, ok || err != nil && !errors.Is(err, ErrMemoryLost))
+		}
+	}
 	for i, n := range l.nodes {
-		go func() {
-			defer wg.Done()
+		if an, ok := n.(asyncNode); ok && op.async != nil && an.async() {
 			t0 := time.Now()
-			ok, rem, err := op(nctx, i, n)
-			if left.Add(-1) == 0 {
-				cancel() // the last answer is in
-			}
-			v := vote{i: i, NodeResult: NodeResult{Addr: n.Addr(), Latency: time.Since(t0), Remaining: rem}}
-			switch {
-			case errors.Is(err, ErrMemoryLost):
-				v.Outcome = Quarantined
-				v.Err = &NodeError{Addr: n.Addr(), Err: err}
-			case err != nil:
-				v.Outcome = l.classify(err)
-				v.Err = &NodeError{Addr: n.Addr(), Err: err}
-			case ok && voting && !l.counts(i, l.opts.Now()):
-				v.Outcome = Quarantined
-			case ok:
-				v.Outcome = Yes
-			default:
-				v.Outcome = No
-			}
-			l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
-			ch <- v
-			if after != nil {
-				after(i, ok || err != nil && !errors.Is(err, ErrMemoryLost))
-			}
+			op.async(nctx, i, an, func(ok bool, rem time.Duration, err error) { finish(i, t0, ok, rem, err, true) })
+			continue
+		}
+		go func() {
+			t0 := time.Now()
+			ok, rem, err := op.sync(nctx, i, n)
+			finish(i, t0, ok, rem, err, false)
 		}()
 	}
 	return ch, &wg
@@ -736,54 +768,83 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	start := l.opts.Now()
 	expires := start.Add(req.TTL - l.drift(req.TTL))
 
-	// Each node's goroutine, after answering, waits for the decision and on
-	// failure deletes what it may have set, even if it answered No or late.
-	// The round runs on a context the client cannot cancel (each call is
-	// still bounded by NodeTimeout): a straggler's SET completes even after
-	// the grant was returned, so the lock lives on as many nodes as possible.
-	decided := make(chan struct{})
-	var failed bool // written before close(decided), read after
+	// Every node's answer is noted until the decision; on failure the
+	// decision deletes what the nodes that answered may have set, and nodes
+	// answering later delete theirs (see lateRound). The round runs on a
+	// context the client cannot cancel (each call is still bounded by
+	// NodeTimeout): a straggler's SET completes even after the grant was
+	// returned, so the lock lives on as many nodes as possible.
 	lr := &lateRound{left: len(l.nodes)}
-	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
-		epoch, _ := l.members[i].state()
-		ok, rem, err := n.Acquire(ctx, rkey, token, req.TTL, epoch)
-		if errors.Is(err, ErrMemoryLost) {
-			l.recover(i, epoch)
-		}
-		return ok, rem, err
-	}, func(i int, wrote bool) {
-		<-decided
-		defer func() {
-			lr.mu.Lock()
-			lr.left--
-			last := lr.left == 0 && lr.tracked
-			lr.mu.Unlock()
-			if last {
-				l.lateMu.Lock()
-				delete(l.late, token)
-				l.lateMu.Unlock()
+	var wg *sync.WaitGroup
+	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", nodeOp{
+		sync: func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
+			epoch, _ := l.members[i].state()
+			ok, rem, err := n.Acquire(ctx, rkey, token, req.TTL, epoch)
+			if errors.Is(err, ErrMemoryLost) {
+				l.recover(i, epoch)
 			}
-		}()
-		if !wrote {
-			// The node refused: the key holds another try's token (tokens
-			// are per try), so deleting ours there would change nothing.
+			return ok, rem, err
+		},
+		async: func(ctx context.Context, i int, n asyncNode, done func(bool, time.Duration, error)) {
+			epoch, _ := l.members[i].state()
+			n.acquireAsync(ctx, rkey, token, req.TTL, epoch, func(ok bool, rem time.Duration, err error) {
+				if errors.Is(err, ErrMemoryLost) {
+					l.recover(i, epoch)
+				}
+				done(ok, rem, err)
+			})
+		},
+	}, func(i int, wrote bool) {
+		lr.mu.Lock()
+		lr.left--
+		if !lr.decided {
+			if wrote {
+				lr.wrote = append(lr.wrote, i)
+			}
+			lr.mu.Unlock()
 			return
 		}
-		lr.mu.Lock()
-		undo := failed || lr.released && !lr.counted[i]
+		// A node that refused holds another try's token (tokens are per
+		// try), so deleting ours there would change nothing.
+		undo := wrote && (lr.failed || lr.released)
+		last := lr.left == 0 && lr.tracked
 		lr.mu.Unlock()
 		if undo {
-			cctx, cancel := l.cleanupContext(ctx)
-			_, _ = l.nodes[i].Release(cctx, rkey, token)
-			cancel()
+			l.undo(ctx, wg, i, rkey, token)
+		}
+		if last {
+			l.lateMu.Lock()
+			delete(l.late, token)
+			l.lateMu.Unlock()
 		}
 	})
 	t := l.collect(ch)
 
+	// decide ends the round's waiting: on failure it deletes what the nodes
+	// that answered may have set; on success it leaves the stragglers
+	// tracked for Release.
+	decide := func(failed bool) {
+		lr.mu.Lock()
+		lr.decided, lr.failed = true, failed
+		wrote := lr.wrote
+		lr.wrote = nil
+		if !failed && lr.left > 0 {
+			lr.tracked = true
+			l.lateMu.Lock()
+			l.late[token] = lr
+			l.lateMu.Unlock()
+		}
+		lr.mu.Unlock()
+		if failed {
+			for _, i := range wrote {
+				l.undo(ctx, wg, i, rkey, token)
+			}
+		}
+	}
+
 	fail := func(sentinel error, cause error) *Error {
-		failed = true
-		close(decided)
-		wg.Wait()
+		decide(true)
+		wg.Wait() // every node answered and deleted what it set
 		l.drain(t, ch)
 		if sentinel == nil { // no quorum: decide why on every node's answer
 			sentinel, cause = ErrQuorum, nodeErrors(t.results)
@@ -822,20 +883,27 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	if !l.opts.Now().Before(expires) {
 		return nil, fail(ErrExpired, nil)
 	}
-	if t.got < len(l.nodes) {
-		lr.mu.Lock()
-		lr.counted = make([]bool, len(l.nodes))
-		for i, r := range t.results {
-			lr.counted[i] = r.Outcome != 0
-		}
-		lr.tracked = true // no node finishes before decided is closed
-		lr.mu.Unlock()
-		l.lateMu.Lock()
-		l.late[token] = lr
-		l.lateMu.Unlock()
-	}
-	close(decided)
+	decide(false)
 	return &Grant{Key: key, Token: token, Fencing: ft, TTL: req.TTL, Start: start, Expires: expires, Owner: req.Owner}, nil
+}
+
+// undo deletes token's key on node i in the background, counted in wg,
+// within the per-node timeout. It does not block.
+func (l *Locker) undo(ctx context.Context, wg *sync.WaitGroup, i int, rkey, token string) {
+	cctx, cancel := l.cleanupContext(ctx)
+	wg.Add(1)
+	if an, ok := l.nodes[i].(asyncNode); ok && an.async() {
+		an.releaseAsync(cctx, rkey, token, func(bool, error) {
+			cancel()
+			wg.Done()
+		})
+		return
+	}
+	go func() {
+		defer wg.Done()
+		defer cancel()
+		_, _ = l.nodes[i].Release(cctx, rkey, token)
+	}()
 }
 
 // retryAfter is when enough holders' keys expire for a majority to be free:
@@ -867,10 +935,10 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	rkey := keyspace.RedisKey(key)
 	start := l.opts.Now()
 	expires := start.Add(ttl - l.drift(ttl))
-	ch, _ := l.round(context.WithoutCancel(ctx), "extend", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		ok, err := n.Extend(ctx, rkey, token, ttl)
 		return ok, 0, err
-	}, nil)
+	}}, nil)
 	t := l.collect(ch)
 	lost := func(cause error) (*Grant, error) {
 		l.drain(t, ch)
@@ -927,9 +995,14 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 	// repeated release go on.
 	var mu sync.Mutex
 	left, done := len(l.nodes), chan struct{}(nil)
-	ch, _ := l.round(context.WithoutCancel(ctx), "release", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
-		ok, err := n.Release(ctx, rkey, token)
-		return ok, 0, err
+	ch, _ := l.round(context.WithoutCancel(ctx), "release", nodeOp{
+		sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+			ok, err := n.Release(ctx, rkey, token)
+			return ok, 0, err
+		},
+		async: func(ctx context.Context, _ int, n asyncNode, done func(bool, time.Duration, error)) {
+			n.releaseAsync(ctx, rkey, token, func(ok bool, err error) { done(ok, 0, err) })
+		},
 	}, func(int, bool) {
 		mu.Lock()
 		left--
@@ -988,10 +1061,10 @@ type Status struct {
 // Status reports whether key is held, by asking every node for its TTL.
 func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	rkey := keyspace.RedisKey(key)
-	ch, _ := l.round(ctx, "ttl", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(ctx, "ttl", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		d, err := n.TTL(ctx, rkey)
 		return d > 0, d, err
-	}, nil)
+	}}, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	l.drain(t, ch)
 	var rem []time.Duration
@@ -1029,9 +1102,9 @@ type NodeStatus struct {
 
 // Nodes pings every node in parallel and reports each one's health.
 func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
-	ch, _ := l.round(ctx, "ping", func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+	ch, _ := l.round(ctx, "ping", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		return true, 0, n.Ping(ctx)
-	}, nil)
+	}}, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	l.drain(t, ch)
 	out := make([]NodeStatus, len(l.nodes))

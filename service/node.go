@@ -187,9 +187,55 @@ func (n *RedisNode) eval(ctx context.Context, s luaScript, keys []string, args .
 	return cmd.Int64()
 }
 
-// Acquire implements Node.
-func (n *RedisNode) Acquire(ctx context.Context, key, token string, ttl time.Duration, epoch string) (bool, time.Duration, error) {
-	v, err := n.eval(ctx, acquireScript, []string{key, keyspace.NodeEpochKey}, token, ttl.Milliseconds(), epoch)
+// asyncNode is a Node that can answer through a callback, sparing the
+// Locker a goroutine per node and request: the node's pipeline writer
+// delivers the answer. done is called exactly once, possibly on the
+// caller's goroutine, and must not block.
+type asyncNode interface {
+	Node
+	// async reports whether the node answers asynchronously (a pipelined
+	// RedisNode does; otherwise the Locker uses a goroutine).
+	async() bool
+	acquireAsync(ctx context.Context, key, token string, ttl time.Duration, epoch string, done func(ok bool, remaining time.Duration, err error))
+	releaseAsync(ctx context.Context, key, token string, done func(ok bool, err error))
+}
+
+var _ asyncNode = (*RedisNode)(nil)
+
+func (n *RedisNode) async() bool { return n.pipe != nil }
+
+// evalAsync runs script with keys and args through the node's pipeline and
+// calls done with its integer answer. The node must be pipelined.
+func (n *RedisNode) evalAsync(ctx context.Context, s luaScript, keys []string, args []any, done func(int64, error)) {
+	cmdArgs := make([]any, 0, 3+len(keys)+len(args))
+	cmdArgs = append(cmdArgs, "evalsha", s.sha, len(keys))
+	for _, k := range keys {
+		cmdArgs = append(cmdArgs, k)
+	}
+	cmdArgs = append(cmdArgs, args...)
+	n.pipe.doAsync(ctx, redis.NewCmd(ctx, cmdArgs...), s.src, func(cmd *redis.Cmd, err error) {
+		if err != nil {
+			done(0, err)
+			return
+		}
+		done(cmd.Int64())
+	})
+}
+
+func (n *RedisNode) acquireAsync(ctx context.Context, key, token string, ttl time.Duration, epoch string, done func(bool, time.Duration, error)) {
+	n.evalAsync(ctx, acquireScript, []string{key, keyspace.NodeEpochKey}, []any{token, ttl.Milliseconds(), epoch}, func(v int64, err error) {
+		done(acquireResult(v, err))
+	})
+}
+
+func (n *RedisNode) releaseAsync(ctx context.Context, key, token string, done func(bool, error)) {
+	n.evalAsync(ctx, releaseScript, []string{key}, []any{token, releasedChannel(key)}, func(v int64, err error) {
+		done(releaseResult(v, err))
+	})
+}
+
+// acquireResult interprets the acquire script's answer.
+func acquireResult(v int64, err error) (bool, time.Duration, error) {
 	if err != nil {
 		return false, 0, fmt.Errorf("acquire: %w", err)
 	}
@@ -200,6 +246,19 @@ func (n *RedisNode) Acquire(ctx context.Context, key, token string, ttl time.Dur
 		return true, 0, nil
 	}
 	return false, time.Duration(v) * time.Millisecond, nil
+}
+
+// releaseResult interprets the release script's answer.
+func releaseResult(v int64, err error) (bool, error) {
+	if err != nil {
+		return false, fmt.Errorf("release: %w", err)
+	}
+	return v == 1, nil
+}
+
+// Acquire implements Node.
+func (n *RedisNode) Acquire(ctx context.Context, key, token string, ttl time.Duration, epoch string) (bool, time.Duration, error) {
+	return acquireResult(n.eval(ctx, acquireScript, []string{key, keyspace.NodeEpochKey}, token, ttl.Milliseconds(), epoch))
 }
 
 // Mark implements Node.
@@ -222,11 +281,7 @@ func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Dura
 
 // Release implements Node.
 func (n *RedisNode) Release(ctx context.Context, key, token string) (bool, error) {
-	v, err := n.eval(ctx, releaseScript, []string{key}, token, releasedChannel(key))
-	if err != nil {
-		return false, fmt.Errorf("release: %w", err)
-	}
-	return v == 1, nil
+	return releaseResult(n.eval(ctx, releaseScript, []string{key}, token, releasedChannel(key)))
 }
 
 // TTL implements Node.

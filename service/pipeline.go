@@ -27,10 +27,20 @@ type call struct {
 	// done receives once when cmd has its answer (buffered: the writer
 	// never blocks, even for a caller that gave up).
 	done chan struct{}
+	// cb, when set, is called with the answer instead (see doAsync).
+	cb func(cmd *redis.Cmd, err error)
 }
 
-// answer tells c's caller that c.cmd has its answer.
-func (c *call) answer() { c.done <- struct{}{} }
+// answer tells c's caller that c.cmd has its answer: it calls c.cb, or
+// signals c.done.
+func (c *call) answer() {
+	if cb := c.cb; cb != nil {
+		c.cb = nil
+		cb(c.cmd, c.cmd.Err())
+		return
+	}
+	c.done <- struct{}{}
+}
 
 // pipeliner sends a node's commands in batches, one batch on the wire at a
 // time: every command queued while a batch is on the wire goes out in the
@@ -55,6 +65,10 @@ type pipeliner struct {
 	calls sync.Pool
 	// queued counts the calls handed to the writer goroutine (for tests).
 	queued atomic.Int64
+	// mu orders doAsync's enqueues before close: once shut is set nothing
+	// is queued any more, so the writer's last drain answers every call.
+	mu   sync.RWMutex
+	shut bool
 }
 
 func newPipeliner(client *redis.Client) *pipeliner {
@@ -103,6 +117,49 @@ func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.
 	}
 }
 
+// doAsync queues cmd for the writer goroutine and returns at once; cb is
+// called exactly once with the command that answered (cmd, or the EVAL that
+// replaced it) and its error, on the goroutine that sent the batch (or on
+// the caller's when the node is closed). cb must not block: it runs where
+// the node's next batch waits. A command whose ctx has ended when its batch
+// is sent is dropped unsent (cb gets ctx.Err()).
+//
+// It spares a caller that asks several nodes at once a goroutine per node:
+// the writer delivers the answer.
+func (p *pipeliner) doAsync(ctx context.Context, cmd *redis.Cmd, src string, cb func(*redis.Cmd, error)) {
+	c := &call{ctx: ctx, cmd: cmd, src: src, cb: cb}
+	if !p.enqueue(c, false) {
+		// Full: wait for room elsewhere, never here (the caller may be a
+		// writer answering a batch).
+		go p.enqueue(c, true)
+	}
+}
+
+// enqueue queues c for the writer, or answers it with errNodeClosed once the
+// pipeliner is closed. Unless wait, it gives up (false) on a full queue.
+func (p *pipeliner) enqueue(c *call, wait bool) bool {
+	p.mu.RLock()
+	if p.shut {
+		p.mu.RUnlock()
+		c.cmd.SetErr(errNodeClosed)
+		c.answer()
+		return true
+	}
+	if wait {
+		p.queue <- c // the writer drains the queue until shut is set
+	} else {
+		select {
+		case p.queue <- c:
+		default:
+			p.mu.RUnlock()
+			return false
+		}
+	}
+	p.mu.RUnlock()
+	p.queued.Add(1)
+	return true
+}
+
 // recycle returns c's command and puts c back in the pool: its answer was
 // received, so nothing refers to it any more.
 func (p *pipeliner) recycle(c *call) (*redis.Cmd, error) {
@@ -113,6 +170,9 @@ func (p *pipeliner) recycle(c *call) (*redis.Cmd, error) {
 }
 
 func (p *pipeliner) close() {
+	p.mu.Lock()
+	p.shut = true
+	p.mu.Unlock()
 	p.once.Do(func() { close(p.closed) })
 	p.wg.Wait()
 }

@@ -1,0 +1,257 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
+)
+
+// TestPipeline_AsyncBatches: asynchronous calls queued while a pipeline is
+// on the wire go out together in the next one, and each callback runs once
+// with its own answer.
+func TestPipeline_AsyncBatches(t *testing.T) {
+	n, h, _ := realNode(t, RedisOptions{})
+	h.hold, h.holding = make(chan struct{}), make(chan struct{})
+	bg := context.Background()
+	first := make(chan error, 1)
+	go func() { _, _, err := n.Acquire(bg, "held", "t0", time.Minute, ""); first <- err }()
+	<-h.holding
+	const calls = 20
+	type answer struct {
+		i  int
+		ok bool
+		err error
+	}
+	answers := make(chan answer, 2*calls)
+	for i := range calls {
+		key := fmt.Sprintf("k%d", i%(calls/2)) // two calls per key: one wins
+		n.acquireAsync(bg, key, fmt.Sprint("t", i), time.Minute, "", func(ok bool, _ time.Duration, err error) {
+			answers <- answer{i, ok, err}
+		})
+	}
+	close(h.hold)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	won := map[int]bool{}
+	for range calls {
+		a := <-answers
+		if a.err != nil {
+			t.Fatalf("call %d: %v", a.i, a.err)
+		}
+		won[a.i%(calls/2)] = won[a.i%(calls/2)] || a.ok
+		if a.ok && a.i >= calls/2 {
+			t.Errorf("call %d won key k%d; the first call for it was queued first", a.i, a.i%(calls/2))
+		}
+	}
+	if len(won) != calls/2 {
+		t.Errorf("%d keys answered; want %d", len(won), calls/2)
+	}
+	if b := h.batches(); len(b) != 2 || b[1] != calls {
+		t.Errorf("pipeline sizes = %v; want [1 %d]", b, calls)
+	}
+	select {
+	case a := <-answers:
+		t.Errorf("call %d answered twice", a.i)
+	default:
+	}
+}
+
+// TestPipeline_AsyncClose: Close answers queued asynchronous calls with
+// errNodeClosed, and a call after Close is answered at once.
+func TestPipeline_AsyncClose(t *testing.T) {
+	n, h, _ := realNode(t, RedisOptions{})
+	h.hold, h.holding = make(chan struct{}), make(chan struct{})
+	bg := context.Background()
+	first := make(chan error, 1)
+	go func() { _, _, err := n.Acquire(bg, "a", "t0", time.Minute, ""); first <- err }()
+	<-h.holding
+	queued := make(chan error, 1)
+	n.releaseAsync(bg, "b", "t1", func(_ bool, err error) { queued <- err })
+	closed := make(chan error, 1)
+	go func() { closed <- n.Close() }()
+	// The writer answers the queued call once the batch on the wire is
+	// done; the node is closed by then.
+	<-n.pipe.closed
+	close(h.hold)
+	if err := <-queued; !errors.Is(err, errNodeClosed) {
+		t.Fatalf("queued call: %v; want errNodeClosed", err)
+	}
+	<-first
+	<-closed
+	after := make(chan error, 1)
+	n.acquireAsync(bg, "c", "t2", time.Minute, "", func(_ bool, _ time.Duration, err error) { after <- err })
+	if err := <-after; !errors.Is(err, errNodeClosed) {
+		t.Fatalf("call after Close: %v; want errNodeClosed", err)
+	}
+}
+
+// TestPipeline_AsyncStoppedNode: asynchronous calls to a node that stopped
+// answering are answered once each, with a timeout.
+func TestPipeline_AsyncStoppedNode(t *testing.T) {
+	r := clustertest.Redis(t, 1, cluster.RedisOptions{})[0]
+	n := NewRedisNode(r.Addr(), RedisOptions{})
+	t.Cleanup(func() { _ = n.Close() })
+	bg := context.Background()
+	if _, err := n.TTL(bg, "x"); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	const calls = 10
+	errs := make(chan error, 2*calls)
+	for i := range calls {
+		ctx, cancel := context.WithTimeout(bg, 50*time.Millisecond)
+		defer cancel()
+		n.acquireAsync(ctx, fmt.Sprintf("k%d", i), "t", time.Second, "", func(_ bool, _ time.Duration, err error) { errs <- err })
+	}
+	for range calls {
+		err := <-errs
+		var ne net.Error
+		if !errors.Is(err, context.DeadlineExceeded) && !(errors.As(err, &ne) && ne.Timeout()) {
+			t.Errorf("acquire on a stopped node: %v; want a timeout", err)
+		}
+	}
+	if err := r.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(bg, 10*time.Second)
+	defer cancel()
+	if ok, _, err := n.Acquire(ctx, "after", "t", time.Second, ""); err != nil || !ok {
+		t.Fatalf("Acquire after resume = %v, %v", ok, err)
+	}
+	if len(errs) != 0 {
+		t.Errorf("%d extra answers: a callback ran twice", len(errs))
+	}
+}
+
+// realLocker returns a Locker over n real pipelined Redis nodes and admin
+// clients of those nodes.
+func realLocker(t *testing.T, n int, opts Options) (*Locker, []*RedisNode, []*redis.Client) {
+	t.Helper()
+	rs := clustertest.Redis(t, n, cluster.RedisOptions{})
+	var ns []Node
+	var rns []*RedisNode
+	var admins []*redis.Client
+	for _, r := range rs {
+		rn := NewRedisNode(r.Addr(), RedisOptions{})
+		t.Cleanup(func() { _ = rn.Close() })
+		ns, rns = append(ns, rn), append(rns, rn)
+		a := redis.NewClient(&redis.Options{Addr: r.Addr()})
+		t.Cleanup(func() { _ = a.Close() })
+		admins = append(admins, a)
+	}
+	return newLocker(t, ns, &memIssuer{}, opts), rns, admins
+}
+
+// TestLocker_AsyncRounds: on pipelined nodes, acquire and release rounds
+// are answered through the nodes' writers (no goroutine per node), and a
+// failed try has deleted what it set on every node before it returns.
+func TestLocker_AsyncRounds(t *testing.T) {
+	l, rns, admins := realLocker(t, 5, Options{NodeTimeout: 10 * time.Second})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	queued := func() (sum int64) {
+		for _, n := range rns {
+			sum += n.pipe.queued.Load()
+		}
+		return sum
+	}
+	q0 := queued()
+	g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx, key, g.Token); err != nil {
+		t.Fatal(err)
+	}
+	if q := queued() - q0; q < 5+3 {
+		t.Errorf("%d calls went through the node writers; want every acquire and at least a majority of releases (8)", q)
+	}
+
+	// Another holder on 3 of 5 nodes: the try fails, and the 2 free nodes
+	// it set are clean again by the time Acquire returns.
+	for _, a := range admins[:3] {
+		if err := a.Set(ctx, rkey, "someone-else", time.Minute).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err = l.Acquire(ctx, key, Request{TTL: time.Minute})
+	if !errors.Is(err, ErrHeld) {
+		t.Fatalf("Acquire of a held lock = %v; want ErrHeld", err)
+	}
+	for i, a := range admins[3:] {
+		if n, err := a.Exists(ctx, rkey).Result(); err != nil || n != 0 {
+			t.Errorf("node %d holds the key after the failed try (EXISTS = %d, %v)", 3+i, n, err)
+		}
+	}
+	for i, a := range admins[:3] {
+		if v, err := a.Get(ctx, rkey).Result(); err != nil || v != "someone-else" {
+			t.Errorf("node %d: the holder's key = %q, %v; the failed try must leave it", i, v, err)
+		}
+	}
+}
+
+// TestLocker_AsyncConcurrent: many concurrent acquires and releases of a
+// few names over pipelined nodes never grant one name twice at once.
+func TestLocker_AsyncConcurrent(t *testing.T) {
+	l, _, _ := realLocker(t, 5, Options{NodeTimeout: 10 * time.Second})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const workers, rounds, names = 32, 40, 4
+	var mu sync.Mutex
+	holding := map[string]bool{}
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for r := range rounds {
+				name := fmt.Sprintf("n%d", (w+r)%names)
+				g, err := l.Acquire(ctx, name, Request{TTL: time.Minute})
+				if errors.Is(err, ErrHeld) {
+					continue
+				}
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				mu.Lock()
+				if holding[name] {
+					t.Errorf("%s granted twice at once", name)
+				}
+				holding[name] = true
+				mu.Unlock()
+				runtime.Gosched() // give the other workers a chance to try
+				mu.Lock()
+				holding[name] = false
+				mu.Unlock()
+				if err := l.Release(ctx, name, g.Token); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	// No try or release left a key behind: each name is free well before
+	// the minute-long TTL of a leaked key would end.
+	for _, name := range []string{"n0", "n1", "n2", "n3"} {
+		g, err := l.Acquire(ctx, name, Request{TTL: time.Minute, Wait: 20 * time.Second})
+		if err != nil {
+			t.Fatalf("%s after the run: %v", name, err)
+		}
+		if err := l.Release(ctx, name, g.Token); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
