@@ -28,8 +28,8 @@ func TestPipeline_AsyncBatches(t *testing.T) {
 	<-h.holding
 	const calls = 20
 	type answer struct {
-		i  int
-		ok bool
+		i   int
+		ok  bool
 		err error
 	}
 	answers := make(chan answer, 2*calls)
