@@ -113,7 +113,8 @@ func (c *rawConn) do(ctx context.Context, method, path string, hdr func([]byte) 
 	} else {
 		_ = c.conn.SetDeadline(time.Time{})
 	}
-	stop := context.AfterFunc(ctx, func() { _ = c.conn.SetDeadline(time.Unix(1, 0)) })
+	conn := c.conn
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
 	resp, keep, err := c.exchange(b)
 	if !stop() || err != nil || !keep {
 		c.close()
