@@ -45,11 +45,13 @@ func (c *call) answer() {
 // pipeliner sends a node's commands in batches, one batch on the wire at a
 // time: every command queued while a batch is on the wire goes out in the
 // next one, one write and one read for the lot (auto-pipelining, as rueidis
-// does). A caller that finds no batch on the wire sends its command (and
-// whatever is queued) itself, on its own goroutine, so an idle node costs no
-// hand-off; otherwise it queues the command for the writer goroutine. A
-// caller that gives up (its context ends) returns at once; a command still
-// queued then is dropped rather than sent.
+// does). A blocking caller (do) that finds no batch on the wire sends its
+// command (and whatever is queued) itself, on its own goroutine, so an idle
+// node costs no hand-off; otherwise it queues the command for the writer
+// goroutine. An asynchronous caller (doAsync, the Locker's rounds) always
+// queues, and the writer delivers the answer to its callback. A caller that
+// gives up (its context ends) returns at once; a command still queued then is
+// dropped rather than sent.
 type pipeliner struct {
 	client *redis.Client
 	queue  chan *call
