@@ -61,7 +61,7 @@ type config struct {
 var systemKeys = []string{"http", "http-nethttp", "h2c", "inproc", "redsync", "etcd", "single"}
 
 // defaultSystems are the systems run without -systems (h2c only on request).
-var defaultSystems = []string{"http", "inproc", "redsync", "etcd", "single"}
+var defaultSystems = []string{"http", "http-nethttp", "inproc", "redsync", "etcd", "single"}
 
 func main() {
 	if err := run(); err != nil {

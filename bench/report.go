@@ -120,6 +120,7 @@ func (e *env) report(rs []*result) string {
 	p("  **degraded**: distinct with one of the 5 Redis nodes SIGSTOPped.\n")
 	p("- Latency: granted acquires only. Per-cycle figures and ratios need %d cycles in the window (– otherwise). CPU: seconds per 1,000 cycles;", minCycles)
 	p("\n  client = this process (the load generator for HTTP, the whole lock for in-process systems),\n")
+	p("  http/1.1 = a wrk-style load generator (one keep-alive connection per worker, no client goroutines); \"net/http client\" = the same server through Go's net/http client;\n")
 	p("  server = `redfence serve` or etcd, redis = the 5 nodes, pg = Postgres and its backends. Redis RT: socket reads on the nodes per cycle (round trips);\n")
 	p("  pg xacts: Postgres write transactions per cycle. redfence (h2c, http/1.1, in-proc) issue a durable fencing token per grant; redsync and the single node issue none;\n")
 	p("  etcd's lock key revision is its fencing token.\n\n")
