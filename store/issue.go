@@ -2,28 +2,37 @@ package store
 
 // Fencing-token issuance with group commit.
 //
-// Issue does not run a statement itself: it queues its claim and waits. A
-// few committer goroutines (Options.IssueCommitters) each take the oldest
-// waiting claim together with everything else queued behind it (up to
-// Options.IssueBatchMax claims, one per key), issue all their tokens in ONE
-// statement, and hand every caller its token once that statement's commit is
-// durable. Nothing waits for a batch to fill: a committer that is idle takes
-// a lone claim at once, so a single caller sees the latency of one statement;
-// under load, claims that arrive while the committers are busy pile up and
-// share the next commit.
+// Issuance runs in at most Options.IssueCommitters batches at once: that
+// many committer slots. A batch is the oldest waiting claims (up to
+// Options.IssueBatchMax, one per key), issued in ONE statement; every caller
+// gets its token once that statement's commit is durable.
+//
+// Issue queues its claim. If a slot is free, the caller takes it and runs
+// the next batch on its own goroutine, like the leader of a group commit: it
+// takes the oldest takeable claims (its own among them in queue order,
+// unless its key is in flight), runs the statement, delivers every result,
+// frees the slot and wakes a committer if claims are left. So a lone caller
+// pays for one statement and no goroutine hand-off. If every slot is busy,
+// the claim waits; as slots free up, committer goroutines (one per slot,
+// idle until then) take the claims that piled up, which share the next
+// commit. Nothing waits for a batch to fill, and no claim stays queued while
+// a slot is free and its key is not in flight: whoever frees a slot or a
+// key takes the queue or wakes a committer.
 //
 // Guarantees: a token is delivered only after the statement that issued it
 // committed with synchronous_commit on (rows are read to the end, which waits
 // for the server's ReadyForQuery after the commit). A key appears at most
 // once per statement, and claims for one key are issued in the order Issue
-// queued them: a committer skips a key that another batch of this DB has in
+// queued them: a batch skips a key that another batch of this DB has in
 // flight, leaving later claims queued in order. Each batch locks its rows in
 // ascending byte order of the keys, so batches of any number of processes
 // sharing the database cannot deadlock on each other.
 //
 // Not guaranteed: that a caller who leaves (its context ends) gets no token
 // issued; once its claim is in a running batch, the token may be committed
-// and is then burned, as fencing.Issuer allows.
+// and is then burned, as fencing.Issuer allows. A caller running a batch
+// inline does not leave before that batch ends (others wait on it): it then
+// returns its own result even if its context ended meanwhile.
 
 import (
 	"context"
@@ -78,7 +87,8 @@ RETURNING key, token`
 // Issue implements fencing.Issuer: it returns a new token for c.Key, larger
 // than every token issued before for it, once the commit that recorded it is
 // durable. Concurrent calls share one statement and one commit (see
-// Options.IssueCommitters). When ctx ends first, Issue returns an error
+// Options.IssueCommitters); when a committer slot is free, the statement
+// runs on the calling goroutine. When ctx ends first, Issue returns an error
 // wrapping ctx.Err(); the token may still be issued (and is then burned).
 // Errors from Postgres match ErrUnavailable or ErrInvalidData; after Close
 // they match ErrClosed.
@@ -87,7 +97,7 @@ func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error)
 		return 0, fmt.Errorf("store: issue token for %q: %w", c.Key, err)
 	}
 	r := &issueReq{ctx: ctx, claim: c, done: make(chan issueResult, 1)}
-	if err := db.issuer.enqueue(r); err != nil {
+	if err := db.issuer.submit(r); err != nil {
 		return 0, err
 	}
 	select {
@@ -95,7 +105,7 @@ func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error)
 		return res.tok, res.err
 	case <-ctx.Done():
 		select {
-		case res := <-r.done: // it came in just now: do not burn it
+		case res := <-r.done: // it came in just now (or ran inline): do not burn it
 			return res.tok, res.err
 		default:
 		}
@@ -103,7 +113,7 @@ func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error)
 	}
 }
 
-// issueResult is what a committer hands to a waiting Issue.
+// issueResult is what a batch hands to a waiting Issue.
 type issueResult struct {
 	tok fencing.Token
 	err error
@@ -116,7 +126,7 @@ type issueReq struct {
 	// cancels a batch.
 	ctx   context.Context
 	claim fencing.Claim
-	// done has room for the one result, so a committer never blocks on a
+	// done has room for the one result, so a batch never blocks on a
 	// caller that left.
 	done chan issueResult
 }
@@ -124,45 +134,56 @@ type issueReq struct {
 // issueHooks let tests observe and stall issuance. Set them before the first
 // Issue.
 type issueHooks struct {
-	// enqueued runs in Issue after c was queued, with the queue length then.
+	// enqueued runs in Issue after c was queued (also when Issue then runs
+	// the batch itself, before it does), with the queue length then.
 	enqueued func(c fencing.Claim, queued int)
-	// batch runs in a committer before a batch's statement, with its claims
-	// in statement order.
+	// batch runs before a batch's statement, on the goroutine running the
+	// batch (a committer's or an inline Issue's), with its claims in
+	// statement order.
 	batch func(claims []fencing.Claim)
 }
 
-// issuer queues claims and runs the committers.
+// issuer queues claims and runs their batches in a fixed number of slots,
+// inline in Issue or in committer goroutines.
 type issuer struct {
 	pool     *pgxpool.Pool
 	batchMax int
 	timeout  time.Duration
+	// slots is the most batches running at once (IssueCommitters).
+	slots int
 
 	// stop ends every running batch; it is cancelled by close.
 	stop   context.Context
 	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	// wg counts the committer goroutines and the inline batches running.
+	wg sync.WaitGroup
 
-	mu   sync.Mutex
-	cond *sync.Cond // signalled when claims are queued or on close
+	mu sync.Mutex
+	// cond wakes the committer goroutines (only they wait on it): it is
+	// signalled when a slot frees up with claims queued, and on close.
+	cond *sync.Cond
 	// queue holds the waiting claims, oldest first.
 	queue []*issueReq
 	// inflight holds the keys of the claims taken by running batches.
 	inflight map[string]struct{}
-	closed   bool
-	hooks    issueHooks
+	// busy is the number of slots taken by running batches, at most slots.
+	busy   int
+	closed bool
+	hooks  issueHooks
 
 	// statements and claims count the statements run and the claims they
 	// served (including claims that got an error).
 	statements, claims atomic.Int64
 }
 
-// newIssuer starts the given number of committer goroutines, issuing over
-// pool; close stops them.
+// newIssuer returns an issuer with the given number of slots, issuing over
+// pool, and starts a committer goroutine per slot; close stops them.
 func newIssuer(pool *pgxpool.Pool, committers, batchMax int, timeout time.Duration) *issuer {
 	q := &issuer{
 		pool:     pool,
 		batchMax: batchMax,
 		timeout:  timeout,
+		slots:    committers,
 		inflight: make(map[string]struct{}),
 	}
 	q.cond = sync.NewCond(&q.mu)
@@ -174,26 +195,45 @@ func newIssuer(pool *pgxpool.Pool, committers, batchMax int, timeout time.Durati
 	return q
 }
 
-// enqueue queues r and wakes a committer.
-func (q *issuer) enqueue(r *issueReq) error {
+// submit queues r. If a slot is free, the calling goroutine takes it and
+// runs the next batch (which holds r unless r's key is in flight) before
+// returning; either way r's result is then, or will be, on r.done.
+func (q *issuer) submit(r *issueReq) error {
 	q.mu.Lock()
 	if q.closed {
 		q.mu.Unlock()
 		return fmt.Errorf("store: issue token for %q: %w", r.claim.Key, ErrClosed)
 	}
 	q.queue = append(q.queue, r)
-	n, hook := len(q.queue), q.hooks.enqueued
-	q.cond.Signal()
-	q.mu.Unlock()
-	if hook != nil {
-		hook(r.claim, n)
+	n, enqueued := len(q.queue), q.hooks.enqueued
+	// No signal here: with a slot free, this goroutine takes the batch; with
+	// every slot busy, whoever frees one takes the queue or hands it on.
+	batch := q.takeLocked()
+	if batch != nil {
+		q.wg.Add(1) // under q.mu while open: close waits for this batch
 	}
+	hook := q.hooks.batch
+	q.mu.Unlock()
+	if enqueued != nil {
+		enqueued(r.claim, n)
+	}
+	if batch == nil {
+		return nil
+	}
+	defer q.wg.Done()
+	q.run(batch, hook)
+	q.mu.Lock()
+	q.release(batch)
+	if len(q.queue) > 0 {
+		q.cond.Signal() // a committer takes what is left (or finds it in flight)
+	}
+	q.mu.Unlock()
 	return nil
 }
 
 // close fails every queued claim with ErrClosed, ends the running batches
-// (their claims fail) and waits for the committers to return. It may be
-// called more than once.
+// (their claims fail) and waits for the committer goroutines and the inline
+// batches to return. It may be called more than once.
 func (q *issuer) close() {
 	q.mu.Lock()
 	pending := q.queue
@@ -208,62 +248,81 @@ func (q *issuer) close() {
 	q.wg.Wait()
 }
 
-// committer runs batches until close.
+// committer runs batches until close. Having run one, it frees its slot and
+// looks at the queue again itself, under the same lock: it needs no wake-up.
 func (q *issuer) committer() {
 	defer q.wg.Done()
+	q.mu.Lock()
 	for {
-		batch, hook := q.take()
+		batch := q.take()
 		if batch == nil {
+			q.mu.Unlock()
 			return
 		}
+		hook := q.hooks.batch
+		q.mu.Unlock()
 		q.run(batch, hook)
 		q.mu.Lock()
-		for _, r := range batch {
-			delete(q.inflight, r.claim.Key)
-		}
-		q.mu.Unlock()
+		q.release(batch)
 	}
 }
 
-// take waits until claims can be taken and removes the next batch from the
-// queue: the oldest claims, at most batchMax, one per key and none for a key
-// in flight; claims whose caller left are dropped. It returns the batch with
-// the batch hook, or nil once closed.
-func (q *issuer) take() ([]*issueReq, func([]fencing.Claim)) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	for {
-		if q.closed {
-			return nil, nil
-		}
-		var batch []*issueReq
-		rest := q.queue[:0] // filtered in place, order kept
-		for i, r := range q.queue {
-			if len(batch) == q.batchMax {
-				rest = append(rest, q.queue[i:]...)
-				break
-			}
-			if r.ctx.Err() != nil {
-				continue // its Issue has returned or is returning ctx.Err()
-			}
-			if _, busy := q.inflight[r.claim.Key]; busy {
-				rest = append(rest, r)
-				continue
-			}
-			q.inflight[r.claim.Key] = struct{}{}
-			batch = append(batch, r)
-		}
-		clear(q.queue[len(rest):])
-		q.queue = rest
-		if len(batch) > 0 {
-			if len(q.queue) > 0 {
-				// Some may be takeable by another committer (batch full).
-				q.cond.Signal()
-			}
-			return batch, q.hooks.batch
+// take waits, with q.mu held, until it can take a batch (see takeLocked) and
+// returns it, or nil once closed.
+func (q *issuer) take() []*issueReq {
+	for !q.closed {
+		if batch := q.takeLocked(); batch != nil {
+			return batch
 		}
 		q.cond.Wait()
 	}
+	return nil
+}
+
+// takeLocked takes a free slot and removes the next batch from the queue:
+// the oldest claims, at most batchMax, one per key and none for a key in
+// flight; claims whose caller left are dropped. It returns nil, taking no
+// slot, when every slot is busy or no claim can be taken. q.mu is held.
+func (q *issuer) takeLocked() []*issueReq {
+	if q.busy == q.slots {
+		return nil
+	}
+	var batch []*issueReq
+	rest := q.queue[:0] // filtered in place, order kept
+	for i, r := range q.queue {
+		if len(batch) == q.batchMax {
+			rest = append(rest, q.queue[i:]...)
+			break
+		}
+		if r.ctx.Err() != nil {
+			continue // its Issue has returned or is returning ctx.Err()
+		}
+		if _, busy := q.inflight[r.claim.Key]; busy {
+			rest = append(rest, r)
+			continue
+		}
+		q.inflight[r.claim.Key] = struct{}{}
+		batch = append(batch, r)
+	}
+	clear(q.queue[len(rest):])
+	q.queue = rest
+	if len(batch) == 0 {
+		return nil
+	}
+	q.busy++
+	if len(q.queue) > 0 && q.busy < q.slots {
+		// Some may be takeable by another committer (batch full).
+		q.cond.Signal()
+	}
+	return batch
+}
+
+// release frees the slot and the keys of a batch that ran. q.mu is held.
+func (q *issuer) release(batch []*issueReq) {
+	for _, r := range batch {
+		delete(q.inflight, r.claim.Key)
+	}
+	q.busy--
 }
 
 // run issues the tokens of batch and delivers them.

@@ -193,7 +193,7 @@ func TestDB_Issue_ConcurrentKeys(t *testing.T) {
 	t.Logf("%d claims in %d statements", cl, st)
 }
 
-// TestDB_Issue_Batches checks that claims queued while the committer is busy
+// TestDB_Issue_Batches checks that claims queued while the only slot is busy
 // share one statement, whose keys are sorted.
 func TestDB_Issue_Batches(t *testing.T) {
 	t.Parallel()
@@ -329,19 +329,31 @@ func TestDB_Issue_KeyOrderAcrossCommitters(t *testing.T) {
 	}
 }
 
-// TestDB_Issue_Cancel checks that a caller whose context ends returns at once
-// with its error: a queued claim is then dropped, while one in a running
-// batch is still committed (its token burned).
+// TestDB_Issue_Cancel checks that a caller waiting on a committer returns at
+// once when its context ends: a queued claim is then dropped, while one in a
+// running batch is still committed (its token burned). (A caller running its
+// batch inline stays to the end: see TestDB_Issue_InlineCancel.)
 func TestDB_Issue_Cancel(t *testing.T) {
 	t.Parallel()
 	db, _ := newDB(t, Options{IssueCommitters: 1})
-	p := newProbe(t, db)
+	s := newStall(t, db, "blocker", "running")
+	// The blocker holds the one slot inline, so "running" queues and a
+	// committer takes it once the blocker is done.
+	blocker := issueAsync(t.Context(), db, fencing.Claim{Key: "blocker"})
+	s.waitHeld(t, "blocker")
+	s.wantQueued(t, fencing.Claim{Key: "blocker"}, 1)
 	runningCtx, cancelRunning := context.WithCancel(t.Context())
-	running := holdFirst(t, runningCtx, db, p, "running")
+	running := issueAsync(runningCtx, db, fencing.Claim{Key: "running"})
+	s.wantQueued(t, fencing.Claim{Key: "running"}, 1)
+	s.release("blocker")
+	recv(t, blocker, "the blocker's Issue")
+	s.waitHeld(t, "running")
+	s.wantBatch(t, byIssue, fencing.Claim{Key: "blocker"})
+	s.wantBatch(t, byCommitter, fencing.Claim{Key: "running"})
 
 	queuedCtx, cancelQueued := context.WithCancel(t.Context())
 	queued := issueAsync(queuedCtx, db, fencing.Claim{Key: "queued"})
-	p.waitQueued(t, 1)
+	s.wantQueued(t, fencing.Claim{Key: "queued"}, 1)
 
 	// Both return while the batch is still held.
 	cancelQueued()
@@ -357,7 +369,7 @@ func TestDB_Issue_Cancel(t *testing.T) {
 		t.Errorf("Issue(cancelled context) = %d, %v; want context.Canceled", tok, err)
 	}
 
-	p.release()
+	s.release("running")
 	// The running batch committed token 1 of "running"; the queued claim
 	// was dropped.
 	if tok := issue(t, db, "running"); tok != 2 {
@@ -369,7 +381,8 @@ func TestDB_Issue_Cancel(t *testing.T) {
 }
 
 // TestDB_Issue_Close checks that Close fails queued and running claims with
-// ErrClosed, stops the committers, and that Issue fails after it.
+// ErrClosed, waits for the running batch (here inline) and the committers,
+// and that Issue fails after it.
 func TestDB_Issue_Close(t *testing.T) {
 	t.Parallel()
 	_, url := newDB(t, Options{})

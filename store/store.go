@@ -89,12 +89,13 @@ type Options struct {
 	StatementTimeout time.Duration
 	// Logger receives warnings about unsafe server settings. The default discards.
 	Logger *slog.Logger
-	// IssueCommitters is the number of goroutines that issue fencing tokens
-	// for Issue. Each, when free, takes all the claims waiting (see
-	// IssueBatchMax) and issues them in one statement and one durable commit;
-	// a lone claim is taken at once, never held back to fill a batch. It
-	// bounds the pool connections issuance holds at once, so keep it below
-	// MaxConns. The default is 2.
+	// IssueCommitters is the most issuance statements that run at once.
+	// Each takes all the claims waiting (see IssueBatchMax) and issues them
+	// in one statement and one durable commit; a lone claim is taken at
+	// once, never held back to fill a batch. An Issue that finds one of them
+	// free runs the statement on its own goroutine; otherwise committer
+	// goroutines take what piled up. It bounds the pool connections
+	// issuance holds at once, so keep it below MaxConns. The default is 2.
 	IssueCommitters int
 	// IssueBatchMax is the most claims one issuance statement serves. The
 	// default is 256.
