@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"errors"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -191,6 +192,9 @@ func (p *pipeliner) run() {
 			p.fail()
 			return
 		}
+		// Let the goroutines that are ready run first: what they queue
+		// now goes out in this write rather than the next.
+		runtime.Gosched()
 		p.sending.Lock()
 		p.buf = p.sendLocked(append(p.buf[:0], c))
 		p.sending.Unlock()
