@@ -14,6 +14,7 @@ import (
 
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // TestPipeline_AsyncBatches: asynchronous calls queued while a pipeline is
@@ -253,5 +254,116 @@ func TestLocker_AsyncConcurrent(t *testing.T) {
 		if err := l.Release(ctx, name, g.Token); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// lateNode is a memNode that answers acquires asynchronously, and holds the
+// answer of each acquire until the test lets it go (after the node's
+// deadline, to play a late answer).
+type lateNode struct {
+	*memNode
+	held chan heldAcquire
+}
+
+type heldAcquire struct {
+	ctx    context.Context
+	answer func()
+}
+
+func (n *lateNode) async() bool { return true }
+
+func (n *lateNode) acquireAsync(ctx context.Context, key, token string, ttl time.Duration, epoch string, done func(bool, time.Duration, error)) {
+	n.held <- heldAcquire{ctx: ctx, answer: func() {
+		ok, rem, err := n.memNode.Acquire(context.Background(), key, token, ttl, epoch)
+		done(ok, rem, err)
+	}}
+}
+
+func (n *lateNode) releaseAsync(ctx context.Context, key, token string, done func(bool, error)) {
+	go func() { done(n.memNode.Release(ctx, key, token)) }()
+}
+
+// outcomes records the Locker's per-node outcomes.
+type outcomes struct {
+	nopObserver
+	mu  sync.Mutex
+	got map[string][]Outcome
+}
+
+func (o *outcomes) NodeOp(addr, op string, out Outcome, _ time.Duration) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.got == nil {
+		o.got = map[string][]Outcome{}
+	}
+	o.got[addr+" "+op] = append(o.got[addr+" "+op], out)
+}
+
+func (o *outcomes) of(addr, op string) []Outcome {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return append([]Outcome(nil), o.got[addr+" "+op]...)
+}
+
+// TestLocker_AsyncLateAnswer: an asynchronous answer that comes after the
+// node's deadline counts as a timeout, even when the node did set the key;
+// when the grant was released meanwhile, the late SET is deleted again.
+func TestLocker_AsyncLateAnswer(t *testing.T) {
+	ns, ms := nodes(3)
+	late := &lateNode{memNode: ms[2], held: make(chan heldAcquire, 1)}
+	ns[2] = late
+	obs := &outcomes{}
+	l := newLocker(t, ns, &memIssuer{}, Options{NodeTimeout: 20 * time.Millisecond, Observer: obs})
+	ctx := context.Background()
+	g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx, key, g.Token); err != nil {
+		t.Fatal(err)
+	}
+	h := <-late.held
+	<-h.ctx.Done() // the node's deadline has passed
+	h.answer()     // its SET lands now, late
+	// The late SET is undone once the answer is in.
+	testutil.WaitFor(t, time.Minute, "the late SET deleted", func() (bool, error) { return !ms[2].has(rkey), nil })
+	if got := obs.of("node2", "acquire"); len(got) != 1 || got[0] != Timeout {
+		t.Errorf("node2's acquire outcomes = %v; want one Timeout", got)
+	}
+	if got := obs.of("node0", "acquire"); len(got) != 1 || got[0] != Yes {
+		t.Errorf("node0's acquire outcomes = %v; want one Yes", got)
+	}
+}
+
+// TestPipeline_AsyncQueueFull: asynchronous calls beyond the queue's room
+// wait for it elsewhere (the caller never blocks) and are all answered once.
+func TestPipeline_AsyncQueueFull(t *testing.T) {
+	n, h, _ := realNode(t, RedisOptions{})
+	h.hold, h.holding = make(chan struct{}), make(chan struct{})
+	bg := context.Background()
+	first := make(chan error, 1)
+	go func() { _, _, err := n.Acquire(bg, "held", "t0", time.Minute, ""); first <- err }()
+	<-h.holding
+	calls := cap(n.pipe.queue) + 100
+	answers := make(chan error, 2*calls)
+	for i := range calls { // returns although the queue fills up
+		n.releaseAsync(bg, fmt.Sprint("k", i), "t", func(_ bool, err error) { answers <- err })
+	}
+	close(h.hold)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	for range calls {
+		if err := <-answers; err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Every call went through the writer, so a later one is answered after
+	// all of them: no call is answered twice.
+	if _, err := n.TTL(bg, "x"); err != nil {
+		t.Fatal(err)
+	}
+	if len(answers) != 0 {
+		t.Errorf("%d extra answers", len(answers))
 	}
 }
