@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"runtime"
 	"sync"
 	"testing"
@@ -22,11 +21,8 @@ import (
 // with its own answer.
 func TestPipeline_AsyncBatches(t *testing.T) {
 	n, h, _ := realNode(t, RedisOptions{})
-	h.hold, h.holding = make(chan struct{}), make(chan struct{})
 	bg := context.Background()
-	first := make(chan error, 1)
-	go func() { _, _, err := n.Acquire(bg, "held", "t0", time.Minute, ""); first <- err }()
-	<-h.holding
+	first := holdFirst(n, h)
 	const calls = 20
 	type answer struct {
 		i   int
@@ -72,11 +68,8 @@ func TestPipeline_AsyncBatches(t *testing.T) {
 // errNodeClosed, and a call after Close is answered at once.
 func TestPipeline_AsyncClose(t *testing.T) {
 	n, h, _ := realNode(t, RedisOptions{})
-	h.hold, h.holding = make(chan struct{}), make(chan struct{})
 	bg := context.Background()
-	first := make(chan error, 1)
-	go func() { _, _, err := n.Acquire(bg, "a", "t0", time.Minute, ""); first <- err }()
-	<-h.holding
+	first := holdFirst(n, h)
 	queued := make(chan error, 1)
 	n.releaseAsync(bg, "b", "t1", func(_ bool, err error) { queued <- err })
 	closed := make(chan error, 1)
@@ -94,46 +87,6 @@ func TestPipeline_AsyncClose(t *testing.T) {
 	n.acquireAsync(bg, "c", "t2", time.Minute, "", func(_ bool, _ time.Duration, err error) { after <- err })
 	if err := <-after; !errors.Is(err, errNodeClosed) {
 		t.Fatalf("call after Close: %v; want errNodeClosed", err)
-	}
-}
-
-// TestPipeline_AsyncStoppedNode: asynchronous calls to a node that stopped
-// answering are answered once each, with a timeout.
-func TestPipeline_AsyncStoppedNode(t *testing.T) {
-	r := clustertest.Redis(t, 1, cluster.RedisOptions{})[0]
-	n := NewRedisNode(r.Addr(), RedisOptions{})
-	t.Cleanup(func() { _ = n.Close() })
-	bg := context.Background()
-	if _, err := n.TTL(bg, "x"); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Pause(); err != nil {
-		t.Fatal(err)
-	}
-	const calls = 10
-	errs := make(chan error, 2*calls)
-	for i := range calls {
-		ctx, cancel := context.WithTimeout(bg, 50*time.Millisecond)
-		defer cancel()
-		n.acquireAsync(ctx, fmt.Sprintf("k%d", i), "t", time.Second, "", func(_ bool, _ time.Duration, err error) { errs <- err })
-	}
-	for range calls {
-		err := <-errs
-		var ne net.Error
-		if !errors.Is(err, context.DeadlineExceeded) && !(errors.As(err, &ne) && ne.Timeout()) {
-			t.Errorf("acquire on a stopped node: %v; want a timeout", err)
-		}
-	}
-	if err := r.Resume(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(bg, 10*time.Second)
-	defer cancel()
-	if ok, _, err := n.Acquire(ctx, "after", "t", time.Second, ""); err != nil || !ok {
-		t.Fatalf("Acquire after resume = %v, %v", ok, err)
-	}
-	if len(errs) != 0 {
-		t.Errorf("%d extra answers: a callback ran twice", len(errs))
 	}
 }
 
@@ -339,11 +292,8 @@ func TestLocker_AsyncLateAnswer(t *testing.T) {
 // wait for it elsewhere (the caller never blocks) and are all answered once.
 func TestPipeline_AsyncQueueFull(t *testing.T) {
 	n, h, _ := realNode(t, RedisOptions{})
-	h.hold, h.holding = make(chan struct{}), make(chan struct{})
 	bg := context.Background()
-	first := make(chan error, 1)
-	go func() { _, _, err := n.Acquire(bg, "held", "t0", time.Minute, ""); first <- err }()
-	<-h.holding
+	first := holdFirst(n, h)
 	calls := cap(n.pipe.queue) + 100
 	answers := make(chan error, 2*calls)
 	for i := range calls { // returns although the queue fills up

@@ -67,6 +67,17 @@ func realNode(t *testing.T, opts RedisOptions) (*RedisNode, *pipeHook, *redis.Cl
 	return n, h, admin
 }
 
+// holdFirst sends an Acquire through n and holds its pipeline on the wire
+// (before it is written) until h.hold is closed; the returned channel gets
+// that Acquire's error.
+func holdFirst(n *RedisNode, h *pipeHook) <-chan error {
+	h.hold, h.holding = make(chan struct{}), make(chan struct{})
+	first := make(chan error, 1)
+	go func() { _, _, err := n.Acquire(context.Background(), "held", "t0", time.Minute, ""); first <- err }()
+	<-h.holding
+	return first
+}
+
 // TestPipeline_Batches: commands queued while a pipeline is on the wire go
 // out together in the next one, and each caller gets its own answer.
 func TestPipeline_Batches(t *testing.T) {
@@ -215,39 +226,51 @@ func TestPipeline_Close(t *testing.T) {
 }
 
 // TestPipeline_StoppedNode: calls to a node that stopped answering end at
-// their own deadline, and the node serves again once it resumes.
+// their own deadline, blocking or asynchronous (each answered once), and the
+// node serves again once it resumes.
 func TestPipeline_StoppedNode(t *testing.T) {
-	r := clustertest.Redis(t, 1, cluster.RedisOptions{})[0]
-	n := NewRedisNode(r.Addr(), RedisOptions{})
-	t.Cleanup(func() { _ = n.Close() })
-	bg := context.Background()
-	if _, err := n.TTL(bg, "x"); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Pause(); err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	for i := range 10 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ctx, cancel := context.WithTimeout(bg, 50*time.Millisecond)
-			defer cancel()
-			_, _, err := n.Acquire(ctx, fmt.Sprintf("k%d", i), "t", time.Second, "")
-			var ne net.Error
-			if !errors.Is(err, context.DeadlineExceeded) && !(errors.As(err, &ne) && ne.Timeout()) {
-				t.Errorf("Acquire on a stopped node: %v; want a timeout", err)
+	for _, async := range []bool{false, true} {
+		t.Run(fmt.Sprintf("async=%v", async), func(t *testing.T) {
+			r := clustertest.Redis(t, 1, cluster.RedisOptions{})[0]
+			n := NewRedisNode(r.Addr(), RedisOptions{})
+			t.Cleanup(func() { _ = n.Close() })
+			bg := context.Background()
+			if _, err := n.TTL(bg, "x"); err != nil {
+				t.Fatal(err)
 			}
-		}()
-	}
-	wg.Wait()
-	if err := r.Resume(); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(bg, 10*time.Second)
-	defer cancel()
-	if ok, _, err := n.Acquire(ctx, "after", "t", time.Second, ""); err != nil || !ok {
-		t.Fatalf("Acquire after resume = %v, %v", ok, err)
+			if err := r.Pause(); err != nil {
+				t.Fatal(err)
+			}
+			const calls = 10
+			errs := make(chan error, 2*calls)
+			for i := range calls {
+				ctx, cancel := context.WithTimeout(bg, 50*time.Millisecond)
+				defer cancel()
+				key := fmt.Sprintf("k%d", i)
+				if async {
+					n.acquireAsync(ctx, key, "t", time.Second, "", func(_ bool, _ time.Duration, err error) { errs <- err })
+					continue
+				}
+				go func() { _, _, err := n.Acquire(ctx, key, "t", time.Second, ""); errs <- err }()
+			}
+			for range calls {
+				err := <-errs
+				var ne net.Error
+				if !errors.Is(err, context.DeadlineExceeded) && !(errors.As(err, &ne) && ne.Timeout()) {
+					t.Errorf("Acquire on a stopped node: %v; want a timeout", err)
+				}
+			}
+			if err := r.Resume(); err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithTimeout(bg, 10*time.Second)
+			defer cancel()
+			if ok, _, err := n.Acquire(ctx, "after", "t", time.Second, ""); err != nil || !ok {
+				t.Fatalf("Acquire after resume = %v, %v", ok, err)
+			}
+			if len(errs) != 0 {
+				t.Errorf("%d extra answers: a call was answered twice", len(errs))
+			}
+		})
 	}
 }
