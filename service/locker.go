@@ -288,7 +288,7 @@ func (l *Locker) Init(ctx context.Context) error {
 			// Best effort: a node that is down now gets its marker when it
 			// is first found without one (and is then quarantined once).
 			mctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
-			_, _ = m.Mark(mctx, cur)
+			_, _ = m.Mark(mctx, cur, false)
 			cancel()
 		}
 	}
@@ -335,16 +335,28 @@ func (l *Locker) recover(i int, seen string) {
 		}
 		prev, _ := m.state()
 		m.set(cur, until)
-		if until.After(l.opts.Now()) {
-			l.opts.Observer.Quarantine(m.Addr(), until)
-			if cur != prev {
-				l.opts.Logger.Warn("node restarted without its data: its votes do not count until every lease it may have held has expired",
-					slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
-			}
+		now := l.opts.Now()
+		if !until.After(now) {
+			// No quarantine runs: another server moved the node to cur and
+			// marked it earlier, and this one was behind. Marking now could
+			// hide a restart since then; if the node lacks cur's marker, the
+			// next acquire finds that out and a new quarantine starts.
+			return
 		}
-		mctx, mcancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+		l.opts.Observer.Quarantine(m.Addr(), until)
+		if cur != prev {
+			l.opts.Logger.Warn("node restarted without its data: its votes do not count until every lease it may have held has expired",
+				slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
+		}
+		// Mark within the quarantine, which covers any loss of the node's
+		// data until it ends. The server that started the quarantine
+		// (cur is its next) replaces whatever marker the node holds: a
+		// marker from an older epoch (a mark that landed after a restart)
+		// would otherwise make every acquire find the node "restarted" for
+		// good. The others only add a missing one.
+		mctx, mcancel := context.WithTimeout(ctx, min(l.opts.NodeTimeout, until.Sub(now)))
 		defer mcancel()
-		if _, err := m.Mark(mctx, cur); err != nil {
+		if _, err := m.Mark(mctx, cur, cur == next); err != nil {
 			l.opts.Logger.Warn("could not mark node", slog.String("node", m.Addr()), slog.String("error", err.Error()))
 		}
 	}()

@@ -64,13 +64,13 @@ func (n *memNode) Acquire(ctx context.Context, key, token string, ttl time.Durat
 	return true, 0, nil
 }
 
-func (n *memNode) Mark(ctx context.Context, epoch string) (bool, error) {
+func (n *memNode) Mark(ctx context.Context, epoch string, replace bool) (bool, error) {
 	if err := n.run(ctx, "mark"); err != nil {
 		return false, err
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if n.marker != "" {
+	if n.marker != "" && !replace {
 		return false, nil
 	}
 	n.marker = epoch

@@ -23,8 +23,9 @@ type Node interface {
 	// epoch is not empty, it first checks, atomically with the set, that the
 	// node still holds epoch as its marker, and returns ErrMemoryLost if not.
 	Acquire(ctx context.Context, key, token string, ttl time.Duration, epoch string) (ok bool, remaining time.Duration, err error)
-	// Mark sets the node's epoch marker if it has none, and reports whether it did.
-	Mark(ctx context.Context, epoch string) (bool, error)
+	// Mark sets the node's epoch marker if it has none (with replace: in
+	// any case), and reports whether it did.
+	Mark(ctx context.Context, epoch string, replace bool) (bool, error)
 	// Extend sets key's TTL if key holds token, and reports whether it did.
 	Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error)
 	// Release deletes key if it holds token, and reports whether it did.
@@ -61,9 +62,10 @@ return t`)
 	extendScript = newLuaScript(`
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0`)
-	// markScript: set the epoch marker if there is none.
+	// markScript: set the epoch marker if there is none, or in any case
+	// when ARGV[2] is '1'.
 	markScript = newLuaScript(`
-if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
+if ARGV[2] == '1' or redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
 return 0`)
 	// releaseScript: compare-and-delete. A release is announced on the
 	// lock's channel (ARGV[2]) with the SHA-1 of the token (not the token,
@@ -262,8 +264,12 @@ func (n *RedisNode) Acquire(ctx context.Context, key, token string, ttl time.Dur
 }
 
 // Mark implements Node.
-func (n *RedisNode) Mark(ctx context.Context, epoch string) (bool, error) {
-	v, err := n.eval(ctx, markScript, []string{keyspace.NodeEpochKey}, epoch)
+func (n *RedisNode) Mark(ctx context.Context, epoch string, replace bool) (bool, error) {
+	flag := "0"
+	if replace {
+		flag = "1"
+	}
+	v, err := n.eval(ctx, markScript, []string{keyspace.NodeEpochKey}, epoch, flag)
 	if err != nil {
 		return false, fmt.Errorf("mark: %w", err)
 	}

@@ -218,3 +218,50 @@ func TestLocker_PersistentRestart(t *testing.T) {
 	}
 	_ = l.Release(t.Context(), "aof", a.Token)
 }
+
+// TestLocker_StaleMarker: a node restarted without its data that then got a
+// marker from an older epoch (as when another server's mark lands just after
+// the restart) is quarantined once and marked anew by the server that
+// started the quarantine, so it counts again when the quarantine ends; it is
+// not found "restarted" for good.
+func TestLocker_StaleMarker(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, e.db)
+	ctx := t.Context()
+	e.restartEmpty(t, 0)
+	var err error
+	for range 3 { // the raw client's pooled connection died with the old process
+		if err = e.raw[0].Set(ctx, "redfence:node-epoch", "an-older-epoch", 0).Err(); err == nil {
+			break
+		}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	// An acquire finds node 0's marker wrong and starts its quarantine; it
+	// is granted on the other four.
+	g, err := l.Acquire(ctx, "probe", service.Request{TTL: time.Second})
+	if err != nil {
+		t.Fatalf("probe: %v", err)
+	}
+	_ = l.Release(ctx, "probe", g.Token)
+	waitQuarantined(t, l, 0)
+	waitQuarantineOver(t, l)
+	if m, err := e.raw[0].Get(ctx, "redfence:node-epoch").Result(); err != nil || m == "an-older-epoch" {
+		t.Fatalf("node 0's marker = %q, %v; want the epoch of its quarantine", m, err)
+	}
+	// Node 0 counts again: with nodes 3 and 4 held by someone else, a grant
+	// needs it.
+	key := "stale-marker"
+	for _, c := range e.raw[3:] {
+		if err := c.Set(ctx, "redfence:lock:"+key, "someone-else", time.Minute).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g, err = l.Acquire(ctx, key, service.Request{TTL: time.Second})
+	if err != nil {
+		t.Fatalf("acquire that needs node 0 after its quarantine: %v", err)
+	}
+	_ = l.Release(ctx, key, g.Token)
+}
