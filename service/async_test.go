@@ -32,7 +32,7 @@ func TestPipeline_AsyncBatches(t *testing.T) {
 	answers := make(chan answer, 2*calls)
 	for i := range calls {
 		key := fmt.Sprintf("k%d", i%(calls/2)) // two calls per key: one wins
-		n.acquireAsync(bg, key, fmt.Sprint("t", i), time.Minute, "", func(ok bool, _ time.Duration, err error) {
+		n.acquireAsync(bg, acquireArgs(key, fmt.Sprint("t", i), time.Minute), "", func(ok bool, _ time.Duration, err error) {
 			answers <- answer{i, ok, err}
 		})
 	}
@@ -71,7 +71,7 @@ func TestPipeline_AsyncClose(t *testing.T) {
 	bg := context.Background()
 	first := holdFirst(n, h)
 	queued := make(chan error, 1)
-	n.releaseAsync(bg, "b", "t1", func(_ bool, err error) { queued <- err })
+	n.releaseAsync(bg, releaseArgs("b", "t1"), func(_ bool, err error) { queued <- err })
 	closed := make(chan error, 1)
 	go func() { closed <- n.Close() }()
 	// The writer answers the queued call once the batch on the wire is
@@ -84,7 +84,7 @@ func TestPipeline_AsyncClose(t *testing.T) {
 	<-first
 	<-closed
 	after := make(chan error, 1)
-	n.acquireAsync(bg, "c", "t2", time.Minute, "", func(_ bool, _ time.Duration, err error) { after <- err })
+	n.acquireAsync(bg, acquireArgs("c", "t2", time.Minute), "", func(_ bool, _ time.Duration, err error) { after <- err })
 	if err := <-after; !errors.Is(err, errNodeClosed) {
 		t.Fatalf("call after Close: %v; want errNodeClosed", err)
 	}
@@ -225,14 +225,16 @@ type heldAcquire struct {
 
 func (n *lateNode) async() bool { return true }
 
-func (n *lateNode) acquireAsync(ctx context.Context, key, token string, ttl time.Duration, epoch string, done func(bool, time.Duration, error)) {
+func (n *lateNode) acquireAsync(ctx context.Context, a *scriptArgs, epoch string, done func(bool, time.Duration, error)) {
+	key, token, ttl := a.keys[0].(string), a.argv[0].(string), time.Duration(a.argv[1].(int64))*time.Millisecond
 	n.held <- heldAcquire{ctx: ctx, answer: func() {
 		ok, rem, err := n.memNode.Acquire(context.Background(), key, token, ttl, epoch)
 		done(ok, rem, err)
 	}}
 }
 
-func (n *lateNode) releaseAsync(ctx context.Context, key, token string, done func(bool, error)) {
+func (n *lateNode) releaseAsync(ctx context.Context, a *scriptArgs, done func(bool, error)) {
+	key, token := a.keys[0].(string), a.argv[0].(string)
 	go func() { done(n.memNode.Release(ctx, key, token)) }()
 }
 
@@ -297,7 +299,7 @@ func TestPipeline_AsyncQueueFull(t *testing.T) {
 	calls := cap(n.pipe.queue) + 100
 	answers := make(chan error, 2*calls)
 	for i := range calls { // returns although the queue fills up
-		n.releaseAsync(bg, fmt.Sprint("k", i), "t", func(_ bool, err error) { answers <- err })
+		n.releaseAsync(bg, releaseArgs(fmt.Sprint("k", i), "t"), func(_ bool, err error) { answers <- err })
 	}
 	close(h.hold)
 	if err := <-first; err != nil {

@@ -787,6 +787,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	// NodeTimeout): a straggler's SET completes even after the grant was
 	// returned, so the lock lives on as many nodes as possible.
 	lr := &lateRound{left: len(l.nodes)}
+	args := acquireArgs(rkey, token, req.TTL)
 	var wg *sync.WaitGroup
 	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", nodeOp{
 		sync: func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
@@ -799,7 +800,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		},
 		async: func(ctx context.Context, i int, n asyncNode, done func(bool, time.Duration, error)) {
 			epoch, _ := l.members[i].state()
-			n.acquireAsync(ctx, rkey, token, req.TTL, epoch, func(ok bool, rem time.Duration, err error) {
+			n.acquireAsync(ctx, args, epoch, func(ok bool, rem time.Duration, err error) {
 				if errors.Is(err, ErrMemoryLost) {
 					l.recover(i, epoch)
 				}
@@ -905,7 +906,7 @@ func (l *Locker) undo(ctx context.Context, wg *sync.WaitGroup, i int, rkey, toke
 	cctx, cancel := l.cleanupContext(ctx)
 	wg.Add(1)
 	if an, ok := l.nodes[i].(asyncNode); ok && an.async() {
-		an.releaseAsync(cctx, rkey, token, func(bool, error) {
+		an.releaseAsync(cctx, releaseArgs(rkey, token), func(bool, error) {
 			cancel()
 			wg.Done()
 		})
@@ -1007,13 +1008,14 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 	// repeated release go on.
 	var mu sync.Mutex
 	left, done := len(l.nodes), chan struct{}(nil)
+	args := releaseArgs(rkey, token)
 	ch, _ := l.round(context.WithoutCancel(ctx), "release", nodeOp{
 		sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 			ok, err := n.Release(ctx, rkey, token)
 			return ok, 0, err
 		},
 		async: func(ctx context.Context, _ int, n asyncNode, done func(bool, time.Duration, error)) {
-			n.releaseAsync(ctx, rkey, token, func(ok bool, err error) { done(ok, 0, err) })
+			n.releaseAsync(ctx, args, func(ok bool, err error) { done(ok, 0, err) })
 		},
 	}, func(int, bool) {
 		mu.Lock()

@@ -198,23 +198,45 @@ type asyncNode interface {
 	// async reports whether the node answers asynchronously (a pipelined
 	// RedisNode does; otherwise the Locker uses a goroutine).
 	async() bool
-	acquireAsync(ctx context.Context, key, token string, ttl time.Duration, epoch string, done func(ok bool, remaining time.Duration, err error))
-	releaseAsync(ctx context.Context, key, token string, done func(ok bool, err error))
+	// acquireAsync is Acquire with the round's shared arguments (see
+	// acquireArgs) and the node's epoch.
+	acquireAsync(ctx context.Context, args *scriptArgs, epoch string, done func(ok bool, remaining time.Duration, err error))
+	// releaseAsync is Release with the round's shared arguments (see
+	// releaseArgs).
+	releaseAsync(ctx context.Context, args *scriptArgs, done func(ok bool, err error))
 }
 
 var _ asyncNode = (*RedisNode)(nil)
 
+// scriptArgs are the keys and arguments of one round's script, boxed once
+// and shared by its command to every node (commands only read them).
+type scriptArgs struct {
+	keys, argv []any
+}
+
+// acquireArgs are the arguments of the acquire script, but the epoch.
+func acquireArgs(key, token string, ttl time.Duration) *scriptArgs {
+	return &scriptArgs{keys: []any{key, keyspace.NodeEpochKey}, argv: []any{token, ttl.Milliseconds()}}
+}
+
+// releaseArgs are the arguments of the release script.
+func releaseArgs(key, token string) *scriptArgs {
+	return &scriptArgs{keys: []any{key}, argv: []any{token, releasedChannel(key)}}
+}
+
 func (n *RedisNode) async() bool { return n.pipe != nil }
 
-// evalAsync runs script with keys and args through the node's pipeline and
-// calls done with its integer answer. The node must be pipelined.
-func (n *RedisNode) evalAsync(ctx context.Context, s luaScript, keys []string, args []any, done func(int64, error)) {
-	cmdArgs := make([]any, 0, 3+len(keys)+len(args))
-	cmdArgs = append(cmdArgs, "evalsha", s.sha, len(keys))
-	for _, k := range keys {
-		cmdArgs = append(cmdArgs, k)
+// evalAsync runs script with a's keys and arguments (and last, when not
+// nil, after them) through the node's pipeline and calls done with its
+// integer answer. The node must be pipelined.
+func (n *RedisNode) evalAsync(ctx context.Context, s luaScript, a *scriptArgs, last any, done func(int64, error)) {
+	cmdArgs := make([]any, 0, 4+len(a.keys)+len(a.argv))
+	cmdArgs = append(cmdArgs, "evalsha", s.sha, len(a.keys))
+	cmdArgs = append(cmdArgs, a.keys...)
+	cmdArgs = append(cmdArgs, a.argv...)
+	if last != nil {
+		cmdArgs = append(cmdArgs, last)
 	}
-	cmdArgs = append(cmdArgs, args...)
 	n.pipe.doAsync(ctx, redis.NewCmd(ctx, cmdArgs...), s.src, func(cmd *redis.Cmd, err error) {
 		if err != nil {
 			done(0, err)
@@ -224,14 +246,14 @@ func (n *RedisNode) evalAsync(ctx context.Context, s luaScript, keys []string, a
 	})
 }
 
-func (n *RedisNode) acquireAsync(ctx context.Context, key, token string, ttl time.Duration, epoch string, done func(bool, time.Duration, error)) {
-	n.evalAsync(ctx, acquireScript, []string{key, keyspace.NodeEpochKey}, []any{token, ttl.Milliseconds(), epoch}, func(v int64, err error) {
+func (n *RedisNode) acquireAsync(ctx context.Context, a *scriptArgs, epoch string, done func(bool, time.Duration, error)) {
+	n.evalAsync(ctx, acquireScript, a, epoch, func(v int64, err error) {
 		done(acquireResult(v, err))
 	})
 }
 
-func (n *RedisNode) releaseAsync(ctx context.Context, key, token string, done func(bool, error)) {
-	n.evalAsync(ctx, releaseScript, []string{key}, []any{token, releasedChannel(key)}, func(v int64, err error) {
+func (n *RedisNode) releaseAsync(ctx context.Context, a *scriptArgs, done func(bool, error)) {
+	n.evalAsync(ctx, releaseScript, a, nil, func(v int64, err error) {
 		done(releaseResult(v, err))
 	})
 }

@@ -248,7 +248,7 @@ func TestPipeline_StoppedNode(t *testing.T) {
 				defer cancel()
 				key := fmt.Sprintf("k%d", i)
 				if async {
-					n.acquireAsync(ctx, key, "t", time.Second, "", func(_ bool, _ time.Duration, err error) { errs <- err })
+					n.acquireAsync(ctx, acquireArgs(key, "t", time.Second), "", func(_ bool, _ time.Duration, err error) { errs <- err })
 					continue
 				}
 				go func() { _, _, err := n.Acquire(ctx, key, "t", time.Second, ""); errs <- err }()
