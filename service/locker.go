@@ -362,6 +362,14 @@ func (l *Locker) recover(i int, seen string) {
 	}()
 }
 
+// noteLoss starts recovering node i when an acquire sent with epoch found
+// that the node lost its memory (err matches ErrMemoryLost).
+func (l *Locker) noteLoss(i int, epoch string, err error) {
+	if errors.Is(err, ErrMemoryLost) {
+		l.recover(i, epoch)
+	}
+}
+
 // counts reports whether node i's votes count at now.
 func (l *Locker) counts(i int, now time.Time) bool {
 	_, until := l.members[i].state()
@@ -793,17 +801,13 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		sync: func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
 			epoch, _ := l.members[i].state()
 			ok, rem, err := n.Acquire(ctx, rkey, token, req.TTL, epoch)
-			if errors.Is(err, ErrMemoryLost) {
-				l.recover(i, epoch)
-			}
+			l.noteLoss(i, epoch, err)
 			return ok, rem, err
 		},
 		async: func(ctx context.Context, i int, n asyncNode, done func(bool, time.Duration, error)) {
 			epoch, _ := l.members[i].state()
 			n.acquireAsync(ctx, args, epoch, func(ok bool, rem time.Duration, err error) {
-				if errors.Is(err, ErrMemoryLost) {
-					l.recover(i, epoch)
-				}
+				l.noteLoss(i, epoch, err)
 				done(ok, rem, err)
 			})
 		},

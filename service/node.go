@@ -174,19 +174,27 @@ func evalOf(ctx context.Context, cmd *redis.Cmd, src string) *redis.Cmd {
 	return redis.NewCmd(ctx, args...)
 }
 
-// eval runs script with keys and args through the node's pipeline.
-func (n *RedisNode) eval(ctx context.Context, s luaScript, keys []string, args ...any) (int64, error) {
-	cmdArgs := make([]any, 0, 3+len(keys)+len(args))
-	cmdArgs = append(cmdArgs, "evalsha", s.sha, len(keys))
-	for _, k := range keys {
-		cmdArgs = append(cmdArgs, k)
-	}
-	cmdArgs = append(cmdArgs, args...)
-	cmd, err := n.do(ctx, redis.NewCmd(ctx, cmdArgs...), s.src)
+// eval runs script with a's keys and arguments (and last, when not nil,
+// after them) through the node's pipeline and returns its integer answer.
+func (n *RedisNode) eval(ctx context.Context, s luaScript, a *scriptArgs, last any) (int64, error) {
+	cmd, err := n.do(ctx, evalCmd(ctx, s, a, last), s.src)
 	if err != nil {
 		return 0, err
 	}
 	return cmd.Int64()
+}
+
+// evalCmd is the EVALSHA of script s with a's keys and arguments, and last
+// after them when it is not nil.
+func evalCmd(ctx context.Context, s luaScript, a *scriptArgs, last any) *redis.Cmd {
+	cmdArgs := make([]any, 0, 4+len(a.keys)+len(a.argv))
+	cmdArgs = append(cmdArgs, "evalsha", s.sha, len(a.keys))
+	cmdArgs = append(cmdArgs, a.keys...)
+	cmdArgs = append(cmdArgs, a.argv...)
+	if last != nil {
+		cmdArgs = append(cmdArgs, last)
+	}
+	return redis.NewCmd(ctx, cmdArgs...)
 }
 
 // asyncNode is a Node that can answer through a callback, sparing the
@@ -230,14 +238,7 @@ func (n *RedisNode) async() bool { return n.pipe != nil }
 // nil, after them) through the node's pipeline and calls done with its
 // integer answer. The node must be pipelined.
 func (n *RedisNode) evalAsync(ctx context.Context, s luaScript, a *scriptArgs, last any, done func(int64, error)) {
-	cmdArgs := make([]any, 0, 4+len(a.keys)+len(a.argv))
-	cmdArgs = append(cmdArgs, "evalsha", s.sha, len(a.keys))
-	cmdArgs = append(cmdArgs, a.keys...)
-	cmdArgs = append(cmdArgs, a.argv...)
-	if last != nil {
-		cmdArgs = append(cmdArgs, last)
-	}
-	n.pipe.doAsync(ctx, redis.NewCmd(ctx, cmdArgs...), s.src, func(cmd *redis.Cmd, err error) {
+	n.pipe.doAsync(ctx, evalCmd(ctx, s, a, last), s.src, func(cmd *redis.Cmd, err error) {
 		if err != nil {
 			done(0, err)
 			return
@@ -282,7 +283,7 @@ func releaseResult(v int64, err error) (bool, error) {
 
 // Acquire implements Node.
 func (n *RedisNode) Acquire(ctx context.Context, key, token string, ttl time.Duration, epoch string) (bool, time.Duration, error) {
-	return acquireResult(n.eval(ctx, acquireScript, []string{key, keyspace.NodeEpochKey}, token, ttl.Milliseconds(), epoch))
+	return acquireResult(n.eval(ctx, acquireScript, acquireArgs(key, token, ttl), epoch))
 }
 
 // Mark implements Node.
@@ -291,7 +292,7 @@ func (n *RedisNode) Mark(ctx context.Context, epoch string, replace bool) (bool,
 	if replace {
 		flag = "1"
 	}
-	v, err := n.eval(ctx, markScript, []string{keyspace.NodeEpochKey}, epoch, flag)
+	v, err := n.eval(ctx, markScript, &scriptArgs{keys: []any{keyspace.NodeEpochKey}, argv: []any{epoch, flag}}, nil)
 	if err != nil {
 		return false, fmt.Errorf("mark: %w", err)
 	}
@@ -300,7 +301,7 @@ func (n *RedisNode) Mark(ctx context.Context, epoch string, replace bool) (bool,
 
 // Extend implements Node.
 func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error) {
-	v, err := n.eval(ctx, extendScript, []string{key}, token, ttl.Milliseconds())
+	v, err := n.eval(ctx, extendScript, &scriptArgs{keys: []any{key}, argv: []any{token, ttl.Milliseconds()}}, nil)
 	if err != nil {
 		return false, fmt.Errorf("extend: %w", err)
 	}
@@ -309,7 +310,7 @@ func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Dura
 
 // Release implements Node.
 func (n *RedisNode) Release(ctx context.Context, key, token string) (bool, error) {
-	return releaseResult(n.eval(ctx, releaseScript, []string{key}, token, releasedChannel(key)))
+	return releaseResult(n.eval(ctx, releaseScript, releaseArgs(key, token), nil))
 }
 
 // TTL implements Node.
