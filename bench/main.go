@@ -49,7 +49,9 @@ type config struct {
 	systems          []string
 	ttl, wait        time.Duration
 	handoffWorkers   int
+	passes           int
 	redfenceBin, src string
+	baselineBin      string
 	durable          bool
 	serverLogLevel   string
 	serverLog        string
@@ -58,7 +60,7 @@ type config struct {
 }
 
 // systemKeys are the -systems names, in table order.
-var systemKeys = []string{"http", "http-nethttp", "h2c", "inproc", "redsync", "etcd", "single"}
+var systemKeys = []string{"http", "http-base", "http-nethttp", "h2c", "inproc", "redsync", "etcd", "single"}
 
 // defaultSystems are the systems run without -systems (h2c only on request).
 var defaultSystems = []string{"http", "http-nethttp", "inproc", "redsync", "etcd", "single"}
@@ -114,7 +116,8 @@ func parseFlags(args []string) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.DurationVar(&c.duration, "duration", 10*time.Second, "measured time per cell")
-	fs.DurationVar(&c.warmup, "warmup", time.Second, "unmeasured warm-up per cell")
+	fs.DurationVar(&c.warmup, "warmup", time.Second, "unmeasured warm-up per cell and pass")
+	fs.IntVar(&c.passes, "passes", 2, "passes over each group of cells, the systems in alternating order (forward, backward, ...), -duration split between them")
 	workers := fs.String("workers", "1,16,64", "comma-separated worker counts for the distinct and contended cases")
 	cases := fs.String("cases", "distinct,contended,handoff,degraded", "cases to run")
 	systems := fs.String("systems", strings.Join(defaultSystems, ","), "systems to run: http (HTTP/1.1, lean wrk-style load generator), http-nethttp (HTTP/1.1 through net/http's client), h2c (HTTP/2 cleartext; starts the server with REDFENCE_H2C=true), inproc, redsync, etcd, single")
@@ -122,6 +125,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.wait, "wait", 30*time.Second, "wait of blocking acquires (handoff)")
 	fs.IntVar(&c.handoffWorkers, "handoff-workers", 64, "workers blocking on the hot name in the handoff case")
 	fs.StringVar(&c.redfenceBin, "redfence", "", "redfence binary to run as the HTTP server (default: build ./cmd/redfence of -src)")
+	fs.StringVar(&c.baselineBin, "baseline", "", "another redfence binary (e.g. an older build) to run beside the first as system http-base (added to -systems), on the same nodes and Postgres, for a same-run before/after ratio")
 	fs.StringVar(&c.src, "src", "..", "root of the main module (to build redfence)")
 	fs.BoolVar(&c.durable, "durable", true, "run Postgres with fsync on (etcd always fsyncs)")
 	fs.StringVar(&c.serverLogLevel, "server-log-level", "info", "REDFENCE_LOG_LEVEL of the server (info: the production default)")
@@ -153,6 +157,9 @@ func parseFlags(args []string) (config, error) {
 		}
 		c.systems = append(c.systems, s)
 	}
+	if c.baselineBin != "" && !slices.Contains(c.systems, "http-base") {
+		c.systems = append(c.systems, "http-base")
+	}
 	if c.profileDir != "" {
 		c.systems = []string{"http", "inproc"}
 	}
@@ -170,6 +177,7 @@ type env struct {
 	dbURL   string
 	etcd    *etcd
 	srv     *redfenceServer
+	base    *redfenceServer // the -baseline server, or nil
 	systems map[string]system
 	admin   []*redis.Client // INFO readers, one per node
 	pgAdmin *pgx.Conn
@@ -250,7 +258,7 @@ func setup(ctx context.Context, cfg config) (*env, error) {
 		defer inproc.close() // it only applied the migrations
 	}
 
-	if e.has("http") || e.has("http-nethttp") || e.has("h2c") {
+	if e.has("http") || e.has("http-base") || e.has("http-nethttp") || e.has("h2c") {
 		bin := cfg.redfenceBin
 		var overlay string
 		if cfg.profileDir != "" {
@@ -292,6 +300,13 @@ func setup(ctx context.Context, cfg config) (*env, error) {
 		if e.has("http") {
 			e.systems["http"] = newRawHTTPSystem("redfence http/1.1", e.srv, key, cfg.ttl)
 		}
+		if e.has("http-base") && cfg.baselineBin != "" {
+			logf("starting baseline %s serve", cfg.baselineBin)
+			if e.base, err = startRedfence(ctx, cfg.baselineBin, e.cl.Addrs(), e.dbURL, env, cfg.serverLog); err != nil {
+				return e, err
+			}
+			e.systems["http-base"] = newRawHTTPSystem("redfence http/1.1 baseline", e.base, key, cfg.ttl)
+		}
 		if e.has("http-nethttp") {
 			e.systems["http-nethttp"] = newHTTPSystem("redfence http/1.1 net/http client", e.srv, key, maxW, cfg.ttl, false)
 		}
@@ -328,6 +343,7 @@ func (e *env) close() {
 		}
 	}
 	e.srv.stopServer()
+	e.base.stopServer()
 	if e.etcd != nil {
 		e.etcd.stop()
 	}
@@ -373,7 +389,7 @@ func (e *env) plan() []cell {
 			add(distinct, w, systemKeys...)
 		}
 		if slices.Contains(e.cfg.cases, degraded) && slices.Contains(degradedAt, w) {
-			add(degraded, w, "http", "http-nethttp", "h2c", "inproc", "redsync")
+			add(degraded, w, "http", "http-base", "http-nethttp", "h2c", "inproc", "redsync")
 			degradedAt = slices.DeleteFunc(degradedAt, func(x int) bool { return x == w })
 		}
 	}
@@ -383,7 +399,7 @@ func (e *env) plan() []cell {
 		}
 	}
 	if slices.Contains(e.cfg.cases, handoff) {
-		add(handoff, e.cfg.handoffWorkers, "http", "http-nethttp", "h2c", "inproc", "redsync", "etcd")
+		add(handoff, e.cfg.handoffWorkers, "http", "http-base", "http-nethttp", "h2c", "inproc", "redsync", "etcd")
 	}
 	return cells
 }
@@ -408,16 +424,46 @@ func (e *env) measure(ctx context.Context) []*result {
 	}
 	e.cfg.duration = measured
 	logf("settled %d systems for %v each", len(settled), max(3*e.cfg.warmup, 2*time.Second))
+	// Each group of cells (one case and worker count) runs in passes, the
+	// systems in turn, forward then backward: whatever the cell before
+	// leaves behind (Postgres vacuuming the rows the last system wrote, a
+	// checkpoint, a busy core) weighs on every system alike, not on the
+	// one that happens to come first. A system's passes are merged into
+	// one result, measured for -duration in all.
+	passes := max(1, e.cfg.passes)
+	e.cfg.duration = measured / time.Duration(passes)
+	defer func() { e.cfg.duration = measured }()
 	var out []*result
-	for i, c := range cells {
-		if ctx.Err() != nil {
-			break
+	done := 0
+	for len(cells) > 0 && ctx.Err() == nil {
+		n := 1
+		for n < len(cells) && cells[n].kind == cells[0].kind && cells[n].workers == cells[0].workers {
+			n++
 		}
-		t0 := time.Now()
-		r := e.run(ctx, c, hooks{})
-		out = append(out, r)
-		logf("[%d/%d] %-9s w=%-3d %-16s %9.0f cycles/s  p50 %-8s p99 %-8s errs %-4d (%.1fs) %s", i+1, len(cells), r.kind, r.workers, r.system,
-			r.rate(), fmtDur(r.pct(0.5)), fmtDur(r.pct(0.99)), r.errs+r.timeouts, time.Since(t0).Seconds(), r.skipped)
+		group := cells[:n]
+		cells = cells[n:]
+		merged := make([]*result, n)
+		for p := range passes {
+			for j := range n {
+				if p%2 == 1 {
+					j = n - 1 - j
+				}
+				if ctx.Err() != nil {
+					break
+				}
+				t0 := time.Now()
+				r := e.run(ctx, group[j], hooks{})
+				logf("[%d/%d] %-9s w=%-3d %-16s %9.0f cycles/s  p50 %-8s p99 %-8s errs %-4d (%.1fs, pass %d/%d) %s", done+j+1, done+len(group)+len(cells), r.kind, r.workers, r.system,
+					r.rate(), fmtDur(r.pct(0.5)), fmtDur(r.pct(0.99)), r.errs+r.timeouts, time.Since(t0).Seconds(), p+1, passes, r.skipped)
+				merged[j] = merged[j].merge(r)
+			}
+		}
+		done += n
+		for _, r := range merged {
+			if r != nil {
+				out = append(out, r)
+			}
+		}
 	}
 	return out
 }

@@ -168,6 +168,12 @@ func (e *env) profile(ctx context.Context) error {
 				cpu, err = e.pprofGet(ctx, fmt.Sprintf("/debug/pprof/profile?seconds=%d", secs))
 				cpuDone <- err
 			}()
+			go func() {
+				tr, err := e.pprofGet(ctx, "/debug/pprof/trace?seconds=2")
+				if err == nil {
+					_ = os.WriteFile(filepath.Join(dir, "server.trace"), tr, 0o644)
+				}
+			}()
 		},
 		stop: func(ctx context.Context) {
 			m1 = e.serverMem(ctx)

@@ -112,7 +112,12 @@ func fmtPer(r *result, n int64) string {
 func (e *env) report(rs []*result) string {
 	var b strings.Builder
 	p := func(format string, args ...any) { fmt.Fprintf(&b, format, args...) }
-	p("Measured by `make bench` (bench/), %v per cell after %v warm-up, lease TTL %v, hold 0.\n", e.cfg.duration, e.cfg.warmup, e.cfg.ttl)
+	passes := max(1, e.cfg.passes)
+	p("Measured by `make bench` (bench/), %v per cell after %v warm-up, lease TTL %v, hold 0.", e.cfg.duration, e.cfg.warmup, e.cfg.ttl)
+	if passes > 1 {
+		p(" Each group of cells (a case and worker count) runs in %d passes of %v per cell, the systems in turn and in alternating order (forward, then backward), each after its own warm-up; a cell's passes are pooled.", passes, e.cfg.duration/time.Duration(passes))
+	}
+	p("\n")
 	p("%s.\n\n", e.versions)
 	p("- **distinct**: each worker locks its own name; **contended**: all workers try-lock one name (wait 0; etcd `TryLock`), cycles/s counts grants;\n")
 	p("  tries/s counts every acquire call (granted, refused as held, failed): on distinct names a gap between the two is a system refusing a name its own worker just released;\n")
@@ -240,6 +245,24 @@ func (e *env) report(rs []*result) string {
 	if len(degRows) > 0 {
 		p("\nOne node SIGSTOPped, against the healthy distinct run:\n\n| system | workers | cycles/s degraded ÷ healthy | p99 degraded | p99 healthy |\n|---|---:|---:|---:|---:|\n")
 		p("%s\n", strings.Join(degRows, "\n"))
+	}
+
+	// The -baseline build against the build under test, cell by cell.
+	var baseRows []string
+	for _, r := range rs {
+		if r.system != "redfence http/1.1 baseline" || r.skipped != "" {
+			continue
+		}
+		h := find(r.kind, r.workers, "redfence http/1.1")
+		if h == nil {
+			continue
+		}
+		baseRows = append(baseRows, fmt.Sprintf("| %s | %d | %s | %s | %s |", r.kind, r.workers,
+			fmtRatio(rate(h), rate(r)), fmtRatio(p50(h), p50(r)), fmtRatio(cpuPer(h), cpuPer(r))))
+	}
+	if len(baseRows) > 0 {
+		p("\nThis build (http/1.1) against the -baseline build, same run:\n\n| case | workers | cycles/s ÷ baseline | p50 ÷ baseline | CPU/cycle ÷ baseline |\n|---|---:|---:|---:|---:|\n")
+		p("%s\n", strings.Join(baseRows, "\n"))
 	}
 
 	// The targets of issue 4 (Performance).

@@ -63,6 +63,48 @@ type result struct {
 	skipped             string
 }
 
+// merge returns r with o (the same cell, measured in another pass) added:
+// windows, counts and CPU add up, latencies are pooled. A nil r returns o.
+func (r *result) merge(o *result) *result {
+	if r == nil {
+		return o
+	}
+	if o == nil {
+		return r
+	}
+	r.window += o.window
+	r.add(o.cycles, o.tries, o.errs, o.timeouts, o.lat, o.firstErr, o.errKinds)
+	slices.Sort(r.lat)
+	r.client += o.client
+	r.server += o.server
+	r.redis += o.redis
+	r.pg += o.pg
+	r.redisReads += o.redisReads
+	r.pgXacts += o.pgXacts
+	if r.skipped == "" {
+		r.skipped = o.skipped
+	}
+	return r
+}
+
+// add counts what one worker or pass saw (latencies appended unsorted).
+func (r *result) add(cycles, tries, errs, timeouts int64, lat []time.Duration, firstErr string, kinds map[string]int64) {
+	r.cycles += cycles
+	r.tries += tries
+	r.errs += errs
+	r.timeouts += timeouts
+	r.lat = append(r.lat, lat...)
+	if r.firstErr == "" {
+		r.firstErr = firstErr
+	}
+	for k, n := range kinds {
+		if r.errKinds == nil {
+			r.errKinds = map[string]int64{}
+		}
+		r.errKinds[k] += n
+	}
+}
+
 func (r *result) rate() float64 {
 	if r.window <= 0 {
 		return 0
@@ -304,20 +346,7 @@ func (e *env) run(ctx context.Context, c cell, h hooks) *result {
 	wg.Wait()
 
 	for _, st := range stats {
-		r.cycles += st.cycles
-		r.tries += st.tries
-		r.errs += st.errs
-		r.timeouts += st.timeouts
-		r.lat = append(r.lat, st.lat...)
-		if r.firstErr == "" {
-			r.firstErr = st.firstErr
-		}
-		for k, n := range st.kinds {
-			if r.errKinds == nil {
-				r.errKinds = map[string]int64{}
-			}
-			r.errKinds[k] += n
-		}
+		r.add(st.cycles, st.tries, st.errs, st.timeouts, st.lat, st.firstErr, st.kinds)
 	}
 	slices.Sort(r.lat)
 	r.client = s1.self - s0.self

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -61,6 +62,61 @@ func TestPipeline_AsyncBatches(t *testing.T) {
 	case a := <-answers:
 		t.Errorf("call %d answered twice", a.i)
 	default:
+	}
+}
+
+// TestPipeline_YieldOnlyWhenBusy: the writer yields before a write only
+// while the node is busy (its last batch carried more than one command); a
+// command on an idle node goes out at once.
+func TestPipeline_YieldOnlyWhenBusy(t *testing.T) {
+	n, h, _ := realNode(t, RedisOptions{})
+	var yields atomic.Int32
+	n.pipe.yield = func() { yields.Add(1) } // before any call reaches the writer
+	bg := context.Background()
+
+	// Commands queued behind a held batch reach the idle writer, which
+	// sends them together without yielding first.
+	first := holdFirst(n, h)
+	const calls = 5
+	done := make(chan error, calls)
+	for i := range calls {
+		n.acquireAsync(bg, acquireArgs(fmt.Sprint("busy", i), "t", time.Minute), "", func(_ bool, _ time.Duration, err error) { done <- err })
+	}
+	close(h.hold)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	for range calls {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if b := h.batches(); len(b) != 2 || b[1] != calls {
+		t.Fatalf("pipeline sizes = %v; want [1 %d]", b, calls)
+	}
+	if got := yields.Load(); got != 0 {
+		t.Fatalf("%d yields before the first batch of an idle node; want 0", got)
+	}
+
+	// That batch made the node busy: the next write yields once. It
+	// carried one command, so the writes after it do not.
+	one := func(key string) {
+		t.Helper()
+		done := make(chan error, 1)
+		n.acquireAsync(bg, acquireArgs(key, "t", time.Minute), "", func(_ bool, _ time.Duration, err error) { done <- err })
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	one("after-busy")
+	if got := yields.Load(); got != 1 {
+		t.Fatalf("%d yields for the first command after a batch of %d; want 1", got, calls)
+	}
+	for i := range 3 {
+		one(fmt.Sprint("idle", i))
+	}
+	if got := yields.Load(); got != 1 {
+		t.Errorf("%d yields in all after lone commands; want still 1", got)
 	}
 }
 

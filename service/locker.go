@@ -663,15 +663,29 @@ type nodeOp struct {
 }
 
 // round sends op to every node in parallel, each bounded by NodeTimeout, and
-// returns the channel the answers arrive on (buffered: senders never block)
+// returns the ballot the answers arrive on (buffered: senders never block)
 // and a WaitGroup that is done once every node has answered and its after
 // has run. after, if set, runs once node i's answer is sent; wrote is false
 // when the node definitely changed nothing (it answered no, or that it lost
 // its memory). after must not block: it may run on a node's pipeline writer.
 // An answer that comes after the node's deadline counts as a timeout.
-func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i int, wrote bool)) (<-chan vote, *sync.WaitGroup) {
+//
+// The caller waits on the ballot's ready channel, closed once the answers in
+// satisfy enough (which counts the Yes and No outcomes and all answers), and
+// then reads the votes: it is woken once per decision, not once per answer.
+// A nil enough closes ready at once.
+func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i int, wrote bool), enough func(yes, no, got int) bool) (*ballot, *sync.WaitGroup) {
 	voting := name == "acquire" || name == "extend"
 	ch := make(chan vote, len(l.nodes))
+	b := &ballot{ch: ch, ready: make(chan struct{})}
+	if enough == nil {
+		close(b.ready)
+	}
+	var (
+		countMu      sync.Mutex
+		yes, no, got int
+		decided      = enough == nil
+	)
 	// One deadline for the round: every node's request starts now. The
 	// last node to answer cancels it.
 	nctx, cancel := l.nodeContext(ctx)
@@ -707,7 +721,21 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			v.Outcome = No
 		}
 		l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
+		countMu.Lock()
+		got++
+		switch v.Outcome {
+		case Yes:
+			yes++
+		case No:
+			no++
+		}
+		fire := !decided && enough(yes, no, got)
+		decided = decided || fire
+		countMu.Unlock()
 		ch <- v
+		if fire {
+			close(b.ready) // after this vote is sent: the caller finds it
+		}
 		if after != nil {
 			after(i, ok || err != nil && !errors.Is(err, ErrMemoryLost))
 		}
@@ -724,7 +752,22 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			finish(i, t0, ok, rem, err, false)
 		}()
 	}
-	return ch, &wg
+	return b, &wg
+}
+
+// ballot is where a round's answers arrive (see round).
+type ballot struct {
+	// ch gets every node's answer once, in arrival order (buffered: a
+	// node never blocks on it).
+	ch chan vote
+	// ready is closed once the answers sent satisfy the round's enough.
+	ready chan struct{}
+}
+
+// decided is the enough of a voting round: a majority said yes, or too few
+// nodes are left to make one.
+func (l *Locker) decided(yes, _, got int) bool {
+	return yes >= l.quorum || yes+(len(l.nodes)-got) < l.quorum
 }
 
 func (l *Locker) nodeContext(ctx context.Context) (context.Context, context.CancelFunc) {
@@ -737,10 +780,11 @@ type tally struct {
 	yes, no, got int
 }
 
-func (l *Locker) collect(ch <-chan vote) *tally {
+func (l *Locker) collect(b *ballot) *tally {
+	<-b.ready
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
-	for t.yes < l.quorum && t.yes+(len(l.nodes)-t.got) >= l.quorum {
-		l.add(t, <-ch)
+	for !l.decided(t.yes, t.no, t.got) {
+		l.add(t, <-b.ch)
 	}
 	return t
 }
@@ -757,9 +801,9 @@ func (l *Locker) add(t *tally, v vote) {
 }
 
 // drain waits for the remaining votes of a round.
-func (l *Locker) drain(t *tally, ch <-chan vote) {
+func (l *Locker) drain(t *tally, b *ballot) {
 	for t.got < len(l.nodes) {
-		l.add(t, <-ch)
+		l.add(t, <-b.ch)
 	}
 }
 
@@ -797,7 +841,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	lr := &lateRound{left: len(l.nodes)}
 	args := acquireArgs(rkey, token, req.TTL)
 	var wg *sync.WaitGroup
-	ch, wg := l.round(context.WithoutCancel(ctx), "acquire", nodeOp{
+	votes, wg := l.round(context.WithoutCancel(ctx), "acquire", nodeOp{
 		sync: func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
 			epoch, _ := l.members[i].state()
 			ok, rem, err := n.Acquire(ctx, rkey, token, req.TTL, epoch)
@@ -834,8 +878,8 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 			delete(l.late, token)
 			l.lateMu.Unlock()
 		}
-	})
-	t := l.collect(ch)
+	}, l.decided)
+	t := l.collect(votes)
 
 	// decide ends the round's waiting: on failure it deletes what the nodes
 	// that answered may have set; on success it leaves the stragglers
@@ -862,7 +906,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	fail := func(sentinel error, cause error) *Error {
 		decide(true)
 		wg.Wait() // every node answered and deleted what it set
-		l.drain(t, ch)
+		l.drain(t, votes)
 		if sentinel == nil { // no quorum: decide why on every node's answer
 			sentinel, cause = ErrQuorum, nodeErrors(t.results)
 			if l.refused(t) {
@@ -952,18 +996,18 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	rkey := keyspace.RedisKey(key)
 	start := l.opts.Now()
 	expires := start.Add(ttl - l.drift(ttl))
-	ch, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+	votes, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		ok, err := n.Extend(ctx, rkey, token, ttl)
 		return ok, 0, err
-	}}, nil)
-	t := l.collect(ch)
+	}}, nil, l.decided)
+	t := l.collect(votes)
 	lost := func(cause error) (*Grant, error) {
-		l.drain(t, ch)
+		l.drain(t, votes)
 		l.releaseAll(ctx, rkey, token, true)
 		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Nodes: t.results, Cause: cause}
 	}
 	if t.yes < l.quorum {
-		l.drain(t, ch) // decide on every node's answer, each within NodeTimeout
+		l.drain(t, votes) // decide on every node's answer, each within NodeTimeout
 		if l.refused(t) {
 			return lost(nil)
 		}
@@ -971,7 +1015,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	}
 	rec, err := l.last(ctx, key)
 	if err != nil {
-		l.drain(t, ch)
+		l.drain(t, votes)
 		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Nodes: t.results, Cause: err}
 	}
 	if rec.Holder != HolderID(token) {
@@ -1013,7 +1057,7 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 	var mu sync.Mutex
 	left, done := len(l.nodes), chan struct{}(nil)
 	args := releaseArgs(rkey, token)
-	ch, _ := l.round(context.WithoutCancel(ctx), "release", nodeOp{
+	votes, _ := l.round(context.WithoutCancel(ctx), "release", nodeOp{
 		sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 			ok, err := n.Release(ctx, rkey, token)
 			return ok, 0, err
@@ -1032,10 +1076,11 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 			l.lateMu.Unlock()
 			close(done)
 		}
-	})
+	}, func(yes, _, got int) bool { return got == len(l.nodes) || !all && yes >= l.quorum })
+	<-votes.ready
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	for t.got < len(l.nodes) && (all || t.yes < l.quorum) {
-		l.add(t, <-ch)
+		l.add(t, <-votes.ch)
 	}
 	mu.Lock()
 	if left > 0 {
@@ -1079,12 +1124,12 @@ type Status struct {
 // Status reports whether key is held, by asking every node for its TTL.
 func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	rkey := keyspace.RedisKey(key)
-	ch, _ := l.round(ctx, "ttl", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+	votes, _ := l.round(ctx, "ttl", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		d, err := n.TTL(ctx, rkey)
 		return d > 0, d, err
-	}}, nil)
+	}}, nil, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
-	l.drain(t, ch)
+	l.drain(t, votes)
 	var rem []time.Duration
 	for _, r := range t.results {
 		if r.Outcome == Yes {
@@ -1120,11 +1165,11 @@ type NodeStatus struct {
 
 // Nodes pings every node in parallel and reports each one's health.
 func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
-	ch, _ := l.round(ctx, "ping", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
+	votes, _ := l.round(ctx, "ping", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		return true, 0, n.Ping(ctx)
-	}}, nil)
+	}}, nil, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
-	l.drain(t, ch)
+	l.drain(t, votes)
 	out := make([]NodeStatus, len(l.nodes))
 	for i, r := range t.results {
 		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}

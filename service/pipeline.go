@@ -68,6 +68,9 @@ type pipeliner struct {
 	calls sync.Pool
 	// queued counts the calls handed to the writer goroutine (for tests).
 	queued atomic.Int64
+	// yield is what the writer does before writing to a busy node:
+	// runtime.Gosched (tests count the calls).
+	yield func()
 	// mu orders doAsync's enqueues before close: once shut is set nothing
 	// is queued any more, so the writer's last drain answers every call.
 	mu   sync.RWMutex
@@ -76,7 +79,7 @@ type pipeliner struct {
 
 func newPipeliner(client *redis.Client) *pipeliner {
 	p := &pipeliner{client: client, queue: make(chan *call, 4*maxBatch), closed: make(chan struct{}),
-		buf: make([]*call, 0, maxBatch), pipe: client.Pipeline()}
+		buf: make([]*call, 0, maxBatch), pipe: client.Pipeline(), yield: runtime.Gosched}
 	p.wg.Add(1)
 	go p.run()
 	return p
@@ -97,7 +100,7 @@ func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.
 	c.ctx, c.cmd, c.src = ctx, cmd, src
 	if p.sending.TryLock() {
 		// Nothing on the wire: send now, with whatever is queued.
-		p.buf = p.sendLocked(append(p.buf[:0], c))
+		p.buf, _ = p.sendLocked(append(p.buf[:0], c))
 		p.sending.Unlock()
 		<-c.done // answered by the send
 		return p.recycle(c)
@@ -182,8 +185,15 @@ func (p *pipeliner) close() {
 
 // run is the writer goroutine: it sends what callers queued while a batch
 // was on the wire.
+//
+// While the node is busy (the last batch carried more than one command), the
+// writer yields once before each write: the goroutines that are ready run
+// first, and what they queue goes out in this write rather than the next.
+// On an idle node it writes at once: a lone request has nobody to wait for,
+// and a yield would put it behind every runnable goroutine of the process.
 func (p *pipeliner) run() {
 	defer p.wg.Done()
+	busy := false
 	for {
 		var c *call
 		select {
@@ -192,18 +202,21 @@ func (p *pipeliner) run() {
 			p.fail()
 			return
 		}
-		// Let the goroutines that are ready run first: what they queue
-		// now goes out in this write rather than the next.
-		runtime.Gosched()
+		if busy {
+			p.yield()
+		}
 		p.sending.Lock()
-		p.buf = p.sendLocked(append(p.buf[:0], c))
+		var n int
+		p.buf, n = p.sendLocked(append(p.buf[:0], c))
 		p.sending.Unlock()
+		busy = n > 1
 	}
 }
 
 // sendLocked adds to batch what is queued, sends it and answers every call.
-// It returns batch emptied, for reuse. p.sending is held.
-func (p *pipeliner) sendLocked(batch []*call) []*call {
+// It returns batch emptied, for reuse, and how many calls it carried.
+// p.sending is held.
+func (p *pipeliner) sendLocked(batch []*call) ([]*call, int) {
 	select {
 	case <-p.closed:
 		for _, c := range batch {
@@ -211,7 +224,7 @@ func (p *pipeliner) sendLocked(batch []*call) []*call {
 			c.answer()
 		}
 		clear(batch)
-		return batch[:0]
+		return batch[:0], 0
 	default:
 	}
 more:
@@ -223,9 +236,10 @@ more:
 			break more
 		}
 	}
+	n := len(batch)
 	p.send(batch)
 	clear(batch)
-	return batch[:0]
+	return batch[:0], n
 }
 
 // fail answers every call still queued after close.
