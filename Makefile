@@ -49,7 +49,7 @@ test-ts: deps build
 	@command -v node >/dev/null && command -v npm >/dev/null || { echo "test-ts needs Node.js >= 20 and npm" >&2; exit 1; }
 	cd sdk/typescript && npm ci --no-audit --no-fund && REDFENCE_BIN=$(CURDIR)/$(BIN) npm test
 
-## bench:     Redfence vs redsync vs etcd side by side (bench/, ~9 min); rewrites README's table (extra flags via BENCHFLAGS=...)
+## bench:     Redfence vs redsync vs etcd side by side (bench/, ~11 min); rewrites README's table (extra flags via BENCHFLAGS=...)
 bench: bench-deps build
 	cd bench && go run -mod=mod . -redfence ../$(BIN) -readme ../README.md $(BENCHFLAGS)
 
@@ -57,7 +57,7 @@ bench: bench-deps build
 bench-micro: deps
 	go test -run '^$$' -bench . -benchmem ./service/ ./store/ ./api/
 
-## bench-quick: the same cells for 1.5 s each (~2 min); prints the table only
+## bench-quick: the same cells for 1.5 s each (~3 min); prints the table only
 bench-quick: bench-deps build
 	cd bench && go run -mod=mod . -redfence ../$(BIN) -duration 1500ms -warmup 500ms $(BENCHFLAGS)
 

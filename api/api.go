@@ -488,25 +488,14 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 	h.m.acquire("granted")
 	h.m.acquireSeconds.Observe(time.Since(start).Seconds())
 	h.remember(r, key, g)
+	h.audit(r, slog.LevelInfo, "lock granted", name, owner, g.Fencing, "granted", ttl.Milliseconds())
 	loc := r.URL.Path // "/v1/locks/"+name, without building it, when it is
 	if len(loc) != len(lockPrefix)+len(name) || loc[:len(lockPrefix)] != lockPrefix || loc[len(lockPrefix):] != name {
 		loc = lockPrefix + name
 	}
 	setHeader(w, "Location", loc)
 	h.writeLock(w, http.StatusCreated, name, g, true)
-	sendNow(w)
-	h.audit(r, slog.LevelInfo, "lock granted", name, owner, g.Fencing, "granted", ttl.Milliseconds())
 	return nil
-}
-
-// sendNow flushes the response written so far to the client, so that what
-// the handler and the middleware still do (audit and access log lines) is
-// off the client's wait. The response must carry its Content-Length (see
-// writeBody) or have no body, or it would be sent chunked.
-func sendNow(w http.ResponseWriter) {
-	if f, ok := w.(http.Flusher); ok {
-		f.Flush()
-	}
 }
 
 // remember caches the grant g of key for the audit line of its release,
@@ -656,10 +645,9 @@ func (h *Handler) doRelease(w http.ResponseWriter, r *http.Request) error {
 	h.m.releaseSeconds.Observe(time.Since(start).Seconds())
 	h.m.released("released")
 	h.grants.drop(token)
-	w.WriteHeader(http.StatusNoContent)
-	sendNow(w)
 	owner, ft := grant.get()
 	h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released", noTTL)
+	w.WriteHeader(http.StatusNoContent)
 	return nil
 }
 

@@ -195,8 +195,6 @@ func appendRFC3339Nano(dst []byte, t time.Time) []byte {
 func writeBody(w http.ResponseWriter, status int, contentType string, b []byte) {
 	setHeader(w, "Content-Type", contentType)
 	setHeader(w, "Cache-Control", "no-store")
-	var n [20]byte
-	setHeader(w, "Content-Length", string(strconv.AppendInt(n[:0], int64(len(b)), 10)))
 	w.WriteHeader(status)
 	_, _ = w.Write(b)
 }

@@ -406,8 +406,9 @@ func (e *env) plan() []cell {
 
 func (e *env) measure(ctx context.Context) []*result {
 	cells := e.plan()
-	logf("%d cells of %v (+%v warm-up): about %v", len(cells), e.cfg.duration, e.cfg.warmup,
-		(time.Duration(len(cells)) * (e.cfg.duration + e.cfg.warmup + 400*time.Millisecond)).Round(time.Second))
+	passes := max(1, e.cfg.passes)
+	logf("%d cells of %v in %d passes (+%v warm-up each): about %v", len(cells), e.cfg.duration, passes, e.cfg.warmup,
+		(time.Duration(len(cells)) * (e.cfg.duration + time.Duration(passes)*(e.cfg.warmup+400*time.Millisecond))).Round(time.Second))
 	// Settle first: freshly started servers (Postgres right after initdb
 	// and its first checkpoint, etcd, cold caches and connection pools)
 	// are slower for a few seconds, which would weigh on the first cells
@@ -430,7 +431,6 @@ func (e *env) measure(ctx context.Context) []*result {
 	// checkpoint, a busy core) weighs on every system alike, not on the
 	// one that happens to come first. A system's passes are merged into
 	// one result, measured for -duration in all.
-	passes := max(1, e.cfg.passes)
 	e.cfg.duration = measured / time.Duration(passes)
 	defer func() { e.cfg.duration = measured }()
 	var out []*result
