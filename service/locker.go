@@ -684,15 +684,13 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 	var (
 		countMu      sync.Mutex
 		yes, no, got int
-		decided      = enough == nil
+		fired        = enough == nil // ready is closed
 	)
 	// One deadline for the round: every node's request starts now. The
 	// last node to answer cancels it.
 	nctx, cancel := l.nodeContext(ctx)
 	var wg sync.WaitGroup
 	wg.Add(len(l.nodes))
-	var left atomic.Int32
-	left.Store(int32(len(l.nodes)))
 	finish := func(i int, t0 time.Time, ok bool, rem time.Duration, err error, async bool) {
 		defer wg.Done()
 		n := l.nodes[i]
@@ -701,9 +699,6 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			// count a timeout, as a blocking call would have returned
 			// one, and treat the node as changed.
 			err = fmt.Errorf("%s: %w", name, nctx.Err())
-		}
-		if left.Add(-1) == 0 {
-			cancel() // the last answer is in
 		}
 		v := vote{i: i, NodeResult: NodeResult{Addr: n.Addr(), Latency: time.Since(t0), Remaining: rem}}
 		switch {
@@ -729,9 +724,13 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 		case No:
 			no++
 		}
-		fire := !decided && enough(yes, no, got)
-		decided = decided || fire
+		fire := !fired && enough(yes, no, got)
+		fired = fired || fire
+		last := got == len(l.nodes)
 		countMu.Unlock()
+		if last {
+			cancel() // the last answer is in
+		}
 		ch <- v
 		if fire {
 			close(b.ready) // after this vote is sent: the caller finds it
