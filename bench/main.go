@@ -426,11 +426,11 @@ func (e *env) measure(ctx context.Context) []*result {
 	e.cfg.duration = measured
 	logf("settled %d systems for %v each", len(settled), max(3*e.cfg.warmup, 2*time.Second))
 	// Each group of cells (one case and worker count) runs in passes, the
-	// systems in turn, forward then backward: whatever the cell before
-	// leaves behind (Postgres vacuuming the rows the last system wrote, a
-	// checkpoint, a busy core) weighs on every system alike, not on the
-	// one that happens to come first. A system's passes are merged into
-	// one result, measured for -duration in all.
+	// systems in turn, forward then backward: a system's place in its group
+	// matters (the first cell of a group measured up to 30% lower, for
+	// reasons not isolated here), and alternating spreads that over every
+	// system instead of the one that happens to come first. A system's
+	// passes are merged into one result, measured for -duration in all.
 	e.cfg.duration = measured / time.Duration(passes)
 	defer func() { e.cfg.duration = measured }()
 	var out []*result
