@@ -38,6 +38,7 @@ const (
 	MetricTokensIssued       = "redfence_tokens_issued_total"
 	MetricTokenIssueFailures = "redfence_token_issue_failures_total"
 	MetricTokenIssueSeconds  = "redfence_token_issue_duration_seconds"
+	MetricSpeculations       = "redfence_token_speculations_total"
 )
 
 // latencyBuckets spans sub-millisecond Redis answers to minute-long waits.
@@ -266,6 +267,7 @@ type Observer struct {
 	issued       prometheus.Counter
 	issueFailed  prometheus.Counter
 	issueSeconds prometheus.Histogram
+	speculations *prometheus.CounterVec
 	nodes        *nodeState
 	// series caches, per node, operation and outcome, the series NodeOp
 	// feeds: resolving label values takes a hash and a lock per call.
@@ -309,6 +311,11 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		issueSeconds: register(reg, prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: MetricTokenIssueSeconds, Help: "Latency of fencing-token issuance in Postgres.", Buckets: latencyBuckets,
 		})),
+		speculations: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: MetricSpeculations,
+			Help: "Speculative fencing-token issuances (sent with the Redis round by a try running alone), by outcome: " +
+				"confirmed (granted), superseded (not grantable: issued anew after the quorum), withdrawn (the try failed), failed (Postgres error).",
+		}, []string{"outcome"})),
 		nodes: register(reg, &nodeState{now: time.Now, until: make(map[string]time.Time), starts: make(map[string]uint64)}),
 	}
 	return o
@@ -336,9 +343,65 @@ func (o *Observer) Waiting(delta int) { o.waiters.Add(float64(delta)) }
 // Quarantine implements service.Observer.
 func (o *Observer) Quarantine(addr string, until time.Time) { o.nodes.quarantine(addr, until) }
 
-// Issuer returns iss with issuance counted and timed.
+// Issuer returns iss with issuance counted and timed. If iss is a
+// fencing.Speculator, so is the Issuer returned, its speculations counted
+// too.
 func (o *Observer) Issuer(iss service.Issuer) service.Issuer {
-	return &countingIssuer{Issuer: iss, o: o}
+	c := &countingIssuer{Issuer: iss, o: o}
+	if s, ok := iss.(fencing.Speculator); ok {
+		return &countingSpeculator{countingIssuer: c, spec: s}
+	}
+	return c
+}
+
+type countingSpeculator struct {
+	*countingIssuer
+	spec fencing.Speculator
+}
+
+var _ fencing.Speculator = (*countingSpeculator)(nil)
+
+func (c *countingSpeculator) Speculate(ctx context.Context, claim fencing.Claim, last fencing.Token) (fencing.Speculation, error) {
+	start := time.Now()
+	s, err := c.spec.Speculate(ctx, claim, last)
+	if err != nil {
+		c.o.speculations.WithLabelValues("failed").Inc()
+		return nil, err
+	}
+	return &countingSpeculation{Speculation: s, o: c.o, start: start}, nil
+}
+
+// countingSpeculation counts a speculation's outcome; a confirmed one is
+// also counted and timed as an issuance (from its start).
+type countingSpeculation struct {
+	fencing.Speculation
+	o     *Observer
+	start time.Time
+}
+
+func (s *countingSpeculation) Confirm(ctx context.Context) (fencing.Token, error) {
+	t, err := s.Speculation.Confirm(ctx)
+	switch {
+	case err == nil:
+		s.o.speculations.WithLabelValues("confirmed").Inc()
+		s.o.issueSeconds.Observe(time.Since(s.start).Seconds())
+		s.o.issued.Inc()
+	case errors.Is(err, fencing.ErrNotConfirmed):
+		s.o.speculations.WithLabelValues("superseded").Inc()
+	default:
+		s.o.speculations.WithLabelValues("failed").Inc()
+	}
+	return t, err
+}
+
+func (s *countingSpeculation) Abandon(ctx context.Context) error {
+	err := s.Speculation.Abandon(ctx)
+	if err != nil {
+		s.o.speculations.WithLabelValues("failed").Inc()
+	} else {
+		s.o.speculations.WithLabelValues("withdrawn").Inc()
+	}
+	return err
 }
 
 type countingIssuer struct {

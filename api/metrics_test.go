@@ -175,7 +175,7 @@ func TestMetrics_Dashboard(t *testing.T) {
 		api.MetricExtensions, api.MetricReleases, api.MetricReleaseSeconds, api.MetricStaleWrites,
 		api.MetricQuorumFailures, api.MetricNodeRequests, api.MetricNodeSeconds, api.MetricNodeQuarantined,
 		api.MetricNodeQuarantines, api.MetricBlockedWaiters, api.MetricTokensIssued, api.MetricTokenIssueFailures,
-		api.MetricTokenIssueSeconds,
+		api.MetricTokenIssueSeconds, api.MetricSpeculations,
 	} {
 		if _, ok := families[name]; !ok {
 			t.Errorf("/metrics does not serve %s after traffic", name)

@@ -68,6 +68,42 @@ type Issuer interface {
 	Issue(ctx context.Context, c Claim) (Token, error)
 }
 
+// ErrNotConfirmed is returned (wrapped) by Speculation.Confirm when the
+// speculative token cannot be granted: it was not issued (the newest token
+// was not the one expected) or a newer token was issued since. The caller
+// then issues a token the ordinary way.
+var ErrNotConfirmed = errors.New("fencing: speculative token not confirmed")
+
+// Speculator is an Issuer that can also issue a token while the grant it is
+// for is still being won, so that the two overlap. It is for idle moments: a
+// speculative issuance is a conditional write of its own, not batched with
+// others.
+type Speculator interface {
+	Issuer
+	// Speculate sends, without waiting for it, an issuance for c that takes
+	// effect only if the newest token of c.Key is last (0: none was ever
+	// issued), so it cannot fence out a grant the caller does not know was
+	// given up. The caller must end the Speculation with exactly one call
+	// of Confirm or Abandon.
+	Speculate(ctx context.Context, c Claim, last Token) (Speculation, error)
+}
+
+// Speculation is a token issuance sent ahead of its grant (see Speculator).
+type Speculation interface {
+	// Confirm is called once the grant is won. It returns the speculative
+	// token once it is durably recorded and still the newest one for the
+	// key, so it is larger than every token issued before the call. Otherwise
+	// it returns an error, matching ErrNotConfirmed when no failure occurred
+	// but the token is not grantable; the caller must not grant with it.
+	Confirm(ctx context.Context) (Token, error)
+	// Abandon is called when the grant is not won. It withdraws the
+	// speculative token if it was issued and is still the newest, so a
+	// refused grant leaves the key's token as it was. A token that cannot
+	// be withdrawn (an error, or a newer token exists) stays burned, which
+	// is safe: no live grant held the token it replaced.
+	Abandon(ctx context.Context) error
+}
+
 // Parse parses a decimal token as carried in headers and query strings.
 func Parse(s string) (Token, error) {
 	s = strings.TrimSpace(s)

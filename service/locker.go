@@ -112,8 +112,16 @@ type Options struct {
 	// Logger receives node quarantine events. The default discards them.
 	Logger *slog.Logger
 	// AfterQuorum, if set, runs after a quorum is won and before the fencing
-	// token is issued. It is a test hook for stalling a grant at that point.
+	// token is issued (or a speculative one confirmed). It is a test hook for
+	// stalling a grant at that point.
 	AfterQuorum func(ctx context.Context, key string)
+	// NoSpeculation turns speculative issuance off: every token is then
+	// issued after its quorum. Speculation (used when the issuer is a
+	// fencing.Speculator) lets a try that runs alone issue its token while
+	// its round runs, when the key's newest token belongs to a grant this
+	// Locker saw released, or the key never had one; it is confirmed after
+	// the quorum, so token order stays grant order.
+	NoSpeculation bool
 }
 
 func (o *Options) setDefaults() {
@@ -204,6 +212,18 @@ type Locker struct {
 	// still answering; a repeated release waits for it, so it sees the
 	// outcome of the first (409 not-holder) rather than racing it.
 	releasing map[string]chan struct{}
+
+	// speculator is the issuer if it can speculate and speculation is on.
+	speculator fencing.Speculator
+	// tries counts the tries running: one that runs alone may speculate.
+	tries atomic.Int32
+	// specMu guards recent and pending.
+	specMu sync.Mutex
+	// recent remembers, per key, the last grant of this Locker and whether
+	// it was released since (see speculable); at most maxRecent keys.
+	recent map[string]recentGrant
+	// pending holds the speculations running, per key.
+	pending map[string]*pending
 }
 
 // lateRound is the clean-up state of one acquire round, shared by its nodes'
@@ -253,6 +273,11 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		waiters:   make(map[string]*waitQueue),
 		late:      make(map[string]*lateRound),
 		releasing: make(map[string]chan struct{}),
+		recent:    make(map[string]recentGrant),
+		pending:   make(map[string]*pending),
+	}
+	if s, ok := issuer.(fencing.Speculator); ok && !opts.NoSpeculation {
+		l.speculator = s
 	}
 	for _, n := range nodes {
 		if w, ok := n.(ReleaseWatcher); ok {
@@ -827,9 +852,14 @@ func (l *Locker) cleanupContext(ctx context.Context) (context.Context, context.C
 
 // try runs one Redlock round plus issuance.
 func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Grant, *Error) {
+	l.tries.Add(1)
+	defer l.tries.Add(-1)
 	rkey := keyspace.RedisKey(key)
 	start := l.opts.Now()
 	expires := start.Add(req.TTL - l.drift(req.TTL))
+	claim := fencing.Claim{Key: key, Owner: req.Owner, Holder: HolderID(token)}
+	// Sent first: the commit takes longer than the round.
+	spec := l.speculate(ctx, claim, req.Wait > 0)
 
 	// Every node's answer is noted until the decision; on failure the
 	// decision deletes what the nodes that answered may have set, and nodes
@@ -904,6 +934,9 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 
 	fail := func(sentinel error, cause error) *Error {
 		decide(true)
+		if spec != nil {
+			spec.abandon(ctx)
+		}
 		wg.Wait() // every node answered and deleted what it set
 		l.drain(t, votes)
 		if sentinel == nil { // no quorum: decide why on every node's answer
@@ -928,11 +961,15 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	if !l.opts.Now().Before(expires) {
 		return nil, fail(ErrExpired, nil)
 	}
+	if spec != nil {
+		spec.won()
+	}
 	if l.opts.AfterQuorum != nil {
 		l.opts.AfterQuorum(ctx, key)
 	}
 	ictx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
-	ft, err := l.issuer.Issue(ictx, fencing.Claim{Key: key, Owner: req.Owner, Holder: HolderID(token)})
+	ft, err := l.issue(ictx, claim, spec)
+	spec = nil // confirmed or not, it is over
 	cancel()
 	if err != nil {
 		if ctx.Err() != nil {
@@ -944,6 +981,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		return nil, fail(ErrExpired, nil)
 	}
 	decide(false)
+	l.remember(key, recentGrant{lock: token, fencing: ft})
 	return &Grant{Key: key, Token: token, Fencing: ft, TTL: req.TTL, Start: start, Expires: expires, Owner: req.Owner}, nil
 }
 
@@ -1100,6 +1138,7 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 func (l *Locker) Release(ctx context.Context, key, token string) error {
 	t := l.releaseAll(ctx, keyspace.RedisKey(key), token, false)
 	if t.yes > 0 {
+		l.released(key, token)
 		l.wake(key, releaseDigest(token))
 		return nil
 	}

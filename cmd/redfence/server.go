@@ -116,6 +116,7 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		RetryDelayMin: cfg.RetryDelayMin,
 		RetryDelayMax: cfg.RetryDelayMax,
 		IssueTimeout:  cfg.IssueTimeout,
+		NoSpeculation: !cfg.Speculate,
 		AfterQuorum:   opts.AfterQuorum,
 		Observer:      obs,
 		Registry:      registry(db, opts),

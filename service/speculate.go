@@ -1,0 +1,199 @@
+package service
+
+// Speculative issuance: a try that runs alone sends its fencing-token
+// issuance together with its SETs, so the durable commit overlaps the Redis
+// round instead of following it. After the quorum the token is confirmed
+// (still the newest for its key) before it is granted; a try that fails
+// withdraws it. See fencing.Speculator for the issuer's side.
+//
+// When a try may speculate (speculable):
+//   - speculation is on and the issuer supports it;
+//   - the try is the only one running in this Locker (under load, issuance
+//     is batched instead, and a speculation is a commit of its own);
+//   - nobody else in this Locker waits for the key (a contended key would
+//     mostly speculate for tries that lose);
+//   - the key's newest token fences out nobody: it is the token of a grant
+//     this Locker made and saw released, or, as far as this Locker knows, the
+//     key never had one. The issuer applies the speculation only if the
+//     token named is indeed still the newest, so a grant made elsewhere is
+//     never fenced out by a speculation here.
+//
+// Token order stays grant order: a token is granted only if it is still the
+// newest after the quorum (fencing.Speculation.Confirm). A try that fails
+// withdraws its token before it returns, so a refused acquire leaves the
+// key's token as it was. Another try of this Locker that wins the key while
+// a speculation for it has not yet won its round waits for that speculation
+// to end before it issues, so the withdrawn token is the one it gets: within
+// one server, a race costs no token. Across servers, or when a speculating
+// try stalls after its quorum (its token can then not be withdrawn once a
+// newer one exists), a token may be skipped, as with any grant refused after
+// issuance; tokens are never reused and never go backwards.
+
+import (
+	"context"
+
+	"github.com/redfence/redfence/fencing"
+)
+
+// maxRecent bounds Locker.recent. A key it forgets is treated as one this
+// Locker never granted.
+const maxRecent = 4096
+
+// recentGrant is the last grant of a key by a Locker.
+type recentGrant struct {
+	lock     string // the lock token; "" once speculation failed on the key
+	fencing  fencing.Token
+	released bool
+}
+
+// pending is a running speculation of a try.
+type pending struct {
+	l    *Locker
+	key  string
+	spec fencing.Speculation
+	// done is closed once the speculation is confirmed or abandoned.
+	done chan struct{}
+	// quorum is set (under Locker.specMu) once its try won its quorum:
+	// others do not wait for it then, as it may stall.
+	quorum bool
+}
+
+// speculate starts a speculative issuance for the try of c if it may (see
+// speculable), or returns nil. A failure to start it is left for the
+// ordinary issuance after the quorum to meet.
+func (l *Locker) speculate(ctx context.Context, c fencing.Claim, queued bool) *pending {
+	last, ok := l.speculable(c.Key, queued)
+	if !ok {
+		return nil
+	}
+	sctx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
+	defer cancel()
+	s, err := l.speculator.Speculate(sctx, c, last)
+	if err != nil {
+		return nil
+	}
+	p := &pending{l: l, key: c.Key, spec: s, done: make(chan struct{})}
+	l.specMu.Lock()
+	if l.pending[c.Key] != nil {
+		// Another try's, started meanwhile: not alone after all.
+		l.specMu.Unlock()
+		p.abandon(ctx)
+		return nil
+	}
+	l.pending[c.Key] = p
+	l.specMu.Unlock()
+	return p
+}
+
+// speculable reports whether a try for key may speculate, and on which newest
+// token (see the top of this file). queued says the try's acquire is itself
+// among key's waiters.
+func (l *Locker) speculable(key string, queued bool) (fencing.Token, bool) {
+	if l.speculator == nil || l.tries.Load() != 1 {
+		return 0, false
+	}
+	others := 0
+	l.waitMu.Lock()
+	if wq := l.waiters[key]; wq != nil {
+		others = len(wq.q)
+	}
+	l.waitMu.Unlock()
+	if queued {
+		others--
+	}
+	if others > 0 {
+		return 0, false
+	}
+	l.specMu.Lock()
+	defer l.specMu.Unlock()
+	g, ok := l.recent[key]
+	if !ok {
+		return 0, true
+	}
+	return g.fencing, g.released
+}
+
+// won records that p's try won its quorum.
+func (p *pending) won() {
+	p.l.specMu.Lock()
+	p.quorum = true
+	p.l.specMu.Unlock()
+}
+
+// abandon withdraws p's token, before the refusal of its try is returned. If
+// it cannot be withdrawn, the token stays burned, which fences out no live
+// grant (see fencing.Speculation).
+func (p *pending) abandon(ctx context.Context) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.l.opts.IssueTimeout)
+	_ = p.spec.Abandon(cctx)
+	cancel()
+	p.end()
+}
+
+// end removes p from the running speculations and wakes the tries waiting
+// for it.
+func (p *pending) end() {
+	p.l.specMu.Lock()
+	if p.l.pending[p.key] == p {
+		delete(p.l.pending, p.key)
+	}
+	p.l.specMu.Unlock()
+	close(p.done)
+}
+
+// awaitSpeculation waits, before a try that did not speculate issues a token
+// for key, for a speculation on key whose try has not won its quorum: that
+// try is about to fail and withdraw its token.
+func (l *Locker) awaitSpeculation(ctx context.Context, key string) {
+	l.specMu.Lock()
+	p := l.pending[key]
+	l.specMu.Unlock()
+	if p == nil || p.quorum {
+		return
+	}
+	select {
+	case <-p.done:
+	case <-ctx.Done():
+	}
+}
+
+// issue returns the token of a won grant: spec's, when it is confirmed,
+// else one issued now.
+func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending) (fencing.Token, error) {
+	if spec != nil {
+		ft, err := spec.spec.Confirm(ctx)
+		spec.end()
+		if err == nil {
+			return ft, nil
+		}
+		// The key's newest token is not what this Locker thought: do not
+		// speculate on it again until a grant here is released.
+		l.remember(c.Key, recentGrant{})
+	} else {
+		l.awaitSpeculation(ctx, c.Key)
+	}
+	return l.issuer.Issue(ctx, c)
+}
+
+// remember records g as key's recent grant.
+func (l *Locker) remember(key string, g recentGrant) {
+	l.specMu.Lock()
+	defer l.specMu.Unlock()
+	if _, ok := l.recent[key]; !ok && len(l.recent) >= maxRecent {
+		for k := range l.recent { // forget one, any one
+			delete(l.recent, k)
+			break
+		}
+	}
+	l.recent[key] = g
+}
+
+// released notes that the grant of key with lock token token was released.
+func (l *Locker) released(key, token string) {
+	l.specMu.Lock()
+	defer l.specMu.Unlock()
+	if g, ok := l.recent[key]; ok && g.lock == token {
+		g.released = true
+		l.recent[key] = g
+	}
+}

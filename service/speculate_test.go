@@ -1,0 +1,241 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence/fencing"
+)
+
+// specIssuer is a memIssuer that speculates with the semantics of
+// store.DB's (conditional issuance, confirmation, withdrawal), and records
+// what it was asked.
+type specIssuer struct {
+	*memIssuer
+	mu    sync.Mutex
+	calls []string // "speculate <key> <last>", "confirm <key>", "abandon <key>"
+	// speculated, if set, receives each speculation's key.
+	speculated chan string
+}
+
+var _ fencing.Speculator = (*specIssuer)(nil)
+
+func (s *specIssuer) note(format string, args ...any) {
+	s.mu.Lock()
+	s.calls = append(s.calls, fmt.Sprintf(format, args...))
+	s.mu.Unlock()
+}
+
+func (s *specIssuer) log() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]string(nil), s.calls...)
+}
+
+func (s *specIssuer) Speculate(ctx context.Context, c fencing.Claim, last fencing.Token) (fencing.Speculation, error) {
+	s.note("speculate %s %d", c.Key, last)
+	if s.speculated != nil {
+		s.speculated <- c.Key
+	}
+	m := s.memIssuer
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.recs == nil {
+		m.recs = map[string]fencing.Record{}
+	}
+	sp := &memSpeculation{s: s, key: c.Key}
+	if old := m.recs[c.Key]; old.Token == last {
+		sp.old = old
+		m.recs[c.Key] = fencing.Record{Claim: c, Token: last + 1}
+		sp.issued = last + 1
+	}
+	return sp, nil
+}
+
+type memSpeculation struct {
+	s      *specIssuer
+	key    string
+	issued fencing.Token
+	old    fencing.Record
+}
+
+func (sp *memSpeculation) Confirm(ctx context.Context) (fencing.Token, error) {
+	sp.s.note("confirm %s", sp.key)
+	m := sp.s.memIssuer
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if sp.issued == 0 || m.recs[sp.key].Token != sp.issued {
+		return 0, fencing.ErrNotConfirmed
+	}
+	return sp.issued, nil
+}
+
+func (sp *memSpeculation) Abandon(ctx context.Context) error {
+	sp.s.note("abandon %s", sp.key)
+	m := sp.s.memIssuer
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if sp.issued != 0 && m.recs[sp.key].Token == sp.issued {
+		if sp.old.Token == 0 {
+			delete(m.recs, sp.key)
+		} else {
+			m.recs[sp.key] = sp.old
+		}
+	}
+	return nil
+}
+
+func wantCalls(t *testing.T, iss *specIssuer, want ...string) {
+	t.Helper()
+	got := iss.log()
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("issuer calls = %q; want %q", got, want)
+	}
+}
+
+func TestLocker_Speculation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	req := Request{TTL: time.Second}
+
+	// A lone try speculates on a key it never saw (last 0), and again on
+	// the token of its own grant once released; not while that grant is
+	// held.
+	t.Run("LoneTries", func(t *testing.T) {
+		ns, _ := nodes(5)
+		iss := &specIssuer{memIssuer: &memIssuer{}}
+		l := newLocker(t, ns, iss, Options{})
+		g, err := l.Acquire(ctx, key, req)
+		if err != nil || g.Fencing != 1 {
+			t.Fatalf("Acquire = %+v, %v; want token 1", g, err)
+		}
+		if _, err := l.Acquire(ctx, key, req); !errors.Is(err, ErrHeld) {
+			t.Fatalf("second Acquire = %v; want ErrHeld", err)
+		}
+		if err := l.Release(ctx, key, g.Token); err != nil {
+			t.Fatal(err)
+		}
+		g2, err := l.Acquire(ctx, key, req)
+		if err != nil || g2.Fencing != 2 {
+			t.Fatalf("Acquire after release = %+v, %v; want token 2", g2, err)
+		}
+		wantCalls(t, iss, "speculate orders 0", "confirm orders", "speculate orders 1", "confirm orders")
+	})
+
+	// A try that fails withdraws its token: a refused acquire leaves the
+	// key's token as it was.
+	t.Run("FailedTryWithdraws", func(t *testing.T) {
+		ns, ms := nodes(5)
+		for _, m := range ms[:3] {
+			m.vals[rkey] = "other"
+			m.ttl[rkey] = time.Hour
+		}
+		iss := &specIssuer{memIssuer: &memIssuer{}}
+		l := newLocker(t, ns, iss, Options{})
+		if _, err := l.Acquire(ctx, key, req); !errors.Is(err, ErrHeld) {
+			t.Fatalf("Acquire = %v; want ErrHeld", err)
+		}
+		wantCalls(t, iss, "speculate orders 0", "abandon orders")
+		if r, _ := iss.Last(ctx, key); r.Token != 0 {
+			t.Errorf("token %d left by a refused try; want none", r.Token)
+		}
+	})
+
+	// A token issued elsewhere meanwhile makes the speculation ungrantable:
+	// the grant gets a token issued after its quorum, and the key is not
+	// speculated on again until a grant here is released.
+	t.Run("NotConfirmed", func(t *testing.T) {
+		ns, ms := nodes(5)
+		iss := &specIssuer{memIssuer: &memIssuer{}}
+		l := newLocker(t, ns, iss, Options{})
+		var once sync.Once
+		ms[0].hook = func(ctx context.Context, op string) error {
+			if op == "acquire" {
+				once.Do(func() { _, _ = iss.memIssuer.Issue(ctx, fencing.Claim{Key: key}) }) // another server's grant
+			}
+			return nil
+		}
+		g, err := l.Acquire(ctx, key, req)
+		if err != nil || g.Fencing != 3 {
+			t.Fatalf("Acquire = %+v, %v; want token 3 (1 speculated, 2 issued elsewhere)", g, err)
+		}
+		if err := l.Release(ctx, key, g.Token); err != nil {
+			t.Fatal(err)
+		}
+		wantCalls(t, iss, "speculate orders 0", "confirm orders")
+		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 4 {
+			t.Fatalf("Acquire after release = %+v, %v; want token 4", g, err)
+		}
+		wantCalls(t, iss, "speculate orders 0", "confirm orders", "speculate orders 3", "confirm orders")
+	})
+
+	t.Run("Off", func(t *testing.T) {
+		ns, _ := nodes(5)
+		iss := &specIssuer{memIssuer: &memIssuer{}}
+		l := newLocker(t, ns, iss, Options{NoSpeculation: true})
+		if g, err := l.Acquire(ctx, key, req); err != nil || g.Fencing != 1 {
+			t.Fatalf("Acquire = %+v, %v; want token 1", g, err)
+		}
+		wantCalls(t, iss)
+	})
+
+	// Two tries at once: the second does not speculate, and if it wins
+	// the key while the first (speculating) try has not won its round, it
+	// waits for that try to withdraw before it issues, so no token is
+	// skipped.
+	t.Run("RaceCostsNoToken", func(t *testing.T) {
+		ns, ms := nodes(5)
+		iss := &specIssuer{memIssuer: &memIssuer{}, speculated: make(chan string, 1)}
+		l := newLocker(t, ns, iss, Options{})
+		// The first try's SETs reach node 0 only; on nodes 1-4 they are
+		// held until they time out, and the second try wins those.
+		var mu sync.Mutex
+		holding := true
+		held := make(chan struct{}, 4)
+		for _, m := range ms[1:] {
+			m.hook = func(ctx context.Context, op string) error {
+				mu.Lock()
+				hold := op == "acquire" && holding
+				mu.Unlock()
+				if !hold {
+					return nil
+				}
+				held <- struct{}{}
+				<-ctx.Done() // the first try's SET times out
+				return ctx.Err()
+			}
+		}
+		type result struct {
+			g   *Grant
+			err error
+		}
+		a := make(chan result, 1)
+		go func() {
+			g, err := l.Acquire(ctx, key, req)
+			a <- result{g, err}
+		}()
+		<-iss.speculated // the first try speculated
+		for range 4 {
+			<-held
+		}
+		mu.Lock()
+		holding = false
+		mu.Unlock()
+		b, err := l.Acquire(ctx, key, req)
+		if err != nil {
+			t.Fatalf("second Acquire = %v", err)
+		}
+		ra := <-a
+		if !errors.Is(ra.err, ErrQuorum) {
+			t.Fatalf("first Acquire = %+v, %v; want ErrQuorum", ra.g, ra.err)
+		}
+		if b.Fencing != 1 {
+			t.Errorf("second try's token = %d; want 1 (the first try's withdrawn)", b.Fencing)
+		}
+		wantCalls(t, iss, "speculate orders 0", "abandon orders")
+	})
+}

@@ -1,0 +1,201 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence/fencing"
+)
+
+// speculate starts a speculation and fails the test on error.
+func speculate(t *testing.T, db *DB, c fencing.Claim, last fencing.Token) fencing.Speculation {
+	t.Helper()
+	s, err := db.Speculate(t.Context(), c, last)
+	if err != nil {
+		t.Fatalf("Speculate(%q, %d): %v", c.Key, last, err)
+	}
+	// A test that fails half-way still gives the connection back (Abandon
+	// after Confirm or Abandon is a no-op).
+	t.Cleanup(func() { _ = s.Abandon(context.Background()) })
+	return s
+}
+
+// waitToken waits until key's newest token is tok: a speculation's
+// statement is sent, not awaited, so this is how a test orders it before
+// what it does next.
+func waitToken(t *testing.T, db *DB, key string, tok fencing.Token) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		r, err := db.Last(t.Context(), key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Token == tok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("newest token of %q is %d after %v; want %d", key, r.Token, waitTimeout, tok)
+		}
+	}
+}
+
+// wantLast checks the newest record of key.
+func wantLast(t *testing.T, db *DB, key string, tok fencing.Token, owner, holder string) fencing.Record {
+	t.Helper()
+	r, err := db.Last(t.Context(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Token != tok || r.Owner != owner || r.Holder != holder {
+		t.Errorf("Last(%q) = token %d owner %q holder %q; want %d %q %q", key, r.Token, r.Owner, r.Holder, tok, owner, holder)
+	}
+	return r
+}
+
+func TestDB_Speculate(t *testing.T) {
+	t.Parallel()
+	db, _ := newDB(t, Options{})
+	ctx := t.Context()
+	// Every speculation gives its connection back.
+	t.Cleanup(func() {
+		if n := db.pool.Stat().AcquiredConns(); n != 0 {
+			t.Errorf("%d connections still acquired", n)
+		}
+	})
+	run := func(name string, f func(t *testing.T)) {
+		t.Run(name, func(t *testing.T) {
+			f(t)
+			if n := db.pool.Stat().AcquiredConns(); n != 0 {
+				t.Errorf("%d connections still acquired after %s", n, name)
+			}
+		})
+	}
+
+	run("FirstToken", func(t *testing.T) {
+		s := speculate(t, db, fencing.Claim{Key: "first", Owner: "A", Holder: "ha"}, 0)
+		tok, err := s.Confirm(ctx)
+		if err != nil || tok != 1 {
+			t.Fatalf("Confirm = %d, %v; want 1", tok, err)
+		}
+		wantLast(t, db, "first", 1, "A", "ha")
+		// Issue goes on from it.
+		if got := issue(t, db, "first"); got != 2 {
+			t.Errorf("Issue after a confirmed speculation = %d; want 2", got)
+		}
+	})
+
+	run("NextToken", func(t *testing.T) {
+		for range 3 {
+			issue(t, db, "next")
+		}
+		s := speculate(t, db, fencing.Claim{Key: "next", Owner: "B", Holder: "hb"}, 3)
+		if tok, err := s.Confirm(ctx); err != nil || tok != 4 {
+			t.Fatalf("Confirm = %d, %v; want 4", tok, err)
+		}
+		wantLast(t, db, "next", 4, "B", "hb")
+	})
+
+	// The condition: a speculation naming a token that is not the newest
+	// issues nothing, so it cannot fence out a grant it does not know of.
+	run("NotNewest", func(t *testing.T) {
+		issue(t, db, "held")
+		issue(t, db, "held") // 2: a grant the speculating server did not see
+		for _, last := range []fencing.Token{0, 1, 3} {
+			s := speculate(t, db, fencing.Claim{Key: "held", Owner: "C"}, last)
+			tok, err := s.Confirm(ctx)
+			if !errors.Is(err, fencing.ErrNotConfirmed) {
+				t.Fatalf("Confirm (last %d) = %d, %v; want ErrNotConfirmed", last, tok, err)
+			}
+		}
+		wantLast(t, db, "held", 2, "", "")
+	})
+
+	// A token issued between the speculation and its confirmation (by a
+	// grant that won its quorum before this one) makes it ungrantable.
+	run("Superseded", func(t *testing.T) {
+		s := speculate(t, db, fencing.Claim{Key: "raced", Owner: "D"}, 0)
+		waitToken(t, db, "raced", 1)
+		newer := issue(t, db, "raced")
+		if newer != 2 {
+			t.Fatalf("Issue during the speculation = %d; want 2", newer)
+		}
+		tok, err := s.Confirm(ctx)
+		if !errors.Is(err, fencing.ErrNotConfirmed) {
+			t.Fatalf("Confirm = %d, %v; want ErrNotConfirmed", tok, err)
+		}
+		// Abandoning after Confirm changes nothing.
+		if err := s.Abandon(ctx); err != nil {
+			t.Errorf("Abandon after Confirm: %v", err)
+		}
+		wantLast(t, db, "raced", 2, "", "")
+	})
+
+	run("AbandonFirst", func(t *testing.T) {
+		s := speculate(t, db, fencing.Claim{Key: "gone", Owner: "E"}, 0)
+		if err := s.Abandon(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantLast(t, db, "gone", 0, "", "")
+		if got := issue(t, db, "gone"); got != 1 {
+			t.Errorf("Issue after a withdrawn first token = %d; want 1", got)
+		}
+	})
+
+	run("AbandonNext", func(t *testing.T) {
+		if _, err := db.Issue(ctx, fencing.Claim{Key: "back", Owner: "F", Holder: "hf"}); err != nil {
+			t.Fatal(err)
+		}
+		before := wantLast(t, db, "back", 1, "F", "hf")
+		s := speculate(t, db, fencing.Claim{Key: "back", Owner: "G", Holder: "hg"}, 1)
+		if err := s.Abandon(ctx); err != nil {
+			t.Fatal(err)
+		}
+		after := wantLast(t, db, "back", 1, "F", "hf")
+		if !after.IssuedAt.Equal(before.IssuedAt) {
+			t.Errorf("issued_at after withdrawal = %v; want %v restored", after.IssuedAt, before.IssuedAt)
+		}
+		// A second call is a no-op.
+		if err := s.Abandon(ctx); err != nil {
+			t.Errorf("second Abandon: %v", err)
+		}
+		wantLast(t, db, "back", 1, "F", "hf")
+	})
+
+	// A withdrawal never undoes a newer token.
+	run("AbandonSuperseded", func(t *testing.T) {
+		issue(t, db, "kept")
+		s := speculate(t, db, fencing.Claim{Key: "kept"}, 1)
+		waitToken(t, db, "kept", 2)
+		if got := issue(t, db, "kept"); got != 3 {
+			t.Fatalf("Issue during the speculation = %d; want 3", got)
+		}
+		if err := s.Abandon(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantLast(t, db, "kept", 3, "", "")
+	})
+
+	// The connection goes back to the pool in a usable state each time:
+	// many speculations in a row on a small pool.
+	run("Reuse", func(t *testing.T) {
+		var last fencing.Token
+		for i := range 50 {
+			s := speculate(t, db, fencing.Claim{Key: "reuse"}, last)
+			if i%2 == 1 {
+				if err := s.Abandon(ctx); err != nil {
+					t.Fatal(err)
+				}
+				continue
+			}
+			tok, err := s.Confirm(ctx)
+			if err != nil || tok != last+1 {
+				t.Fatalf("round %d: Confirm = %d, %v; want %d", i, tok, err, last+1)
+			}
+			last = tok
+		}
+		wantLast(t, db, "reuse", last, "", "")
+	})
+}
