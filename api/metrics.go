@@ -314,7 +314,8 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		speculations: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: MetricSpeculations,
 			Help: "Speculative fencing-token issuances (sent with the Redis round by a try running alone), by outcome: " +
-				"confirmed (granted), superseded (not grantable: issued anew after the quorum), withdrawn (the try failed), failed (Postgres error).",
+				"confirmed (granted), superseded (not grantable: issued anew after the quorum), withdrawn (the try failed: its token, if issued and still the newest, was withdrawn), " +
+				"failed (Postgres error, or no idle pooled connection to speculate on).",
 		}, []string{"outcome"})),
 		nodes: register(reg, &nodeState{now: time.Now, until: make(map[string]time.Time), starts: make(map[string]uint64)}),
 	}

@@ -967,6 +967,9 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	if l.opts.AfterQuorum != nil {
 		l.opts.AfterQuorum(ctx, key)
 	}
+	if spec == nil {
+		l.awaitSpeculation(ctx, key)
+	}
 	ictx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
 	ft, err := l.issue(ictx, claim, spec)
 	spec = nil // confirmed or not, it is over

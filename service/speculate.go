@@ -31,6 +31,7 @@ package service
 
 import (
 	"context"
+	"time"
 
 	"github.com/redfence/redfence/fencing"
 )
@@ -50,6 +51,7 @@ type recentGrant struct {
 type pending struct {
 	l    *Locker
 	key  string
+	last fencing.Token // the newest token it was sent for
 	spec fencing.Speculation
 	// done is closed once the speculation is confirmed or abandoned.
 	done chan struct{}
@@ -66,22 +68,28 @@ func (l *Locker) speculate(ctx context.Context, c fencing.Claim, queued bool) *p
 	if !ok {
 		return nil
 	}
-	sctx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
-	defer cancel()
-	s, err := l.speculator.Speculate(sctx, c, last)
-	if err != nil {
-		return nil
-	}
-	p := &pending{l: l, key: c.Key, spec: s, done: make(chan struct{})}
+	// Registered before the statement is sent, so a try that wins the key
+	// meanwhile waits for it (see awaitSpeculation).
+	p := &pending{l: l, key: c.Key, last: last, done: make(chan struct{})}
 	l.specMu.Lock()
 	if l.pending[c.Key] != nil {
 		// Another try's, started meanwhile: not alone after all.
 		l.specMu.Unlock()
-		p.abandon(ctx)
 		return nil
 	}
 	l.pending[c.Key] = p
 	l.specMu.Unlock()
+	// Bounded by the per-node timeout: the round has not started yet, and a
+	// speculation is only worth it when Postgres answers at once (the store
+	// also declines when no pooled connection is idle).
+	sctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+	defer cancel()
+	s, err := l.speculator.Speculate(sctx, c, last)
+	if err != nil {
+		p.end()
+		return nil
+	}
+	p.spec = s
 	return p
 }
 
@@ -125,7 +133,10 @@ func (p *pending) won() {
 // grant (see fencing.Speculation).
 func (p *pending) abandon(ctx context.Context) {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.l.opts.IssueTimeout)
-	_ = p.spec.Abandon(cctx)
+	if err := p.spec.Abandon(cctx); err != nil {
+		p.l.opts.Logger.Warn("a speculative fencing token could not be withdrawn; it stays unused (safe: it fences out no live grant)",
+			"name", p.key, "error", err.Error())
+	}
 	cancel()
 	p.end()
 }
@@ -144,21 +155,28 @@ func (p *pending) end() {
 // awaitSpeculation waits, before a try that did not speculate issues a token
 // for key, for a speculation on key whose try has not won its quorum: that
 // try is about to fail and withdraw its token.
+// The wait is bounded by the issue timeout on its own, so the issuance after
+// it still gets its full budget.
 func (l *Locker) awaitSpeculation(ctx context.Context, key string) {
 	l.specMu.Lock()
 	p := l.pending[key]
+	wait := p != nil && !p.quorum
 	l.specMu.Unlock()
-	if p == nil || p.quorum {
+	if !wait {
 		return
 	}
+	timer := time.NewTimer(l.opts.IssueTimeout)
+	defer timer.Stop()
 	select {
 	case <-p.done:
 	case <-ctx.Done():
+	case <-timer.C:
 	}
 }
 
 // issue returns the token of a won grant: spec's, when it is confirmed,
-// else one issued now.
+// else one issued now. A try that did not speculate has called
+// awaitSpeculation first.
 func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending) (fencing.Token, error) {
 	if spec != nil {
 		ft, err := spec.spec.Confirm(ctx)
@@ -166,13 +184,22 @@ func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending) (fen
 		if err == nil {
 			return ft, nil
 		}
-		// The key's newest token is not what this Locker thought: do not
-		// speculate on it again until a grant here is released.
-		l.remember(c.Key, recentGrant{})
-	} else {
-		l.awaitSpeculation(ctx, c.Key)
+		l.distrust(c.Key, spec.last)
 	}
 	return l.issuer.Issue(ctx, c)
+}
+
+// distrust notes that key's newest token was not last, as this Locker
+// thought: it does not speculate on key again until a grant here is
+// released. A record of a newer grant here is kept.
+func (l *Locker) distrust(key string, last fencing.Token) {
+	l.specMu.Lock()
+	g, ok := l.recent[key]
+	stale := !ok || g.released && g.fencing == last
+	l.specMu.Unlock()
+	if stale {
+		l.remember(key, recentGrant{})
+	}
 }
 
 // remember records g as key's recent grant.

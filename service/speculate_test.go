@@ -152,12 +152,16 @@ func TestLocker_Speculation(t *testing.T) {
 		ns, ms := nodes(5)
 		iss := &specIssuer{memIssuer: &memIssuer{}}
 		l := newLocker(t, ns, iss, Options{})
+		// Before the first node answers (so before the quorum and the
+		// confirmation), another server issues a token for the key.
 		var once sync.Once
-		ms[0].hook = func(ctx context.Context, op string) error {
-			if op == "acquire" {
-				once.Do(func() { _, _ = iss.memIssuer.Issue(ctx, fencing.Claim{Key: key}) }) // another server's grant
+		for _, m := range ms {
+			m.hook = func(ctx context.Context, op string) error {
+				if op == "acquire" {
+					once.Do(func() { _, _ = iss.memIssuer.Issue(ctx, fencing.Claim{Key: key}) })
+				}
+				return nil
 			}
-			return nil
 		}
 		g, err := l.Acquire(ctx, key, req)
 		if err != nil || g.Fencing != 3 {

@@ -27,6 +27,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -70,6 +71,10 @@ UPDATE redfence_fencing SET token = token - 1, owner = $3, holder = $4, issued_a
 // is still the newest.
 const withdrawFirstSQL = `DELETE FROM redfence_fencing WHERE key = $1 AND token = 1`
 
+// errNoIdleConn is returned by Speculate when every pooled connection is in
+// use.
+var errNoIdleConn = errors.New("no idle connection")
+
 // speculation is the fencing.Speculation of a DB.
 type speculation struct {
 	db     *DB
@@ -92,6 +97,10 @@ type speculation struct {
 // issue timeout (Options.IssueTimeout) and ends when Confirm or Abandon
 // returns.
 func (db *DB) Speculate(ctx context.Context, c fencing.Claim, last fencing.Token) (fencing.Speculation, error) {
+	if db.pool.Stat().IdleConns() == 0 {
+		// Speculation is for idle moments: never wait for a connection.
+		return nil, fmt.Errorf("store: speculate token for %q: %w", c.Key, errNoIdleConn)
+	}
 	conn, err := db.pool.Acquire(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("store: speculate token for %q: %w", c.Key, classify(err))
@@ -168,13 +177,11 @@ func (s *speculation) Abandon(ctx context.Context) error {
 	if s.issued == 0 {
 		return nil
 	}
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.db.issuer.timeout)
-	defer cancel()
 	var err error
 	if s.replaced && s.issued > 1 {
-		_, err = s.conn.Exec(wctx, withdrawSQL, s.claim.Key, int64(s.issued), s.old[0], s.old[1], s.old[2])
+		_, err = s.conn.Exec(ctx, withdrawSQL, s.claim.Key, int64(s.issued), s.old[0], s.old[1], s.old[2])
 	} else {
-		_, err = s.conn.Exec(wctx, withdrawFirstSQL, s.claim.Key)
+		_, err = s.conn.Exec(ctx, withdrawFirstSQL, s.claim.Key)
 	}
 	if err != nil {
 		return s.fail("withdraw", err)
