@@ -85,9 +85,28 @@ func Start(tb testing.TB, opts Options) *Server {
 
 // DeleteLock deletes the lock's key on the first n nodes, as nodes that lost
 // their memory (or an operator) would: with n a majority, the lease is lost.
+// It first waits until every node holds the key: a grant is returned once a
+// majority answered, and a slower node's SET landing after the delete would
+// bring the key back.
 func (s *Server) DeleteLock(tb testing.TB, name string, n int) {
 	tb.Helper()
 	key := keyspace.RedisKey(keyspace.Key("", name))
+	deadline := time.Now().Add(30 * time.Second)
+	for _, c := range s.Redis {
+		for {
+			got, err := c.Exists(context.Background(), key).Result()
+			if err != nil {
+				tb.Fatal(err)
+			}
+			if got == 1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				tb.Fatalf("DeleteLock(%q): the key is not on every node after 30s", name)
+			}
+			time.Sleep(time.Millisecond) // polling an observable condition, not a stand-in for one
+		}
+	}
 	for _, c := range s.Redis[:n] {
 		if err := c.Del(context.Background(), key).Err(); err != nil {
 			tb.Fatal(err)
