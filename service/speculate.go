@@ -194,11 +194,9 @@ func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending) (fen
 // released. A record of a newer grant here is kept.
 func (l *Locker) distrust(key string, last fencing.Token) {
 	l.specMu.Lock()
-	g, ok := l.recent[key]
-	stale := !ok || g.released && g.fencing == last
-	l.specMu.Unlock()
-	if stale {
-		l.remember(key, recentGrant{})
+	defer l.specMu.Unlock()
+	if g, ok := l.recent[key]; !ok || g.released && g.fencing == last {
+		l.rememberLocked(key, recentGrant{})
 	}
 }
 
@@ -206,6 +204,11 @@ func (l *Locker) distrust(key string, last fencing.Token) {
 func (l *Locker) remember(key string, g recentGrant) {
 	l.specMu.Lock()
 	defer l.specMu.Unlock()
+	l.rememberLocked(key, g)
+}
+
+// rememberLocked is remember with l.specMu held.
+func (l *Locker) rememberLocked(key string, g recentGrant) {
 	if _, ok := l.recent[key]; !ok && len(l.recent) >= maxRecent {
 		for k := range l.recent { // forget one, any one
 			delete(l.recent, k)

@@ -201,12 +201,12 @@ func (s *speculation) readIssued(ctx context.Context) error {
 	}
 	for rr.NextRow() {
 		v := rr.Values()
-		t, err := strconv.ParseInt(string(v[0]), 10, 64)
+		t, err := parseToken(v[0])
 		if err != nil {
 			_, _ = rr.Close()
-			return fmt.Errorf("token %q: %w", v[0], err)
+			return err
 		}
-		s.issued = fencing.Token(t)
+		s.issued = t
 		s.replaced = v[3] != nil // issued_at is never NULL in a row
 		for i := range s.old {
 			s.old[i] = string(v[i+1]) // copied: v is reused by the next read
@@ -224,17 +224,26 @@ func (s *speculation) readToken(ctx context.Context) (fencing.Token, error) {
 	if err != nil {
 		return 0, err
 	}
-	var t int64
+	var t fencing.Token
 	for rr.NextRow() {
-		if t, err = strconv.ParseInt(string(rr.Values()[0]), 10, 64); err != nil {
+		if t, err = parseToken(rr.Values()[0]); err != nil {
 			_, _ = rr.Close()
-			return 0, fmt.Errorf("token %q: %w", rr.Values()[0], err)
+			return 0, err
 		}
 	}
 	if _, err := rr.Close(); err != nil {
 		return 0, err
 	}
-	return fencing.Token(t), s.sync()
+	return t, s.sync()
+}
+
+// parseToken parses a token column in text format.
+func parseToken(b []byte) (fencing.Token, error) {
+	t, err := strconv.ParseInt(string(b), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("token %q: %w", b, err)
+	}
+	return fencing.Token(t), nil
 }
 
 // results returns the next statement's result reader. ctx can only end the
