@@ -90,6 +90,7 @@ func newEnv(t *testing.T, o envOptions) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(e.locker.Close)
 	h := api.NewHandler(e.locker, db, api.Options{OpenAPI: redfence.OpenAPI, Logger: slog.New(slog.DiscardHandler)})
 	e.srv = httptest.NewServer(h)
 	t.Cleanup(e.srv.Close)

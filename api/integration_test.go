@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -35,16 +36,17 @@ func TestAPI_RoundTrip(t *testing.T) {
 		t.Error("GET response contains the lock token")
 	}
 
-	r = e.do(e.client, http.MethodPost, "/v1/locks/orders/extend", map[string]any{"ttl_ms": 20000}, api.LockTokenHeader, g.LockToken)
+	r = e.do(e.client, http.MethodPost, "/v1/locks/orders/extend", map[string]any{"ttl_ms": 50000}, api.LockTokenHeader, g.LockToken)
 	var ext api.LockResponse
 	r.decode(t, &ext)
-	if r.status != 200 || ext.FencingToken != 1 || ext.TTLMS != 20000 || ext.LockToken != "" {
+	if r.status != 200 || ext.FencingToken != 1 || ext.TTLMS != 50000 || ext.LockToken != "" {
 		t.Errorf("extend = %d %+v; want 200, same fencing token, no lock token", r.status, ext)
 	}
-	// A majority holds the lock with the new TTL (within 20s).
+	// A majority holds the lock with the new TTL (above the 30s it had,
+	// within 50s).
 	renewed := 0
 	for _, c := range e.rdb {
-		if d := c.PTTL(context.Background(), "redfence:lock:orders").Val(); d > 0 && d <= 20*time.Second {
+		if d := c.PTTL(context.Background(), "redfence:lock:orders").Val(); d > 30*time.Second && d <= 50*time.Second {
 			renewed++
 		}
 	}
@@ -351,19 +353,36 @@ func TestAPI_PostgresDown(t *testing.T) {
 		last = g.FencingToken
 		e.release("pg", g.LockToken)
 	}
+	held := e.mustAcquire("held", map[string]any{"ttl_ms": 60000})
 	if err := pg.Stop(ctx, true); err != nil {
 		t.Fatal(err)
+	}
+	// A refused extend changes no lease: it would have shortened this one
+	// to 1 s while its client still counts on the old deadline.
+	r := e.do(e.client, http.MethodPost, "/v1/locks/held/extend", map[string]any{"ttl_ms": 1000}, api.LockTokenHeader, held.LockToken)
+	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" {
+		t.Errorf("extend with Postgres down = %d %s; want 503 fencing-unavailable", r.status, r.body)
+	}
+	for i, c := range e.rdb {
+		keys, err := c.Keys(ctx, "redfence:lock:*held").Result()
+		if err != nil || len(keys) != 1 {
+			t.Fatalf("node %d: held lock keys %v, %v", i, keys, err)
+		}
+		if d, err := c.PTTL(ctx, keys[0]).Result(); err != nil || d < 30*time.Second {
+			t.Errorf("node %d: the lease has %v left (%v) after a refused extend; want about a minute", i, d, err)
+		}
 	}
 	for _, r := range []*response{e.put("pg", last, 1), e.do(e.client, http.MethodGet, "/v1/resources/pg", nil)} {
 		if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"store-unavailable" || r.header.Get("Retry-After") == "" {
 			t.Errorf("reference store with Postgres down = %d %s; want 503 store-unavailable", r.status, r.body)
 		}
 	}
-	r := e.do(e.client, http.MethodPost, "/v1/locks/pg", nil)
+	r = e.do(e.client, http.MethodPost, "/v1/locks/pg", nil)
 	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" {
 		t.Fatalf("acquire with Postgres down = %d %s; want 503 fencing-unavailable", r.status, r.body)
 	}
 	for i, keys := range e.lockKeys() {
+		keys = slices.DeleteFunc(keys, func(k string) bool { return strings.HasSuffix(k, "held") })
 		if len(keys) != 0 {
 			t.Errorf("node %d keeps %v after a grant refused for lack of a token", i, keys)
 		}

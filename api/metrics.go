@@ -293,7 +293,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 	o := &Observer{
 		nodeRequests: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: MetricNodeRequests,
-			Help: "Requests to each Redis node by operation (acquire, extend, release, ttl, ping) and outcome (yes, no, error, timeout, ...).",
+			Help: "Requests to each Redis node by operation (acquire, extend, release, ttl, ping, sweep: a delete whose outcome was unknown, sent again) and outcome (yes, no, error, timeout, ...).",
 		}, []string{"node", "op", "outcome"})),
 		nodeSeconds: register(reg, prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: MetricNodeSeconds, Help: "Latency of requests to each Redis node, by operation.", Buckets: latencyBuckets,

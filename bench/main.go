@@ -251,6 +251,8 @@ func setup(ctx context.Context, cfg config) (*env, error) {
 		closeInproc()
 		return e, err
 	}
+	closeNodes := closeInproc
+	closeInproc = func() { locker.Close(); closeNodes() }
 	inproc := &inprocSystem{locker: locker, closeF: closeInproc, ttl: cfg.ttl}
 	if e.has("inproc") {
 		e.systems["inproc"] = inproc

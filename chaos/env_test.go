@@ -352,6 +352,7 @@ func (e *env) startInproc(cfg serverConfig) *inproc {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(l.Close)
 	if err := l.Init(ctx); err != nil {
 		t.Fatal(err)
 	}

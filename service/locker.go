@@ -62,7 +62,7 @@ type Registry interface {
 // must be cheap and safe for concurrent use.
 type Observer interface {
 	// NodeOp reports one request to one node: op is acquire, extend, release,
-	// ttl or ping.
+	// ttl, ping or sweep (a delete sent again, see sweeper).
 	NodeOp(addr, op string, outcome Outcome, d time.Duration)
 	// Waiting reports a blocking acquire starting (+1) or ending (-1) a wait.
 	Waiting(delta int)
@@ -224,6 +224,9 @@ type Locker struct {
 	recent map[string]recentGrant
 	// pending holds the speculations running, per key.
 	pending map[string]*pending
+
+	// sweep redelivers the deletes whose outcome is unknown.
+	sweep *sweeper
 }
 
 // lateRound is the clean-up state of one acquire round, shared by its nodes'
@@ -239,12 +242,19 @@ type lateRound struct {
 	failed  bool
 	// wrote lists the nodes that answered before the decision and may have
 	// set the key.
-	wrote    []int
+	wrote    []wroteNode
 	released bool
 	// left counts the nodes still to answer; tracked says the round is in
 	// Locker.late, and the last node to answer removes it.
 	left    int
 	tracked bool
+}
+
+// wroteNode is a node that may have set a round's key: it said yes, or it
+// gave no answer (unsure).
+type wroteNode struct {
+	i      int
+	unsure bool
 }
 
 // New returns a Locker over nodes that issues tokens from issuer.
@@ -276,6 +286,7 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		recent:    make(map[string]recentGrant),
 		pending:   make(map[string]*pending),
 	}
+	l.sweep = newSweeper(l)
 	if s, ok := issuer.(fencing.Speculator); ok && !opts.NoSpeculation {
 		l.speculator = s
 	}
@@ -287,6 +298,12 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 	}
 	return l, nil
 }
+
+// Close stops the Locker's background work: the redelivery of deletes whose
+// outcome is unknown (see sweeper). It closes neither the nodes nor the
+// issuer; the Locker still serves calls, but such deletes are no longer
+// retried.
+func (l *Locker) Close() { l.sweep.close() }
 
 // Init registers the nodes with the Registry (a no-op without one): a node
 // never seen before is marked with a fresh epoch; a known node keeps the
@@ -692,14 +709,16 @@ type nodeOp struct {
 // and a WaitGroup that is done once every node has answered and its after
 // has run. after, if set, runs once node i's answer is sent; wrote is false
 // when the node definitely changed nothing (it answered no, or that it lost
-// its memory). after must not block: it may run on a node's pipeline writer.
+// its memory), and unsure is true when the node gave no answer (an error or
+// a timeout: what it did, or will still do, is unknown). after must not
+// block: it may run on a node's pipeline writer.
 // An answer that comes after the node's deadline counts as a timeout.
 //
 // The caller waits on the ballot's ready channel, closed once the answers in
 // satisfy enough (which counts the Yes and No outcomes and all answers), and
 // then reads the votes: it is woken once per decision, not once per answer.
 // A nil enough closes ready at once.
-func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i int, wrote bool), enough func(yes, no, got int) bool) (*ballot, *sync.WaitGroup) {
+func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i int, wrote, unsure bool), enough func(yes, no, got int) bool) (*ballot, *sync.WaitGroup) {
 	voting := name == "acquire" || name == "extend"
 	ch := make(chan vote, len(l.nodes))
 	b := &ballot{ch: ch, ready: make(chan struct{})}
@@ -761,7 +780,8 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			close(b.ready) // after this vote is sent: the caller finds it
 		}
 		if after != nil {
-			after(i, ok || err != nil && !errors.Is(err, ErrMemoryLost))
+			unsure := err != nil && !errors.Is(err, ErrMemoryLost)
+			after(i, ok || unsure, unsure)
 		}
 	}
 	for i, n := range l.nodes {
@@ -884,12 +904,12 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 				done(ok, rem, err)
 			})
 		},
-	}, func(i int, wrote bool) {
+	}, func(i int, wrote, unsure bool) {
 		lr.mu.Lock()
 		lr.left--
 		if !lr.decided {
 			if wrote {
-				lr.wrote = append(lr.wrote, i)
+				lr.wrote = append(lr.wrote, wroteNode{i, unsure})
 			}
 			lr.mu.Unlock()
 			return
@@ -900,7 +920,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		last := lr.left == 0 && lr.tracked
 		lr.mu.Unlock()
 		if undo {
-			l.undo(ctx, wg, i, rkey, token)
+			l.undo(ctx, wg, i, rkey, token, unsure)
 		}
 		if last {
 			l.lateMu.Lock()
@@ -926,8 +946,8 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		}
 		lr.mu.Unlock()
 		if failed {
-			for _, i := range wrote {
-				l.undo(ctx, wg, i, rkey, token)
+			for _, w := range wrote {
+				l.undo(ctx, wg, w.i, rkey, token, w.unsure)
 			}
 		}
 	}
@@ -989,13 +1009,22 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 }
 
 // undo deletes token's key on node i in the background, counted in wg,
-// within the per-node timeout. It does not block.
-func (l *Locker) undo(ctx context.Context, wg *sync.WaitGroup, i int, rkey, token string) {
+// within the per-node timeout. It does not block. unsure says node i gave
+// no answer to the SET: unless this delete removes the key, the SET may
+// still land after it, so the sweeper deletes again until that is ruled
+// out; so it does when this delete gets no answer.
+func (l *Locker) undo(ctx context.Context, wg *sync.WaitGroup, i int, rkey, token string, unsure bool) {
 	cctx, cancel := l.cleanupContext(ctx)
 	wg.Add(1)
+	done := func(ok bool, err error) {
+		if !ok && (unsure || err != nil) {
+			l.sweep.add(i, rkey, token)
+		}
+	}
 	if an, ok := l.nodes[i].(asyncNode); ok && an.async() {
-		an.releaseAsync(cctx, releaseArgs(rkey, token), func(bool, error) {
+		an.releaseAsync(cctx, releaseArgs(rkey, token), func(ok bool, err error) {
 			cancel()
+			done(ok, err)
 			wg.Done()
 		})
 		return
@@ -1003,7 +1032,7 @@ func (l *Locker) undo(ctx context.Context, wg *sync.WaitGroup, i int, rkey, toke
 	go func() {
 		defer wg.Done()
 		defer cancel()
-		_, _ = l.nodes[i].Release(cctx, rkey, token)
+		done(l.nodes[i].Release(cctx, rkey, token))
 	}()
 }
 
@@ -1024,16 +1053,32 @@ func (l *Locker) retryAfter(t *tally) time.Duration {
 	return rem[k]
 }
 
-// Extend renews the lease of the grant holding key with token to ttl. It
-// succeeds only if a majority renewed within the new validity and the grant
-// is still the newest one issued; the fencing token stays the same. On
-// ErrLost the partial renewals are deleted again: the lock is gone and the
-// client must acquire anew.
+// Extend renews the lease of the grant holding key with token to at least
+// ttl from now (a renewal never shortens a lease). It succeeds only if the
+// grant is the newest one issued and a majority renewed within the new
+// validity; the fencing token stays the same. On ErrLost the partial
+// renewals are deleted again: the lock is gone and the client must acquire
+// anew. On any other error the lease runs at least until its old deadline.
 func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duration) (*Grant, error) {
 	if err := l.CheckTTL(ttl); err != nil {
 		return nil, err
 	}
 	rkey := keyspace.RedisKey(key)
+	// The grant's record is read before any node is touched, so Postgres
+	// being unavailable fails the extend with every lease as it was.
+	rec, err := l.last(ctx, key)
+	if err != nil {
+		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Cause: err}
+	}
+	if rec.Holder != HolderID(token) {
+		l.releaseAll(ctx, rkey, token, true)
+		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Cause: errors.New("a newer grant exists")}
+	}
+	// A majority renewed by compare-and-pexpire after the read proves no
+	// newer grant since: one would have needed the key gone from a
+	// majority, and a renewal never recreates a key. A renewal also never
+	// shortens a lease (see extendScript), so a failed or partial round
+	// leaves every node's lease at least as long as the client believes.
 	start := l.opts.Now()
 	expires := start.Add(ttl - l.drift(ttl))
 	votes, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
@@ -1052,14 +1097,6 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 			return lost(nil)
 		}
 		return nil, &Error{Op: "extend", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
-	}
-	rec, err := l.last(ctx, key)
-	if err != nil {
-		l.drain(t, votes)
-		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Nodes: t.results, Cause: err}
-	}
-	if rec.Holder != HolderID(token) {
-		return lost(errors.New("a newer grant exists"))
 	}
 	if !l.opts.Now().Before(expires) {
 		return lost(errors.New("renewal took longer than the lease"))
@@ -1105,7 +1142,11 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 		async: func(ctx context.Context, _ int, n asyncNode, done func(bool, time.Duration, error)) {
 			n.releaseAsync(ctx, args, func(ok bool, err error) { done(ok, 0, err) })
 		},
-	}, func(int, bool) {
+	}, func(i int, _, unsure bool) {
+		if unsure {
+			// The delete may not have been applied: the sweeper retries.
+			l.sweep.add(i, rkey, token)
+		}
 		mu.Lock()
 		left--
 		last := left == 0 && done != nil

@@ -94,7 +94,7 @@ func (n *memNode) Extend(ctx context.Context, key, token string, ttl time.Durati
 	if n.vals[key] != token {
 		return false, nil
 	}
-	n.ttl[key] = ttl
+	n.ttl[key] = max(n.ttl[key], ttl) // as extendScript: never shorter
 	return true, nil
 }
 
@@ -233,6 +233,7 @@ func newLocker(t *testing.T, ns []Node, iss Issuer, opts Options) *Locker {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(l.Close)
 	return l
 }
 

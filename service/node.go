@@ -26,7 +26,8 @@ type Node interface {
 	// Mark sets the node's epoch marker if it has none (with replace: in
 	// any case), and reports whether it did.
 	Mark(ctx context.Context, epoch string, replace bool) (bool, error)
-	// Extend sets key's TTL if key holds token, and reports whether it did.
+	// Extend renews key to at least ttl from now (never shorter than it
+	// is) if key holds token, and reports whether key holds it.
 	Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error)
 	// Release deletes key if it holds token, and reports whether it did.
 	Release(ctx context.Context, key, token string) (bool, error)
@@ -58,10 +59,13 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 local t = redis.call('PTTL', KEYS[1])
 if t < 1 then return 1 end
 return t`)
-	// extendScript: compare-and-pexpire; never creates the key.
+	// extendScript: compare-and-pexpire; never creates the key and never
+	// shortens its lease (a renewal that failed elsewhere must not cut short
+	// the deadline its client still relies on). 1 if the key holds the token.
 	extendScript = newLuaScript(`
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0`)
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1`)
 	// markScript: set the epoch marker if there is none, or in any case
 	// when ARGV[2] is '1'.
 	markScript = newLuaScript(`

@@ -55,6 +55,7 @@ func (e *restartEnv) locker(t *testing.T, reg service.Registry) *service.Locker 
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(l.Close)
 	if err := l.Init(t.Context()); err != nil {
 		t.Fatal(err)
 	}

@@ -76,6 +76,7 @@ func Start(tb testing.TB, opts Options) *Server {
 	if err != nil {
 		tb.Fatal(err)
 	}
+	tb.Cleanup(locker.Close)
 	h := api.NewHandler(locker, db, api.Options{OpenAPI: redfence.OpenAPI, Registry: reg, Logger: opts.Logger})
 	srv := httptest.NewServer(h)
 	tb.Cleanup(srv.Close)

@@ -146,7 +146,9 @@ type AcquireResponse struct {
 // ExtendRequest defines model for ExtendRequest.
 type ExtendRequest struct {
 	// TtlMs The new lease length from now, in milliseconds. Default: the server's
-	// default TTL. Same bounds as for acquire.
+	// default TTL. Same bounds as for acquire. A renewal never shortens a
+	// lease: where more than this is left, the lease keeps it (release the
+	// lock to give it up early).
 	//
 	//
 	// Example: 10000
@@ -811,15 +813,17 @@ type ClientInterface interface {
 
 	// ExtendLockWithBody Extend a lock
 	//
-	// Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-	// of nodes. The fencing token stays the same (it is the same grant). The new
-	// lease is valid for `validity_ms` from **your send time** of this request.
+	// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+	// majority of nodes (a renewal never shortens a lease). The fencing token
+	// stays the same (it is the same grant). The new lease is valid for
+	// `validity_ms` from **your send time** of this request.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
-	// (`fencing-unavailable`) answered; the old lease still runs out at its old
-	// deadline.
+	// (`fencing-unavailable`) answered; your old deadline still holds
+	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
+	// only lengthened their lease).
 	//
 	// Takes any type of body and a specified content type.
 	//
@@ -828,15 +832,17 @@ type ClientInterface interface {
 
 	// ExtendLock Extend a lock
 	//
-	// Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-	// of nodes. The fencing token stays the same (it is the same grant). The new
-	// lease is valid for `validity_ms` from **your send time** of this request.
+	// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+	// majority of nodes (a renewal never shortens a lease). The fencing token
+	// stays the same (it is the same grant). The new lease is valid for
+	// `validity_ms` from **your send time** of this request.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
-	// (`fencing-unavailable`) answered; the old lease still runs out at its old
-	// deadline.
+	// (`fencing-unavailable`) answered; your old deadline still holds
+	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
+	// only lengthened their lease).
 	//
 	// Takes a body of the `application/json` content type.
 	//
@@ -1069,15 +1075,17 @@ func (c *Client) AcquireLock(ctx context.Context, name Name, params *AcquireLock
 
 // ExtendLockWithBody Extend a lock
 //
-// Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-// of nodes. The fencing token stays the same (it is the same grant). The new
-// lease is valid for `validity_ms` from **your send time** of this request.
+// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+// majority of nodes (a renewal never shortens a lease). The fencing token
+// stays the same (it is the same grant). The new lease is valid for
+// `validity_ms` from **your send time** of this request.
 //
 // A 409 `lock-lost` means the lease expired or a newer grant exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
-// (`fencing-unavailable`) answered; the old lease still runs out at its old
-// deadline.
+// (`fencing-unavailable`) answered; your old deadline still holds
+// (`fencing-unavailable` changed no node; a renewal that reached some nodes
+// only lengthened their lease).
 //
 // Takes any type of body and a specified content type.
 //
@@ -1096,15 +1104,17 @@ func (c *Client) ExtendLockWithBody(ctx context.Context, name Name, params *Exte
 
 // ExtendLock Extend a lock
 //
-// Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-// of nodes. The fencing token stays the same (it is the same grant). The new
-// lease is valid for `validity_ms` from **your send time** of this request.
+// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+// majority of nodes (a renewal never shortens a lease). The fencing token
+// stays the same (it is the same grant). The new lease is valid for
+// `validity_ms` from **your send time** of this request.
 //
 // A 409 `lock-lost` means the lease expired or a newer grant exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
-// (`fencing-unavailable`) answered; the old lease still runs out at its old
-// deadline.
+// (`fencing-unavailable`) answered; your old deadline still holds
+// (`fencing-unavailable` changed no node; a renewal that reached some nodes
+// only lengthened their lease).
 //
 // Takes a body of the `application/json` content type.
 //
@@ -1923,15 +1933,17 @@ type ClientWithResponsesInterface interface {
 
 	// ExtendLockWithBodyWithResponse Extend a lock
 	//
-	// Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-	// of nodes. The fencing token stays the same (it is the same grant). The new
-	// lease is valid for `validity_ms` from **your send time** of this request.
+	// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+	// majority of nodes (a renewal never shortens a lease). The fencing token
+	// stays the same (it is the same grant). The new lease is valid for
+	// `validity_ms` from **your send time** of this request.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
-	// (`fencing-unavailable`) answered; the old lease still runs out at its old
-	// deadline.
+	// (`fencing-unavailable`) answered; your old deadline still holds
+	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
+	// only lengthened their lease).
 	//
 	// Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -1940,15 +1952,17 @@ type ClientWithResponsesInterface interface {
 
 	// ExtendLockWithResponse Extend a lock
 	//
-	// Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-	// of nodes. The fencing token stays the same (it is the same grant). The new
-	// lease is valid for `validity_ms` from **your send time** of this request.
+	// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+	// majority of nodes (a renewal never shortens a lease). The fencing token
+	// stays the same (it is the same grant). The new lease is valid for
+	// `validity_ms` from **your send time** of this request.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
-	// (`fencing-unavailable`) answered; the old lease still runs out at its old
-	// deadline.
+	// (`fencing-unavailable`) answered; your old deadline still holds
+	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
+	// only lengthened their lease).
 	//
 	// Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -3640,15 +3654,17 @@ func (c *ClientWithResponses) AcquireLockWithResponse(ctx context.Context, name 
 
 // ExtendLockWithBodyWithResponse Extend a lock
 //
-// Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-// of nodes. The fencing token stays the same (it is the same grant). The new
-// lease is valid for `validity_ms` from **your send time** of this request.
+// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+// majority of nodes (a renewal never shortens a lease). The fencing token
+// stays the same (it is the same grant). The new lease is valid for
+// `validity_ms` from **your send time** of this request.
 //
 // A 409 `lock-lost` means the lease expired or a newer grant exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
-// (`fencing-unavailable`) answered; the old lease still runs out at its old
-// deadline.
+// (`fencing-unavailable`) answered; your old deadline still holds
+// (`fencing-unavailable` changed no node; a renewal that reached some nodes
+// only lengthened their lease).
 //
 // Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 //
@@ -3663,15 +3679,17 @@ func (c *ClientWithResponses) ExtendLockWithBodyWithResponse(ctx context.Context
 
 // ExtendLockWithResponse Extend a lock
 //
-// Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-// of nodes. The fencing token stays the same (it is the same grant). The new
-// lease is valid for `validity_ms` from **your send time** of this request.
+// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+// majority of nodes (a renewal never shortens a lease). The fencing token
+// stays the same (it is the same grant). The new lease is valid for
+// `validity_ms` from **your send time** of this request.
 //
 // A 409 `lock-lost` means the lease expired or a newer grant exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
-// (`fencing-unavailable`) answered; the old lease still runs out at its old
-// deadline.
+// (`fencing-unavailable`) answered; your old deadline still holds
+// (`fencing-unavailable` changed no node; a renewal that reached some nodes
+// only lengthened their lease).
 //
 // Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 //

@@ -201,6 +201,9 @@ func (s *Server) Close(ctx context.Context) error {
 }
 
 func (s *Server) closeBackends() {
+	if s.locker != nil {
+		s.locker.Close()
+	}
 	if s.keys != nil {
 		s.keys.Close()
 	}

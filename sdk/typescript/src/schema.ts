@@ -96,15 +96,17 @@ export interface paths {
         put?: never;
         /**
          * Extend a lock
-         * @description Renews the lease held by `Lock-Token` to `ttl_ms` from now on a majority
-         *     of nodes. The fencing token stays the same (it is the same grant). The new
-         *     lease is valid for `validity_ms` from **your send time** of this request.
+         * @description Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
+         *     majority of nodes (a renewal never shortens a lease). The fencing token
+         *     stays the same (it is the same grant). The new lease is valid for
+         *     `validity_ms` from **your send time** of this request.
          *
          *     A 409 `lock-lost` means the lease expired or a newer grant exists: the
          *     lock is gone, stop writing, and acquire again to get a new fencing token.
          *     A 503 means too few nodes (`quorum-unavailable`) or Postgres
-         *     (`fencing-unavailable`) answered; the old lease still runs out at its old
-         *     deadline.
+         *     (`fencing-unavailable`) answered; your old deadline still holds
+         *     (`fencing-unavailable` changed no node; a renewal that reached some nodes
+         *     only lengthened their lease).
          */
         post: operations["extendLock"];
         delete?: never;
@@ -333,7 +335,9 @@ export interface components {
             /**
              * Format: int64
              * @description The new lease length from now, in milliseconds. Default: the server's
-             *     default TTL. Same bounds as for acquire.
+             *     default TTL. Same bounds as for acquire. A renewal never shortens a
+             *     lease: where more than this is left, the lease keeps it (release the
+             *     lock to give it up early).
              * @example 10000
              */
             ttl_ms?: number;
@@ -1199,7 +1203,10 @@ export interface operations {
             415: components["responses"]["UnsupportedMediaType"];
             429: components["responses"]["RateLimited"];
             /**
-             * @description Nothing was granted, and nothing is left behind on any node:
+             * @description Nothing was granted, and nothing is left behind on any node (a node
+             *     that stalled past the node timeout may still apply the attempt's
+             *     `SET` when it resumes; Redfence deletes it again once the node
+             *     answers):
              *     `quorum-unavailable` (too few nodes answered; see `nodes`),
              *     `fencing-unavailable` (Postgres did not issue a token) or
              *     `lease-expired` (the lease ran out before the token was issued).

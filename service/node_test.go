@@ -1,0 +1,49 @@
+package service
+
+import (
+	"testing"
+	"time"
+)
+
+// TestRedisNode_ExtendNeverShortens: on a real node, a renewal lengthens a
+// lease but never shortens it, and never touches a key that does not hold
+// the token.
+func TestRedisNode_ExtendNeverShortens(t *testing.T) {
+	n, _, admin := realNode(t, RedisOptions{})
+	ctx := t.Context()
+	if ok, _, err := n.Acquire(ctx, "k", "tok", time.Minute, ""); err != nil || !ok {
+		t.Fatalf("Acquire = %v, %v", ok, err)
+	}
+	pttl := func() time.Duration {
+		t.Helper()
+		d, err := admin.PTTL(ctx, "k").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	if ok, err := n.Extend(ctx, "k", "tok", time.Second); err != nil || !ok {
+		t.Fatalf("Extend to 1s = %v, %v; want true (the key holds the token)", ok, err)
+	}
+	if d := pttl(); d < 30*time.Second {
+		t.Errorf("after a shorter renewal the lease has %v left; want about a minute", d)
+	}
+	if ok, err := n.Extend(ctx, "k", "tok", 10*time.Minute); err != nil || !ok {
+		t.Fatalf("Extend to 10m = %v, %v", ok, err)
+	}
+	if d := pttl(); d < 5*time.Minute {
+		t.Errorf("after a longer renewal the lease has %v left; want about 10 minutes", d)
+	}
+	if ok, err := n.Extend(ctx, "k", "other", time.Hour); err != nil || ok {
+		t.Errorf("Extend with another token = %v, %v; want false", ok, err)
+	}
+	if d := pttl(); d > 11*time.Minute {
+		t.Errorf("another token's renewal changed the lease to %v", d)
+	}
+	if ok, err := n.Extend(ctx, "absent", "tok", time.Hour); err != nil || ok {
+		t.Errorf("Extend of a missing key = %v, %v; want false", ok, err)
+	}
+	if n, err := admin.Exists(ctx, "absent").Result(); err != nil || n != 0 {
+		t.Errorf("Extend created a key: EXISTS = %d, %v", n, err)
+	}
+}
