@@ -12,8 +12,9 @@
 // terminal's Ctrl-C reaches only the parent, which shuts the servers down
 // with Close) and is killed by the kernel when the process that started it
 // dies (Linux parent-death signal), so none outlives a crashed test. Their
-// temporary directories are removed by Close only; a crash leaves them in
-// os.TempDir(). Containers are not covered by either guarantee: they are
+// temporary directories are removed by Close; those a killed process left
+// behind are removed by the next start of a server of the same kind, once
+// their creator is gone. Containers are not covered by either guarantee: they are
 // removed by Close only.
 //
 // Not guaranteed: that a port stays free while a server is stopped; Start

@@ -134,11 +134,15 @@ func (p *Postgres) settings() []string {
 // initdb creates p.dir with the data directory and the socket directory,
 // both owned by cred's user.
 func (p *Postgres) initdb(ctx context.Context, bin string, cred *syscall.Credential) error {
+	removeOrphanDirs(p.opts.Dir, "redfence-pg-")
 	dir, err := os.MkdirTemp(p.opts.Dir, "redfence-pg-")
 	if err != nil {
 		return fmt.Errorf("cluster: postgres temp dir: %w", err)
 	}
 	p.dir = dir
+	if err := claimDir(dir); err != nil {
+		return fmt.Errorf("cluster: postgres temp dir: %w", err)
+	}
 	if p.dir, err = filepath.Abs(dir); err != nil {
 		return fmt.Errorf("cluster: postgres temp dir: %w", err)
 	}

@@ -72,9 +72,13 @@ func StartRedis(ctx context.Context, opts RedisOptions) (*Redis, error) {
 		}
 		return r, nil
 	}
+	removeOrphanDirs("", "redfence-redis-")
 	r.dir, err = os.MkdirTemp("", "redfence-redis-")
 	if err != nil {
 		return nil, fmt.Errorf("cluster: redis data dir: %w", err)
+	}
+	if err := claimDir(r.dir); err != nil {
+		return nil, errors.Join(fmt.Errorf("cluster: redis data dir: %w", err), os.RemoveAll(r.dir))
 	}
 	err = startOnFreePort("redis", func(port int) error {
 		r.addr = net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
