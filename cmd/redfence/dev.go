@@ -105,8 +105,9 @@ Try it (in another terminal):
   LOCK=$(echo "$R" | sed -E 's/.*"lock_token":"([^"]+)".*/\1/'); FENCE=$(echo "$R" | sed -E 's/.*"fencing_token":([0-9]+).*/\1/')
   # 2. write to the fenced reference store with the fencing token
   curl -s -X PUT $RF/v1/resources/orders@AUTH@ -H 'Content-Type: application/json' -d "{\"fencing_token\":$FENCE,\"data\":{\"total\":42}}"
-  # 3. look at the lock (never shows the lock token), then release it
+  # 3. look at the lock (never shows the lock token), extend it, release it
   curl -s $RF/v1/locks/orders@AUTH@
+  curl -s -X POST $RF/v1/locks/orders/extend@AUTH@ -H "Lock-Token: $LOCK" -H 'Content-Type: application/json' -d '{"ttl_ms":30000}'
   curl -s -X DELETE $RF/v1/locks/orders@AUTH@ -H "Lock-Token: $LOCK" -w '%{http_code}\n'
   # 4. someone else acquires (fencing token +1); the old token can no longer write: 409 stale-token
   curl -s -X POST $RF/v1/locks/orders@AUTH@ -H 'Content-Type: application/json' -d '{"ttl_ms":30000,"owner":"bob"}'

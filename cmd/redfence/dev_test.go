@@ -65,6 +65,7 @@ func TestDev_Walkthrough(t *testing.T) {
 			`"fencing_token":1`, `"owner":"alice"`,
 			`"data":{"total":42}`,
 			`"held":true`,
+			`"fencing_token":1,"ttl_ms":30000`,
 			"204",
 			`"fencing_token":2`, `"owner":"bob"`,
 			`"type":"urn:redfence:problem:stale-token"`,

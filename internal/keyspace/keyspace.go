@@ -10,6 +10,7 @@ package keyspace
 import (
 	"fmt"
 	"strings"
+	"unicode/utf8"
 )
 
 // MaxNameLen is the longest lock or resource name accepted.
@@ -52,7 +53,8 @@ func ValidName(name string) string {
 	}
 	for i := 0; i < len(name); i++ {
 		if !nameByte(name[i]) {
-			return fmt.Sprintf("character %q at offset %d is not allowed (use A-Z a-z 0-9 . _ - :)", name[i], i)
+			r, _ := utf8.DecodeRuneInString(name[i:]) // U+FFFD for a byte that is not UTF-8
+			return fmt.Sprintf("character %q at offset %d is not allowed (use A-Z a-z 0-9 . _ - :)", r, i)
 		}
 	}
 	return ""

@@ -32,6 +32,20 @@ func TestValidName(t *testing.T) {
 	}
 }
 
+// TestValidName_Reason: the reason names the offending character as the
+// client wrote it (a whole UTF-8 character, not its first byte).
+func TestValidName_Reason(t *testing.T) {
+	for _, tt := range []struct{ name, want string }{
+		{"order!", `character '!' at offset 5 is not allowed`},
+		{"café", `character 'é' at offset 3 is not allowed`},
+		{"a\xffb", "character '\ufffd' at offset 1 is not allowed"}, // not UTF-8
+	} {
+		if got := ValidName(tt.name); !strings.HasPrefix(got, tt.want) {
+			t.Errorf("ValidName(%q) = %q; want it to start with %q", tt.name, got, tt.want)
+		}
+	}
+}
+
 func TestKey(t *testing.T) {
 	if got := RedisKey(Key("", "orders")); got != "redfence:lock:orders" {
 		t.Errorf("RedisKey(Key(\"\", orders)) = %q; want redfence:lock:orders", got)
