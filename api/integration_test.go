@@ -12,6 +12,7 @@ import (
 
 	"github.com/redfence/redfence/api"
 	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
 )
 
@@ -354,6 +355,14 @@ func TestAPI_PostgresDown(t *testing.T) {
 		e.release("pg", g.LockToken)
 	}
 	held := e.mustAcquire("held", map[string]any{"ttl_ms": 60000})
+	testutil.WaitFor(t, 30*time.Second, "every node to hold the lock", func() (bool, error) {
+		for _, c := range e.rdb {
+			if n, err := c.Exists(ctx, "redfence:lock:held").Result(); err != nil || n != 1 {
+				return false, err
+			}
+		}
+		return true, nil
+	})
 	if err := pg.Stop(ctx, true); err != nil {
 		t.Fatal(err)
 	}

@@ -1055,8 +1055,9 @@ func (l *Locker) retryAfter(t *tally) time.Duration {
 
 // Extend renews the lease of the grant holding key with token to at least
 // ttl from now (a renewal never shortens a lease). It succeeds only if the
-// grant is the newest one issued and a majority renewed within the new
-// validity; the fencing token stays the same. On ErrLost the partial
+// grant's token was the newest issued for key when Extend began, and a
+// majority renewed within the new validity (which no newer grant can follow
+// on: see below); the fencing token stays the same. On ErrLost the partial
 // renewals are deleted again: the lock is gone and the client must acquire
 // anew. On any other error the lease runs at least until its old deadline.
 func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duration) (*Grant, error) {
@@ -1076,7 +1077,10 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	}
 	// A majority renewed by compare-and-pexpire after the read proves no
 	// newer grant since: one would have needed the key gone from a
-	// majority, and a renewal never recreates a key. A renewal also never
+	// majority, and a renewal never recreates a key. (A token burned
+	// meanwhile by a try that stalled before issuance is not a grant; the
+	// reference store then refuses this grant's token, and the next extend
+	// answers ErrLost.) A renewal also never
 	// shortens a lease (see extendScript), so a failed or partial round
 	// leaves every node's lease at least as long as the client believes.
 	start := l.opts.Now()
@@ -1133,6 +1137,11 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 	// repeated release go on.
 	var mu sync.Mutex
 	left, done := len(l.nodes), chan struct{}(nil)
+	// Nodes that answered that the key does not hold the token: if others
+	// deleted it, the token was a grant's, and a straggling SET of that
+	// grant may still land on them (see sweeper).
+	var found bool
+	var absent []int
 	args := releaseArgs(rkey, token)
 	votes, _ := l.round(context.WithoutCancel(ctx), "release", nodeOp{
 		sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
@@ -1142,15 +1151,27 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 		async: func(ctx context.Context, _ int, n asyncNode, done func(bool, time.Duration, error)) {
 			n.releaseAsync(ctx, args, func(ok bool, err error) { done(ok, 0, err) })
 		},
-	}, func(i int, _, unsure bool) {
+	}, func(i int, wrote, unsure bool) {
 		if unsure {
 			// The delete may not have been applied: the sweeper retries.
 			l.sweep.add(i, rkey, token)
 		}
 		mu.Lock()
 		left--
+		if wrote && !unsure {
+			found = true
+		} else if !unsure {
+			absent = append(absent, i)
+		}
+		var sweep []int
+		if left == 0 && found {
+			sweep = absent
+		}
 		last := left == 0 && done != nil
 		mu.Unlock()
+		for _, i := range sweep {
+			l.sweep.add(i, rkey, token)
+		}
 		if last {
 			l.lateMu.Lock()
 			delete(l.releasing, token)

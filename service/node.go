@@ -5,7 +5,9 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -119,6 +121,7 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 	}
 	client := redis.NewClient(&redis.Options{
 		Addr:                  addr,
+		Dialer:                dialer(opts),
 		Username:              opts.Username,
 		Password:              opts.Password,
 		PoolSize:              opts.PoolSize,
@@ -134,6 +137,34 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 		n.pipe = newPipeliner(client)
 	}
 	return n
+}
+
+// dialer connects as go-redis' default dialer does (same keep-alive and TLS),
+// on sockets with SO_LINGER 0: closing one resets it and discards what it had
+// not delivered. go-redis closes a connection whose command timed out; on a
+// lossy or partitioned link the kernel would otherwise go on retransmitting
+// that command (the SET of a try that has failed since) for minutes, and it
+// could land long after the try's clean-up (see sweeper).
+func dialer(opts RedisOptions) func(ctx context.Context, network, addr string) (net.Conn, error) {
+	d := &net.Dialer{
+		Timeout:         opts.DialTimeout,
+		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 30 * time.Second, Interval: 5 * time.Second, Count: 3},
+		Control: func(_, _ string, c syscall.RawConn) error {
+			var serr error
+			if err := c.Control(func(fd uintptr) {
+				serr = syscall.SetsockoptLinger(int(fd), syscall.SOL_SOCKET, syscall.SO_LINGER, &syscall.Linger{Onoff: 1, Linger: 0})
+			}); err != nil {
+				return err
+			}
+			return serr
+		},
+	}
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if opts.TLSConfig == nil {
+			return d.DialContext(ctx, network, addr)
+		}
+		return tls.DialWithDialer(d, network, addr, opts.TLSConfig)
+	}
 }
 
 // Addr returns the node's address.

@@ -1,6 +1,9 @@
 package service
 
 import (
+	"errors"
+	"net"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -45,5 +48,41 @@ func TestRedisNode_ExtendNeverShortens(t *testing.T) {
 	}
 	if n, err := admin.Exists(ctx, "absent").Result(); err != nil || n != 0 {
 		t.Errorf("Extend created a key: EXISTS = %d, %v", n, err)
+	}
+}
+
+// TestDialer_ResetsOnClose: a node connection closed with data undelivered
+// is reset (SO_LINGER 0), so the kernel does not go on retransmitting a
+// command its caller gave up on: the peer sees a reset, not an orderly EOF.
+func TestDialer_ResetsOnClose(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			close(accepted)
+			return
+		}
+		accepted <- c
+	}()
+	c, err := dialer(RedisOptions{DialTimeout: time.Second})(t.Context(), "tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, ok := <-accepted
+	if !ok {
+		t.Fatal("accept failed")
+	}
+	defer srv.Close()
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = srv.Read(make([]byte, 1))
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("the peer's read after close = %v; want ECONNRESET (an orderly close would be io.EOF)", err)
 	}
 }

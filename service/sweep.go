@@ -14,12 +14,21 @@ package service
 // So a delete of a key this Locker may have set is remembered, per node,
 // when its outcome is unknown: a failed try's delete on a node that gave no
 // answer to the SET (unless the delete removed the key) or none to the
-// delete, and a release a node did not answer. The sweeper sends it again
-// every sweep interval. An entry is done when a delete removed the key, or
-// when two deletes, in separate passes, found the key not holding the
-// token: the first may have been read in the same event-loop turn as a SET
-// still waiting in an older connection, but the second was sent after the
-// first was answered, so by then the node has read what was sent before.
+// delete; a release a node did not answer; and a release that found no key
+// on a node while others deleted it (a grant's SET that timed out there may
+// still come). The sweeper sends it again every sweep interval. An entry is
+// done when a delete removed the key, or when two deletes, in separate
+// passes and the second at least sweepSettle after the entry was made,
+// found the key not holding the token: the first may have been read in the
+// same event-loop turn as a SET still waiting in an older connection, but
+// the second was sent after the first was answered, so by then the node has
+// read what was sent before. A SET still on the network cannot come later
+// than that either: a connection go-redis gives up on is reset, which stops
+// its retransmissions (see dialer), and sweepSettle covers what was already
+// in flight. An entry that only gets error replies (WRONGTYPE, READONLY
+// after a failover) is dropped after maxSweepErrors of them.
+//
+// The guarantee lasts as long as this process: entries are not persisted.
 //
 // Tokens are never reused (one per try), so a late delete can only remove
 // the key of the try or grant it was meant for, one that failed or was
@@ -30,14 +39,30 @@ import (
 	"errors"
 	"sync"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
-// maxSwept bounds the entries kept per node; beyond it new ones are dropped
-// (their keys expire with their TTL, as without sweeping).
-const maxSwept = 1 << 16
+const (
+	// maxSwept bounds the entries kept per node; beyond it new ones are
+	// dropped (their keys expire with their TTL, as without sweeping).
+	maxSwept = 1 << 16
+	// sweepSettle is how long after an entry is made a delete that finds no
+	// key can end it: longer than a packet stays in flight.
+	sweepSettle = time.Second
+	// maxSweepErrors is how many error replies end an entry.
+	maxSweepErrors = 5
+)
 
 // sweepKey is one delete to redeliver: the key and the token it must hold.
 type sweepKey struct{ rkey, token string }
+
+// sweepEntry is what the passes learnt of one sweepKey.
+type sweepEntry struct {
+	added  time.Time
+	absent int // definite answers that the key does not hold the token
+	errors int // error replies
+}
 
 // sweeper redelivers deletes (see above). Its goroutine runs only while
 // something is pending.
@@ -46,13 +71,12 @@ type sweeper struct {
 	every time.Duration
 
 	mu sync.Mutex
-	// pending holds, per node, the deletes to redeliver and how many
-	// passes found the key not holding the token.
-	pending []map[sweepKey]int
+	// pending holds, per node, the deletes to redeliver.
+	pending []map[sweepKey]*sweepEntry
 	size    int
 	running bool
 	closed  bool
-	dropped bool // maxSwept was reached since the last warning
+	dropped []bool // per node: maxSwept was reached since the last warning
 	stop    chan struct{}
 	wg      sync.WaitGroup
 	// passed, if set, is called after each pass (a test hook).
@@ -61,9 +85,9 @@ type sweeper struct {
 
 func newSweeper(l *Locker) *sweeper {
 	s := &sweeper{l: l, every: max(250*time.Millisecond, 4*l.opts.NodeTimeout), stop: make(chan struct{}),
-		pending: make([]map[sweepKey]int, len(l.nodes))}
+		pending: make([]map[sweepKey]*sweepEntry, len(l.nodes)), dropped: make([]bool, len(l.nodes))}
 	for i := range s.pending {
-		s.pending[i] = make(map[sweepKey]int)
+		s.pending[i] = make(map[sweepKey]*sweepEntry)
 	}
 	return s
 }
@@ -79,8 +103,8 @@ func (s *sweeper) add(i int, rkey, token string) {
 	k := sweepKey{rkey, token}
 	if _, ok := s.pending[i][k]; !ok {
 		if len(s.pending[i]) >= maxSwept {
-			if !s.dropped {
-				s.dropped = true
+			if !s.dropped[i] {
+				s.dropped[i] = true
 				s.l.opts.Logger.Warn("too many unanswered lock deletes to retry; new ones are left to expire with their TTL",
 					"node", s.l.nodes[i].Addr(), "pending", len(s.pending[i]))
 			}
@@ -88,7 +112,7 @@ func (s *sweeper) add(i int, rkey, token string) {
 		}
 		s.size++
 	}
-	s.pending[i][k] = 0 // a new unknown outcome: start counting again
+	s.pending[i][k] = &sweepEntry{added: s.l.opts.Now()} // a new unknown outcome: start again
 	if !s.running {
 		s.running = true
 		s.wg.Add(1)
@@ -114,6 +138,12 @@ func (s *sweeper) close() {
 	close(s.stop)
 	s.mu.Unlock()
 	s.wg.Wait()
+	s.mu.Lock()
+	for _, p := range s.pending {
+		clear(p)
+	}
+	s.size = 0
+	s.mu.Unlock()
 }
 
 // run makes a pass every interval until nothing is pending or the sweeper
@@ -144,7 +174,8 @@ func (s *sweeper) run() {
 }
 
 // pass sends every pending delete once, node by node in parallel; a node's
-// pass ends at its first error (it is still unreachable).
+// pass ends at its first error other than an error reply (it is still
+// unreachable).
 func (s *sweeper) pass() {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -186,28 +217,39 @@ func (s *sweeper) passNode(ctx context.Context, i int, keys []sweepKey) {
 			outcome = Yes
 		}
 		s.l.opts.Observer.NodeOp(n.Addr(), "sweep", outcome, time.Since(t0))
+		var reply redis.Error
+		replied := errors.As(err, &reply) // the node answered, with an error
 		s.mu.Lock()
+		e := s.pending[i][k]
 		switch {
 		case errors.Is(err, errNodeClosed):
 			s.size -= len(s.pending[i]) // the node is gone for good
 			clear(s.pending[i])
-		case err != nil:
-		case ok || s.pending[i][k] >= 1:
-			if _, in := s.pending[i][k]; in {
-				delete(s.pending[i], k)
-				s.size--
+		case e == nil: // ended meanwhile (Close)
+		case replied:
+			if e.errors++; e.errors >= maxSweepErrors {
+				s.drop(i, k)
 			}
+		case err != nil:
+		case ok:
+			s.drop(i, k)
 		default:
-			if _, in := s.pending[i][k]; in {
-				s.pending[i][k]++
+			if e.absent++; e.absent >= 2 && s.l.opts.Now().Sub(e.added) >= sweepSettle {
+				s.drop(i, k)
 			}
 		}
 		if len(s.pending[i]) < maxSwept/2 {
-			s.dropped = false
+			s.dropped[i] = false
 		}
 		s.mu.Unlock()
-		if err != nil {
+		if err != nil && !replied {
 			return
 		}
 	}
+}
+
+// drop ends node i's entry k. s.mu is held.
+func (s *sweeper) drop(i int, k sweepKey) {
+	delete(s.pending[i], k)
+	s.size--
 }

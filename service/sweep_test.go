@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,17 +15,45 @@ import (
 	"github.com/redfence/redfence/internal/testutil"
 )
 
+// replyErr is an error reply from a node (WRONGTYPE, READONLY, ...).
+type replyErr string
+
+func (e replyErr) Error() string { return string(e) }
+func (replyErr) RedisError()     {}
+
 // TestSweeper_Passes: a pending delete stays while its node gives no
 // answer; it is done once a delete removes the key, or after two passes that
 // found the key not holding the token (not one: the first may have been
-// read before a SET still waiting in an older connection).
+// read before a SET still waiting in an older connection) once sweepSettle
+// has passed since it was made; error replies end it after maxSweepErrors
+// passes without stopping the node's pass.
 func TestSweeper_Passes(t *testing.T) {
 	ns, ms := nodes(3)
-	l := newLocker(t, ns, &memIssuer{}, Options{})
+	clk := &clock{t: time.Unix(1e9, 0)}
+	l := newLocker(t, ns, &memIssuer{}, Options{Now: clk.Now})
 	// Each pass reports what is left, then waits for the test to let the
 	// sweeper go on.
-	passes, next := make(chan int), make(chan struct{})
-	l.sweep.passed = func() { passes <- l.sweep.size; <-next } // with sweep.mu held
+	passes, next, quit := make(chan int), make(chan struct{}), make(chan struct{})
+	l.sweep.passed = func() { // with sweep.mu held
+		select {
+		case passes <- l.sweep.size:
+		case <-quit:
+			return
+		}
+		select {
+		case <-next:
+		case <-quit:
+		}
+	}
+	var once sync.Once
+	stopHook := func() { once.Do(func() { close(quit) }) }
+	t.Cleanup(stopHook) // before l.Close: a failed test does not hang
+	pass := func(want int) {
+		t.Helper()
+		if n := <-passes; n != want {
+			t.Fatalf("after a pass %d pending; want %d", n, want)
+		}
+	}
 	var down atomic.Bool
 	down.Store(true)
 	ms[0].hook = func(context.Context, string) error {
@@ -33,43 +62,65 @@ func TestSweeper_Passes(t *testing.T) {
 		}
 		return nil
 	}
+	ms[2].hook = func(_ context.Context, op string) error {
+		if op == "release" {
+			return replyErr("WRONGTYPE Operation against a key holding the wrong kind of value")
+		}
+		return nil
+	}
 	ms[0].set(rkey, "t-held", time.Minute)
-	l.sweep.add(0, rkey, "t-held") // the key holds the token: one delete does
-	l.sweep.add(1, rkey, "t-gone") // not there: two passes
-	l.sweep.add(0, rkey, "t-held") // added twice: one entry
-	if n := l.sweep.count(); n != 2 {
-		t.Fatalf("pending = %d; want 2", n)
+	ms[1].set("other", "t-held-1", time.Minute)
+	l.sweep.add(0, rkey, "t-held")         // the key holds the token: one delete does
+	l.sweep.add(1, rkey, "t-gone")         // not there: two passes, once settled
+	l.sweep.add(1, "other", "t-held-1")    // held: one delete
+	l.sweep.add(0, rkey, "t-held")         // added twice: one entry
+	l.sweep.add(2, "wrong", "t-wrongtype") // error replies
+	if n := l.sweep.count(); n != 4 {
+		t.Fatalf("pending = %d; want 4", n)
 	}
 
-	// Pass 1: node 0 does not answer; node 1 finds no key (first time).
-	if n := <-passes; n != 2 {
-		t.Fatalf("after pass 1 pending = %d; want 2", n)
-	}
+	// Pass 1: node 0 does not answer; node 1 deletes "other" and finds no
+	// key for t-gone; node 2 replies with an error.
+	pass(3)
 	if !ms[0].has(rkey) {
 		t.Fatal("the key was deleted by an unanswered delete")
 	}
+	if ms[1].has("other") {
+		t.Error("node 1 still holds other")
+	}
 	down.Store(false)
 	next <- struct{}{}
-	// Pass 2: node 0 deletes the key; node 1 finds no key a second time.
-	if n := <-passes; n != 0 {
-		t.Fatalf("after pass 2 pending = %d; want 0", n)
-	}
+	// Pass 2: node 0 deletes the key; t-gone found absent twice, but it is
+	// younger than sweepSettle, so it stays.
+	pass(2)
 	if ms[0].has(rkey) {
 		t.Error("node 0 still holds the key")
 	}
+	clk.Advance(sweepSettle)
 	next <- struct{}{}
+	pass(1) // t-gone is done; the error replies (3 so far) go on
+	for range maxSweepErrors - 4 {
+		next <- struct{}{}
+		pass(1)
+	}
+	next <- struct{}{}
+	pass(0) // the last error reply ends it
+	next <- struct{}{}
+
 	// The sweeper stops when nothing is pending, and starts again.
-	ms[2].set(rkey, "t-late", time.Minute)
-	l.sweep.add(2, rkey, "t-late")
-	if n := <-passes; n != 0 {
-		t.Fatalf("after a restart pending = %d; want 0", n)
-	}
-	if ms[2].has(rkey) {
-		t.Error("node 2 still holds the key")
+	ms[1].set(rkey, "t-late", time.Minute)
+	l.sweep.add(1, rkey, "t-late")
+	pass(0)
+	if ms[1].has(rkey) {
+		t.Error("node 1 still holds the key")
 	}
 	next <- struct{}{}
+
+	// Close forgets what was pending and takes nothing more.
+	l.sweep.add(2, "wrong", "t-wrongtype")
+	stopHook() // Close may end the sweeper before its pass
 	l.Close()
-	l.sweep.add(2, rkey, "t-after-close")
+	l.sweep.add(2, "wrong", "t-after-close")
 	if n := l.sweep.count(); n != 0 {
 		t.Errorf("pending after Close = %d; want 0", n)
 	}
@@ -84,11 +135,12 @@ func TestSweeper_Passes(t *testing.T) {
 func TestLocker_StalledMajorityLeavesNoKey(t *testing.T) {
 	rs := clustertest.Redis(t, 5, cluster.RedisOptions{})
 	var ns []Node
+	var rns []*RedisNode
 	var admins []*redis.Client
 	for _, r := range rs {
 		rn := NewRedisNode(r.Addr(), RedisOptions{})
 		t.Cleanup(func() { _ = rn.Close() })
-		ns = append(ns, rn)
+		ns, rns = append(ns, rn), append(rns, rn)
 		a := redis.NewClient(&redis.Options{Addr: r.Addr()})
 		t.Cleanup(func() { _ = a.Close() })
 		admins = append(admins, a)
@@ -169,7 +221,29 @@ func TestLocker_StalledMajorityLeavesNoKey(t *testing.T) {
 			return len(held("r")) == 5, nil
 		})
 		stall()
+		// A command of someone else's on the wire to each stalled node
+		// until well past the node timeout: the release's deletes queue
+		// behind it and are dropped unsent when their deadline passes.
+		blocked := make(chan error, 3)
+		for _, rn := range rns[:3] {
+			go func() {
+				bctx, cancel := context.WithTimeout(ctx, 10*l.opts.NodeTimeout)
+				defer cancel()
+				_, err := rn.TTL(bctx, "other")
+				blocked <- err
+			}()
+			testutil.WaitFor(t, 10*time.Second, "a command on the wire to the stalled node", func() (bool, error) {
+				if rn.pipe.sending.TryLock() {
+					rn.pipe.sending.Unlock()
+					return false, nil
+				}
+				return true, nil
+			})
+		}
 		err = l.Release(ctx, "r", g.Token) // 2 nodes delete it: released
+		for range 3 {
+			<-blocked // timed out; the deletes behind it were dropped
+		}
 		resume()
 		if err != nil {
 			t.Fatalf("Release with 3 of 5 nodes stalled = %v", err)
@@ -181,6 +255,44 @@ func TestLocker_StalledMajorityLeavesNoKey(t *testing.T) {
 	})
 }
 
+// TestLocker_ReleaseSweepsAbsentNodes: a release that deleted the key on
+// some nodes but found none on another leaves that node to the sweeper (the
+// grant's SET there may still land), and the sweeper ends with it.
+func TestLocker_ReleaseSweepsAbsentNodes(t *testing.T) {
+	ns, ms := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{})
+	ms[4].set(rkey, "someone-else", time.Minute) // the grant's SET is refused there
+	g, err := l.Acquire(t.Context(), key, Request{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	settle(ms)
+	if n := l.sweep.count(); n != 0 {
+		t.Fatalf("pending after a grant = %d; want 0", n)
+	}
+	ms[4].set(rkey, "", 0) // someone else released: node 4 holds nothing
+	if err := l.Release(t.Context(), key, g.Token); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, 10*time.Second, "node 4 to be left to the sweeper", func() (bool, error) {
+		l.sweep.mu.Lock()
+		defer l.sweep.mu.Unlock()
+		_, ok := l.sweep.pending[4][sweepKey{rkey, g.Token}]
+		return ok && l.sweep.size == 1, nil
+	})
+	testutil.WaitFor(t, 30*time.Second, "the sweeper to finish", func() (bool, error) {
+		return l.sweep.count() == 0, nil
+	})
+
+	// A release of a token held nowhere (409) leaves nothing to sweep.
+	if err := l.Release(t.Context(), key, "no-such-token"); !errors.Is(err, ErrNotHolder) {
+		t.Fatalf("Release of an unknown token = %v; want ErrNotHolder", err)
+	}
+	if n := l.sweep.count(); n != 0 {
+		t.Errorf("pending after a refused release = %d; want 0", n)
+	}
+}
+
 // TestLocker_ExtendFencingDown: with the fencing records unreadable, an
 // extend fails with ErrFencing before any node is asked, so every lease
 // keeps its deadline.
@@ -188,7 +300,7 @@ func TestLocker_ExtendFencingDown(t *testing.T) {
 	ns, ms := nodes(5)
 	iss := &memIssuer{}
 	l := newLocker(t, ns, iss, Options{})
-	g, err := l.Acquire(t.Context(), key, Request{TTL: time.Minute})
+	g, err := l.Acquire(t.Context(), key, Request{TTL: 30 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -205,7 +317,7 @@ func TestLocker_ExtendFencingDown(t *testing.T) {
 	iss.mu.Lock()
 	iss.err = errors.New("postgres is down")
 	iss.mu.Unlock()
-	if _, err := l.Extend(t.Context(), key, g.Token, time.Second); !errors.Is(err, ErrFencing) {
+	if _, err := l.Extend(t.Context(), key, g.Token, time.Minute); !errors.Is(err, ErrFencing) {
 		t.Fatalf("Extend with the issuer down = %v; want ErrFencing", err)
 	}
 	if n := extends.Load(); n != 0 {
@@ -215,8 +327,8 @@ func TestLocker_ExtendFencingDown(t *testing.T) {
 		m.mu.Lock()
 		d := m.ttl[rkey]
 		m.mu.Unlock()
-		if d != time.Minute {
-			t.Errorf("node%d lease = %v; want 1m", i, d)
+		if d != 30*time.Second {
+			t.Errorf("node%d lease = %v; want 30s", i, d)
 		}
 	}
 }

@@ -1205,7 +1205,7 @@ export interface operations {
             /**
              * @description Nothing was granted, and nothing is left behind on any node (a node
              *     that stalled past the node timeout may still apply the attempt's
-             *     `SET` when it resumes; Redfence deletes it again once the node
+             *     `SET` when it resumes; the server deletes it again once the node
              *     answers):
              *     `quorum-unavailable` (too few nodes answered; see `nodes`),
              *     `fencing-unavailable` (Postgres did not issue a token) or
