@@ -339,8 +339,12 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 	}
 	ct := header(r.Header, "Content-Type")
 	if ct != "application/json" { // what ParseMediaType would accept at once
-		if mt, _, err := mime.ParseMediaType(ct); err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
+		mt, params, err := mime.ParseMediaType(ct)
+		if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
 			return nil, &requestError{kind: kMediaType, detail: fmt.Sprintf("Content-Type %q is not application/json", ct)}
+		}
+		if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") {
+			return nil, &requestError{kind: kMediaType, detail: fmt.Sprintf("Content-Type %q: JSON is UTF-8 (RFC 8259); charset %q is not supported", ct, cs)}
 		}
 	}
 	if body := bytes.TrimSpace(body); body[0] != '{' {

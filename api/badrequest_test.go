@@ -62,6 +62,7 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"OwnerControlChar", "POST", "/v1/locks/x", `{"owner":"bell\u0007"}`, json, nil, 400, "invalid-request"},
 		{"WrongContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/plain", nil, 415, "unsupported-media-type"},
 		{"NoContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "", nil, 415, "unsupported-media-type"},
+		{"ContentTypeLatin1", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "application/json; charset=latin1", nil, 415, "unsupported-media-type"},
 		{"BodyTooLarge", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("x", 2<<20) + `"}`, json, nil, 413, "request-too-large"},
 		// lock tokens
 		{"ExtendNoToken", "POST", "/v1/locks/held/extend", "", "", nil, 400, "invalid-request"},

@@ -159,3 +159,29 @@ func showAcquire(r AcquireRequest) string {
 	}
 	return s
 }
+
+// TestDecode_Charset: JSON is UTF-8 (RFC 8259): a charset parameter that
+// says so, in any case, is accepted; any other is 415.
+func TestDecode_Charset(t *testing.T) {
+	h := NewHandler(nil, nil, Options{MaxBodyBytes: 4096})
+	for ct, ok := range map[string]bool{
+		"application/json; charset=utf-8":             true,
+		"application/json;charset=UTF-8":              true,
+		"application/problem+json; charset=utf-8":     true,
+		"application/json; charset=latin1":            false,
+		"application/json; charset=utf-16":            false,
+		"application/merge-patch+json; charset=ascii": false,
+	} {
+		r := httptest.NewRequest(http.MethodPost, "/v1/locks/x", strings.NewReader(`{"ttl_ms":1000}`))
+		r.Header.Set("Content-Type", ct)
+		var req AcquireRequest
+		err := h.decodeAcquire(r, &req)
+		var re *requestError
+		switch {
+		case ok && err != nil:
+			t.Errorf("%q: %v; want accepted", ct, err)
+		case !ok && (!errors.As(err, &re) || re.kind != kMediaType):
+			t.Errorf("%q: %v; want unsupported-media-type", ct, err)
+		}
+	}
+}
