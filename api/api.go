@@ -341,10 +341,12 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 	if ct != "application/json" { // what ParseMediaType would accept at once
 		mt, params, err := mime.ParseMediaType(ct)
 		if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
-			return nil, &requestError{kind: kMediaType, detail: fmt.Sprintf("Content-Type %q is not application/json", ct)}
+			// The header's value is not quoted: it is the client's, and
+			// could be anything, a secret pasted by mistake included.
+			return nil, &requestError{kind: kMediaType, detail: "the Content-Type is not application/json"}
 		}
 		if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") {
-			return nil, &requestError{kind: kMediaType, detail: fmt.Sprintf("Content-Type %q: JSON is UTF-8 (RFC 8259); charset %q is not supported", ct, cs)}
+			return nil, &requestError{kind: kMediaType, detail: "the Content-Type names a charset other than UTF-8; JSON is UTF-8 (RFC 8259)"}
 		}
 	}
 	if body := bytes.TrimSpace(body); body[0] != '{' {
@@ -488,6 +490,17 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 	g, err := h.locker.Acquire(r.Context(), key, service.Request{TTL: ttl, Wait: wait, Owner: owner})
 	if err != nil {
 		return serviceBounds(err)
+	}
+	if wait > 0 && h.opts.Auth != nil {
+		// The key was checked before the wait, which can outlast its
+		// revocation: check it again before handing the lock over.
+		if _, aerr := h.authenticate(r); aerr != nil {
+			if rerr := h.locker.Release(context.WithoutCancel(r.Context()), key, g.Token); rerr != nil {
+				aerr = errors.Join(aerr, fmt.Errorf("release the lock granted while the key was being revoked: %w", rerr))
+			}
+			h.audit(r, slog.LevelWarn, "lock released: the API key failed its check after the wait", name, owner, g.Fencing, "key-refused", noTTL)
+			return aerr
+		}
 	}
 	h.m.acquire("granted")
 	h.m.acquireSeconds.Observe(time.Since(start).Seconds())

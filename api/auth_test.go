@@ -18,6 +18,8 @@ import (
 	"github.com/redfence/redfence/api"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
 	"github.com/redfence/redfence/internal/openapitest"
+	"github.com/redfence/redfence/internal/testutil"
+	"github.com/redfence/redfence/service"
 	"github.com/redfence/redfence/store"
 )
 
@@ -477,5 +479,62 @@ func TestAuth_Header(t *testing.T) {
 		if resp.StatusCode != 200 {
 			t.Errorf("GET %s without a key = %d; want 200", path, resp.StatusCode)
 		}
+	}
+}
+
+// waitObserver signals when a blocking acquire starts waiting.
+type waitObserver struct{ waiting chan struct{} }
+
+func (o waitObserver) NodeOp(string, string, service.Outcome, time.Duration) {}
+func (o waitObserver) Quarantine(string, time.Time)                          {}
+func (o waitObserver) Waiting(delta int) {
+	if delta > 0 {
+		o.waiting <- struct{}{}
+	}
+}
+
+// TestAuth_RevokedWhileWaiting: a key revoked while its acquire waits gets
+// 401 when the lock comes free, and the lock is released again rather than
+// handed to it.
+func TestAuth_RevokedWhileWaiting(t *testing.T) {
+	t.Parallel()
+	obs := waitObserver{waiting: make(chan struct{}, 16)}
+	e, k := newAuthEnv(t, envOptions{service: service.Options{Observer: obs}}, api.Options{})
+	ctx := t.Context()
+	r := e.do(e.client, http.MethodPost, "/v1/locks/w", map[string]any{"ttl_ms": 60000}, bearerHdr(k.a)...)
+	var g api.LockResponse
+	r.decode(t, &g)
+	if r.status != http.StatusCreated {
+		t.Fatalf("holder: %d %s", r.status, r.body)
+	}
+	waiterKey, _, err := e.db.CreateKey(ctx, "a", []string{store.ScopeLocks})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan *response, 1)
+	go func() {
+		done <- e.do(e.client, http.MethodPost, "/v1/locks/w", map[string]any{"ttl_ms": 10000, "wait_ms": 30000},
+			bearerHdr(waiterKey)...)
+	}()
+	<-obs.waiting // authenticated, and waiting for the holder
+	id, _ := store.KeyID(waiterKey)
+	if _, err := e.db.RevokeKey(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, 10*time.Second, "the revocation to reach the server", func() (bool, error) {
+		return e.do(e.client, http.MethodGet, "/v1/locks/w", nil, bearerHdr(waiterKey)...).status == http.StatusUnauthorized, nil
+	})
+	if r := e.do(e.client, http.MethodDelete, "/v1/locks/w", nil, append(bearerHdr(k.a), api.LockTokenHeader, g.LockToken)...); r.status != http.StatusNoContent {
+		t.Fatalf("holder's release = %d %s", r.status, r.body)
+	}
+	w := <-done
+	if p := w.problem(t); w.status != http.StatusUnauthorized || p.Type != api.ProblemTypePrefix+"unauthorized" {
+		t.Fatalf("waiter with a revoked key = %d %s; want 401 unauthorized", w.status, w.body)
+	}
+	var st api.LockStatus
+	r = e.do(e.client, http.MethodGet, "/v1/locks/w", nil, bearerHdr(k.a)...)
+	r.decode(t, &st)
+	if st.Held {
+		t.Errorf("the lock is held after the revoked waiter was refused: %s", r.body)
 	}
 }

@@ -270,6 +270,9 @@ func TestRequestIDs(t *testing.T) {
 		{strings.Repeat("a", 65), ""},
 		{"has space", ""},
 		{"ünïcode", ""},
+		{benchAPIKey, ""},                                            // an API key: a secret, never logged
+		{"XO-BHVUBfJCMQRnPhNlbb6nNeSU", ""},                          // a lock token's shape
+		{"XO-BHVUBfJCMQRnPhNlbb6nNeS", "XO-BHVUBfJCMQRnPhNlbb6nNeS"}, // 26 characters: a plain ID
 	} {
 		w := e.do(e.h, http.MethodPost, "/v1/locks/"+itoa(len(tc.sent))+"x", `{}`, RequestIDHeader, tc.sent)
 		got := w.Header().Get(RequestIDHeader)

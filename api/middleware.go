@@ -8,10 +8,13 @@ import (
 	"log/slog"
 	"net/http"
 	"runtime/debug"
+	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/go-chi/chi/v5"
+
+	"github.com/redfence/redfence/store"
 )
 
 // RequestIDHeader carries the request ID, echoed on every response.
@@ -159,9 +162,11 @@ func (g *requestIDs) next() string {
 }
 
 // validRequestID accepts a client's ID only if it is short and plain, so it
-// is safe to log and echo.
+// is safe to log and echo, and cannot be a secret pasted by mistake: not an
+// API key (rf_...) and not of a lock token's shape (27 characters of
+// base64url).
 func validRequestID(s string) bool {
-	if s == "" || len(s) > 64 {
+	if s == "" || len(s) > 64 || strings.HasPrefix(s, store.KeyPrefix) || len(s) == 27 && base64URL(s) {
 		return false
 	}
 	for i := 0; i < len(s); i++ {

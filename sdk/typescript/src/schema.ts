@@ -711,7 +711,7 @@ export interface components {
                  *       "type": "urn:redfence:problem:unsupported-media-type",
                  *       "title": "The request body must be application/json",
                  *       "status": 415,
-                 *       "detail": "Content-Type \"text/plain\" is not application/json",
+                 *       "detail": "the Content-Type is not application/json",
                  *       "instance": "/v1/locks/orders:invoice-7",
                  *       "request_id": "5f2c9a7e1b3d4c6a"
                  *     }
