@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -29,7 +30,9 @@ exits, and exits with its status (128+N if signal N ended it).
 If the lease is lost (a renewal is refused, or the server cannot renew it in
 time), COMMAND's process group gets SIGTERM before the lease's deadline, and
 SIGKILL --grace later, still before the deadline (less a safety of a tenth of
-the TTL, at most 1s); redfence lock then exits non-zero. SIGINT, SIGTERM,
+the TTL, at most 1s); redfence lock then exits non-zero. When COMMAND exits,
+what is left of its process group (background children) is stopped the same
+way before the lock is released. SIGINT, SIGTERM,
 SIGHUP and SIGQUIT sent to redfence lock are forwarded to COMMAND's process
 group. COMMAND runs in a process group of its own, so that all of it can be
 stopped: it cannot read from the terminal.
@@ -65,16 +68,14 @@ func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []strin
 		fmt.Fprint(stdout, lockHelp)
 		fs.PrintDefaults()
 	}
-	defServer := os.Getenv("REDFENCE_SERVER")
-	if defServer == "" {
-		defServer = "http://127.0.0.1:8080"
-	}
 	host, _ := os.Hostname()
-	fs.StringVar(&f.server, "server", defServer, "Redfence base URL (default $REDFENCE_SERVER, else http://127.0.0.1:8080)")
-	fs.StringVar(&f.apiKey, "api-key", os.Getenv("REDFENCE_API_KEY"), "API key sent as a bearer token (default $REDFENCE_API_KEY)")
+	// The environment's values are applied after parsing, not as flag
+	// defaults: the usage text prints defaults, and the API key is a secret.
+	fs.StringVar(&f.server, "server", "", "Redfence base URL (default $REDFENCE_SERVER, else http://127.0.0.1:8080)")
+	fs.StringVar(&f.apiKey, "api-key", "", "API key sent as a bearer token (default $REDFENCE_API_KEY)")
 	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease length; renewed every ttl/3 while COMMAND runs")
 	fs.DurationVar(&f.wait, "wait", 0, "how long to wait for the lock when it is held (0: try once)")
-	fs.DurationVar(&f.grace, "grace", 2*time.Second, "time between SIGTERM and SIGKILL when the lease is lost")
+	fs.DurationVar(&f.grace, "grace", 2*time.Second, "time between SIGTERM and SIGKILL when the lease is lost, or for what is left of COMMAND's process group when it exits")
 	fs.DurationVar(&f.maxHold, "max-hold", 0, "stop renewing once the lock was held this long (0: no cap); COMMAND is then stopped as on a loss")
 	fs.StringVar(&f.owner, "owner", fmt.Sprintf("%s:%d", host, os.Getpid()), "owner label shown by GET /v1/locks/NAME and in the audit log")
 	fs.BoolVar(&f.verbose, "v", false, "print lease events (acquired, renewed, lost, signals) with timestamps to stderr")
@@ -105,6 +106,12 @@ func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []strin
 			break
 		}
 		rest = rest[1:]
+	}
+	if f.server == "" {
+		f.server = cmp.Or(os.Getenv("REDFENCE_SERVER"), "http://127.0.0.1:8080")
+	}
+	if f.apiKey == "" {
+		f.apiKey = os.Getenv("REDFENCE_API_KEY")
 	}
 	switch {
 	case len(positional) != 1:
@@ -207,21 +214,46 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	}
 	safety := lockSafety(f.ttl)
 	var kill <-chan time.Time
+	var killedAt time.Time // when SIGKILL was sent
 	// stop sends SIGTERM now and schedules SIGKILL after the grace period,
 	// and in any case before the lease's deadline (less the safety).
 	stop := func() {
-		if kill != nil {
+		if kill != nil || !killedAt.IsZero() {
 			return
 		}
 		signalGroup(syscall.SIGTERM)
 		d := min(f.grace, time.Until(lease.Deadline().Add(-safety)))
 		kill = time.After(max(d, 0))
 	}
+	// Once COMMAND has exited, what is left of its process group (children
+	// it started in the background) is stopped the same way before the
+	// lock is released: any of them could still act with the token.
+	var (
+		exitedStatus = -1
+		poll         <-chan time.Time
+	)
+	groupGone := func() bool { return errors.Is(syscall.Kill(-pgid, 0), syscall.ESRCH) }
 	leaseDone, ctxDone := lease.Done(), ctx.Done()
 	for {
 		select {
 		case err := <-exited:
-			return exitStatus(cmd.ProcessState, err), lost
+			exited = nil
+			exitedStatus = exitStatus(cmd.ProcessState, err)
+			if groupGone() {
+				return exitedStatus, lost
+			}
+			ev.printf("the command exited; stopping the rest of its process group")
+			stop()
+			tick := time.NewTicker(10 * time.Millisecond)
+			defer tick.Stop()
+			poll = tick.C
+		case <-poll:
+			// Once SIGKILL is sent nothing of the group can act any more;
+			// wait a little for it to be gone (a zombie that nobody reaps,
+			// under a PID 1 that does not, would keep it forever).
+			if groupGone() || !killedAt.IsZero() && time.Since(killedAt) > time.Second {
+				return exitedStatus, lost
+			}
 		case s := <-sigs:
 			ev.printf("forwarding %v to the command", s)
 			signalGroup(s.(syscall.Signal))
@@ -242,8 +274,9 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 			stop()
 		case <-kill:
 			kill = nil
-			fmt.Fprintf(stderr, "redfence lock: the command did not exit within --grace %v: sending SIGKILL\n", f.grace)
+			fmt.Fprintf(stderr, "redfence lock: the command's process group did not exit within --grace %v: sending SIGKILL\n", f.grace)
 			signalGroup(syscall.SIGKILL)
+			killedAt = time.Now()
 			ev.printf("sent SIGKILL")
 		}
 	}

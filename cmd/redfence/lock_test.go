@@ -159,6 +159,39 @@ func TestLock(t *testing.T) {
 		}
 	})
 
+	t.Run("BackgroundChildStopped", func(t *testing.T) {
+		t.Parallel()
+		// COMMAND starts a child in the background that ignores SIGTERM,
+		// and exits once the child wrote its PID: the child must be gone
+		// (SIGKILL after --grace) before the lock is released.
+		pidFile := filepath.Join(t.TempDir(), "pid")
+		script := `sh -c 'trap "" TERM; echo $$ > "$1.tmp"; mv "$1.tmp" "$1"; while :; do sleep 0.05; done' sh "$1" &
+while [ ! -s "$1" ]; do sleep 0.01; done`
+		r := startLock(t.Context(), "--server", s.URL, "--grace", "300ms", "lock-bg", "--", "sh", "-c", script, "sh", pidFile)
+		if code := r.wait(t); code != 0 {
+			t.Fatalf("exit status %d (%v); want 0; stderr:\n%s", code, r.err, r.stderr.String())
+		}
+		b, err := os.ReadFile(pidFile)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Gone, or a zombie waiting for its new parent to reap it: either
+		// way it can no longer run.
+		if st, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid)); err == nil {
+			if f := strings.Fields(string(st[strings.LastIndexByte(string(st), ')')+1:])); len(f) > 0 && f[0] != "Z" {
+				t.Errorf("the background child %d still runs (state %s) after redfence lock returned", pid, f[0])
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+		if !strings.Contains(r.stderr.String(), "SIGKILL") {
+			t.Errorf("stderr does not report the SIGKILL:\n%s", r.stderr.String())
+		}
+	})
+
 	t.Run("ExitStatus", func(t *testing.T) {
 		t.Parallel()
 		for _, tc := range []struct {
@@ -415,5 +448,29 @@ func TestLock_Signals(t *testing.T) {
 	// And the lock was released on the way out.
 	if r := startLock(t.Context(), "--server", s.URL, "lock-signals", "--", "true"); r.wait(t) != 0 {
 		t.Errorf("the lock was not released: %v", r.err)
+	}
+}
+
+// TestLock_HelpHidesKey: the API key from the environment is used but never
+// printed, not in the help nor in a usage error.
+func TestLock_HelpHidesKey(t *testing.T) {
+	const secret = "rf_0123456789abcdef_sEcReTsEcReTsEcReTsEcReTsEcReTsEcReTsEcReTx"
+	t.Setenv("REDFENCE_API_KEY", secret)
+	t.Setenv("REDFENCE_SERVER", "http://127.0.0.1:1")
+	for _, args := range [][]string{{"lock", "-h"}, {"lock", "--tll", "5s", "x", "--", "true"}} {
+		var stdout, stderr testutil.Buffer
+		_ = run(t.Context(), args, &stdout, &stderr)
+		if out := stdout.String() + stderr.String(); strings.Contains(out, "sEcReT") || !strings.Contains(out, "$REDFENCE_API_KEY") {
+			t.Errorf("%q printed the API key, or no help:\n%s", args, out)
+		}
+	}
+	var stderr testutil.Buffer
+	f, _, _, err := parseLockArgs([]string{"x", "--", "true"}, &stderr)
+	if err != nil || f.apiKey != secret || f.server != "http://127.0.0.1:1" {
+		t.Errorf("parseLockArgs = %+v, %v; want the key and server from the environment", f, err)
+	}
+	f, _, _, err = parseLockArgs([]string{"--api-key", "other", "--server", "http://h:2", "x", "--", "true"}, &stderr)
+	if err != nil || f.apiKey != "other" || f.server != "http://h:2" {
+		t.Errorf("parseLockArgs with flags = %+v, %v; want the flags to win", f, err)
 	}
 }
