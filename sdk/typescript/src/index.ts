@@ -263,7 +263,9 @@ export class Lease {
           throw new RedfenceError("release", this.name, response.status, { problem: error as Problem | undefined });
         }
       } finally {
-        if (!this.signal.aborted) this.#abort.abort(new Error("redfence: lease released"));
+        if (!this.signal.aborted) {
+          this.#abort.abort(new RedfenceError("release", this.name, 0, { detail: "the lease was released", kind: "lost" }));
+        }
       }
     })();
     return this.#released;
@@ -311,11 +313,17 @@ export class Redfence {
   async withLock<T>(name: string, fn: (lease: Lease) => Promise<T> | T, opts: LockOptions = {}): Promise<T> {
     const lease = await this.acquire(name, opts);
     let result: T;
+    // A lease's own timers do not hold the process open (unref), but while
+    // fn runs its renewals must go on even if fn waits on nothing else
+    // (e.g. only on lease.signal): keep the event loop alive until it ends.
+    const keepAlive = setInterval(() => undefined, 2 ** 30);
     try {
       result = await fn(lease);
     } catch (err) {
       await lease.release().catch(() => undefined);
       throw err;
+    } finally {
+      clearInterval(keepAlive);
     }
     const lost = lease.signal.aborted ? lease.signal.reason : undefined;
     try {

@@ -196,3 +196,31 @@ test("a write with a stale fencing token rejects with kind stale", async () => {
     await next.release();
   }
 });
+
+test("withLock keeps the process alive while fn waits only on the lease", async () => {
+  // A child Node process whose only pending work is fn, resolved by an
+  // unref'd timer after two TTLs: without withLock holding the event loop
+  // open, Node would exit at once (code 13, the lock left to expire).
+  const script = path.join(tmp, "alive.mjs");
+  const { writeFileSync } = await import("node:fs");
+  writeFileSync(script, `
+import { Redfence } from ${JSON.stringify(path.join(sdk, "dist/index.js"))};
+const rf = new Redfence({ baseUrl: process.argv[2], apiKey: process.argv[3] || undefined });
+const held = await rf.withLock("sdk-alive", (lease) => new Promise((resolve) => {
+  setTimeout(() => resolve(lease.held), 2 * lease.ttlMs).unref();
+}), { ttlMs: 400 });
+console.log("done", held);
+`);
+  const r = spawnSync(process.execPath, [script, baseUrl, apiKey ?? ""], { encoding: "utf8", timeout: 30_000 });
+  assert.equal(r.status, 0, `exit ${r.status}: ${r.stderr}`);
+  assert.equal(r.stdout.trim(), "done true");
+  const rf = new Redfence({ baseUrl, apiKey });
+  await assertReleased(rf, "sdk-alive");
+});
+
+test("extend after release rejects with a RedfenceError", async () => {
+  const rf = new Redfence({ baseUrl, apiKey });
+  const lease = await rf.acquire("sdk-released", { ttlMs: 5000 });
+  await lease.release();
+  await assert.rejects(lease.extend(), (err) => err instanceof RedfenceError && err.kind === "lost");
+});
