@@ -201,3 +201,22 @@ func TestPausedHolder_ReadModifyWrite(t *testing.T) {
 		t.Errorf("A's write after B's = %d %v; want 409", code, v)
 	}
 }
+
+// TestIfMatchOnMissingDocument: a version compare-and-set on a document that
+// does not exist is refused (412, RFC 9110) and creates nothing.
+func TestIfMatchOnMissingDocument(t *testing.T) {
+	t.Parallel()
+	d := newDocs(t)
+	if code, v := d.put("fresh", 5, `"7"`, `{"a":1}`); code != http.StatusPreconditionFailed {
+		t.Fatalf("conditional write of a new document = %d %v; want 412", code, v)
+	}
+	if code, v := d.get("fresh"); code != http.StatusNotFound {
+		t.Fatalf("after a refused conditional write GET = %d %v; want 404", code, v)
+	}
+	if code, v := d.put("fresh", 5, "", `{"a":1}`); code != http.StatusOK || v["version"] != float64(1) {
+		t.Fatalf("unconditional first write = %d %v; want 200 at version 1", code, v)
+	}
+	if code, v := d.put("fresh", 5, `"1"`, `{"a":2}`); code != http.StatusOK || v["version"] != float64(2) {
+		t.Fatalf("conditional write at the current version = %d %v; want 200 at version 2", code, v)
+	}
+}

@@ -21,11 +21,13 @@ var schema string
 // when its fencing token is at least as new as the token of the last write
 // applied to the row (">=": one holder may write many times), and, when the
 // client sends a version ($4 not null), only if the row is still at that
-// version (compare-and-set for read-modify-write). A refused write changes
-// nothing and returns no row.
+// version (compare-and-set for read-modify-write; a row that does not exist
+// is at no version, so such a write does not create it). A refused write
+// changes nothing and returns no row.
 const putSQL = `
 INSERT INTO documents AS d (id, body, fencing_token)
-VALUES ($1, $2, $3)
+SELECT $1, $2, $3
+ WHERE $4::bigint IS NULL OR EXISTS (SELECT 1 FROM documents WHERE id = $1)
 ON CONFLICT (id) DO UPDATE
    SET body = EXCLUDED.body,
        fencing_token = EXCLUDED.fencing_token,
@@ -83,6 +85,9 @@ func (s *Store) Put(ctx context.Context, id string, body json.RawMessage, token 
 	}
 	// Refused: tell why (informational; the refusal itself was atomic).
 	cur, err := s.Get(ctx, id)
+	if errors.Is(err, ErrNotFound) && ifVersion != nil {
+		return nil, fmt.Errorf("%w: no document, not version %d", ErrVersion, *ifVersion)
+	}
 	if err != nil {
 		return nil, err
 	}
