@@ -310,6 +310,9 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 			p.RetryAfterMS = &ms
 			retryAfterHeader(w, se.RetryAfter)
 			p.Detail = "the lock is held on a majority of nodes; retry after retry_after_ms or pass wait_ms"
+			if k == kWaitTimeout {
+				p.Detail = "the lock was still held when wait_ms ran out; retry after retry_after_ms or wait longer"
+			}
 		case kQuorum:
 			p.Detail = "fewer Redis nodes than a majority answered; see nodes"
 		case kFencing:
