@@ -35,7 +35,8 @@ what is left of its process group (background children) is stopped the same
 way before the lock is released. SIGINT, SIGTERM,
 SIGHUP and SIGQUIT sent to redfence lock are forwarded to COMMAND's process
 group. COMMAND runs in a process group of its own, so that all of it can be
-stopped: it cannot read from the terminal.
+stopped: it cannot read from the terminal (a terminal on stdin reads as
+end-of-file; a pipe or file is passed through).
 
 A lease can still end while this machine is paused, unnoticed until it
 resumes: pass REDFENCE_FENCING_TOKEN with every write, to storage that
@@ -187,6 +188,12 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		"REDFENCE_LOCK_NAME="+lease.Name(),
 		"REDFENCE_FENCING_TOKEN="+lease.FencingToken().String())
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, stdout, stderr
+	if fi, err := os.Stdin.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
+		// COMMAND runs in a process group of its own, in the background of
+		// the terminal: reading it would stop COMMAND (SIGTTIN) while the
+		// lock is renewed for ever. It reads end-of-file instead.
+		cmd.Stdin = nil
+	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	// Output copying (when stdout is not a file) must not outlive the
 	// process group by much once it is gone.
