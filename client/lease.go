@@ -256,7 +256,7 @@ func (l *Lease) watch() {
 				// The server could not decide or was not reached: retry
 				// soon, while time is left; the expiry timer still runs.
 				l.c.opts.Logger.Warn("redfence lease: renewal failed, retrying", slog.String("name", l.name), slog.String("error", err.Error()))
-				renew.Reset(min(max(l.interval()/4, 50*time.Millisecond), time.Second, max(time.Until(l.endAt())/2, time.Millisecond)))
+				renew.Reset(min(max(l.interval()/4, 50*time.Millisecond), time.Second, max(time.Until(l.endAt())/2, 10*time.Millisecond)))
 			}
 		}
 	}

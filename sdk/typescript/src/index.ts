@@ -217,7 +217,7 @@ export class Lease {
       if (this.signal.aborted) return;
       // Not decided (unavailable): retry soon, while time is left.
       clearTimeout(this.#renewTimer);
-      const delay = Math.min(Math.max(this.ttlMs / 12, 50), 1000, Math.max(this.remainingMs / 2, 1));
+      const delay = Math.min(Math.max(this.ttlMs / 12, 50), 1000, Math.max(this.remainingMs / 2, 10));
       this.#renewTimer = setTimeout(() => void this.#renew(), delay);
       this.#renewTimer.unref?.();
     }
