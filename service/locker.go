@@ -356,13 +356,16 @@ func (l *Locker) quarantineFor() time.Duration {
 // the loss in the Registry (starting a quarantine unless another server did
 // already or one is running), adopts the recorded epoch, and marks the node.
 // It runs in the background, once at a time per node; meanwhile the node's
-// answers do not count.
-func (l *Locker) recover(i int, seen string) {
+// answers do not count. It returns a channel closed when it is done, or nil
+// when it did not start (no Registry, or a recovery of the node runs).
+func (l *Locker) recover(i int, seen string) chan struct{} {
 	m := l.members[i]
 	if l.opts.Registry == nil || !m.recovering.CompareAndSwap(false, true) {
-		return
+		return nil
 	}
+	done := make(chan struct{})
 	go func() {
+		defer close(done)
 		defer m.recovering.Store(false)
 		ctx, cancel := context.WithTimeout(context.Background(), l.opts.IssueTimeout)
 		defer cancel()
@@ -402,6 +405,7 @@ func (l *Locker) recover(i int, seen string) {
 			l.opts.Logger.Warn("could not mark node", slog.String("node", m.Addr()), slog.String("error", err.Error()))
 		}
 	}()
+	return done
 }
 
 // noteLoss starts recovering node i when an acquire sent with epoch found
@@ -1266,13 +1270,42 @@ type NodeStatus struct {
 	QuarantinedUntil time.Time
 }
 
-// Nodes pings every node in parallel and reports each one's health.
+// epochReader is a Node that reports its epoch marker without changing it
+// (RedisNode does), so that Nodes finds a node that restarted without its
+// data before an acquire does.
+type epochReader interface {
+	// Epoch returns the node's marker, or "" if it has none.
+	Epoch(ctx context.Context) (string, error)
+}
+
+// Nodes pings every node in parallel and reports each one's health. A node
+// that answers without the epoch marker this Locker expects lost its memory:
+// its quarantine starts then (as when an acquire finds it) and is reported.
 func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
-	votes, _ := l.round(ctx, "ping", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
-		return true, 0, n.Ping(ctx)
+	var recovering sync.Map // node index -> chan struct{}: its recovery
+	votes, _ := l.round(ctx, "ping", nodeOp{sync: func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
+		er, ok := n.(epochReader)
+		epoch, _ := l.members[i].state()
+		if !ok || epoch == "" || l.opts.Registry == nil {
+			return true, 0, n.Ping(ctx)
+		}
+		got, err := er.Epoch(ctx)
+		if err == nil && got != epoch {
+			if done := l.recover(i, epoch); done != nil {
+				recovering.Store(i, done)
+			}
+		}
+		return true, 0, err
 	}}, nil, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	l.drain(t, votes)
+	recovering.Range(func(_, v any) bool {
+		select {
+		case <-v.(chan struct{}):
+		case <-ctx.Done():
+		}
+		return true
+	})
 	out := make([]NodeStatus, len(l.nodes))
 	for i, r := range t.results {
 		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}

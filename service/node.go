@@ -367,6 +367,19 @@ func (n *RedisNode) TTL(ctx context.Context, key string) (time.Duration, error) 
 	return time.Duration(d) * time.Millisecond, nil
 }
 
+// Epoch returns the node's epoch marker, or "" if it has none (see
+// epochReader).
+func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
+	v, err := n.client.Get(ctx, keyspace.NodeEpochKey).Result()
+	if errors.Is(err, redis.Nil) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("epoch: %w", err)
+	}
+	return v, nil
+}
+
 // Ping implements Node.
 func (n *RedisNode) Ping(ctx context.Context) error {
 	if err := n.client.Ping(ctx).Err(); err != nil {

@@ -167,6 +167,34 @@ func TestLocker_NodeRestart(t *testing.T) {
 	}
 }
 
+// TestLocker_NodesFindsRestart: a node restarted without its data is
+// reported quarantined by the first Nodes call (GET /v1/nodes, /readyz),
+// before any acquire reaches it.
+func TestLocker_NodesFindsRestart(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, e.db)
+	for i, st := range l.Nodes(t.Context()) {
+		if !st.QuarantinedUntil.IsZero() || !st.Up {
+			t.Fatalf("node %d: %+v at a brand-new cluster's first start; want up, not quarantined", i, st)
+		}
+	}
+	e.restartEmpty(t, 2)
+	st := l.Nodes(t.Context())
+	if st[2].QuarantinedUntil.IsZero() {
+		t.Fatalf("node 2 restarted empty: %+v; want it quarantined", st[2])
+	}
+	for i, s := range st {
+		if i != 2 && !s.QuarantinedUntil.IsZero() {
+			t.Errorf("node %d quarantined too: %+v", i, s)
+		}
+	}
+	// Another server agrees, from the record in Postgres.
+	if st := e.locker(t, e.db).Nodes(t.Context()); st[2].QuarantinedUntil.IsZero() {
+		t.Error("a second server does not see node 2's quarantine")
+	}
+}
+
 func waitQuarantined(t *testing.T, l *service.Locker, i int) {
 	t.Helper()
 	deadline := time.Now().Add(30 * time.Second)
