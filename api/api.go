@@ -486,21 +486,23 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 			return invalid("owner is invalid: "+reason, InvalidParam{Name: "owner", Reason: reason})
 		}
 	}
-	start := time.Now()
-	g, err := h.locker.Acquire(r.Context(), key, service.Request{TTL: ttl, Wait: wait, Owner: owner})
-	if err != nil {
-		return serviceBounds(err)
-	}
+	sreq := service.Request{TTL: ttl, Wait: wait, Owner: owner}
 	if wait > 0 && h.opts.Auth != nil {
 		// The key was checked before the wait, which can outlast its
-		// revocation: check it again before handing the lock over.
-		if _, aerr := h.authenticate(r); aerr != nil {
-			if rerr := h.locker.Release(context.WithoutCancel(r.Context()), key, g.Token); rerr != nil {
-				aerr = errors.Join(aerr, fmt.Errorf("release the lock granted while the key was being revoked: %w", rerr))
-			}
-			h.audit(r, slog.LevelWarn, "lock released: the API key failed its check after the wait", name, owner, g.Fencing, "key-refused", noTTL)
-			return aerr
+		// revocation: check it again before every retry (from the cache,
+		// which a revocation empties at once).
+		sreq.Continue = func(context.Context) error {
+			_, err := h.authenticate(r)
+			return err
 		}
+	}
+	start := time.Now()
+	g, err := h.locker.Acquire(r.Context(), key, sreq)
+	if err != nil {
+		if ae := (*authError)(nil); errors.As(err, &ae) {
+			return ae
+		}
+		return serviceBounds(err)
 	}
 	h.m.acquire("granted")
 	h.m.acquireSeconds.Observe(time.Since(start).Seconds())

@@ -168,8 +168,10 @@ type member struct {
 	mu    sync.Mutex
 	epoch string    // the marker the node must hold; "" checks nothing
 	until time.Time // votes do not count before this
-	// recovering makes handling a lost memory single-flight per node.
-	recovering atomic.Bool
+	// recovery is closed when the running recovery of the node's lost
+	// memory ends (nil: none runs); it makes recovery single-flight per
+	// node. Guarded by mu.
+	recovery chan struct{}
 }
 
 func (m *member) state() (epoch string, until time.Time) {
@@ -356,17 +358,29 @@ func (l *Locker) quarantineFor() time.Duration {
 // the loss in the Registry (starting a quarantine unless another server did
 // already or one is running), adopts the recorded epoch, and marks the node.
 // It runs in the background, once at a time per node; meanwhile the node's
-// answers do not count. It returns a channel closed when it is done, or nil
-// when it did not start (no Registry, or a recovery of the node runs).
+// answers do not count. It returns a channel closed when the recovery (this
+// one, or the one already running) is done, or nil without a Registry.
 func (l *Locker) recover(i int, seen string) chan struct{} {
 	m := l.members[i]
-	if l.opts.Registry == nil || !m.recovering.CompareAndSwap(false, true) {
+	if l.opts.Registry == nil {
 		return nil
 	}
+	m.mu.Lock()
+	if m.recovery != nil {
+		done := m.recovery
+		m.mu.Unlock()
+		return done
+	}
 	done := make(chan struct{})
+	m.recovery = done
+	m.mu.Unlock()
 	go func() {
-		defer close(done)
-		defer m.recovering.Store(false)
+		defer func() {
+			m.mu.Lock()
+			m.recovery = nil
+			m.mu.Unlock()
+			close(done)
+		}()
 		ctx, cancel := context.WithTimeout(context.Background(), l.opts.IssueTimeout)
 		defer cancel()
 		next, err := newEpoch()
@@ -437,6 +451,11 @@ type Request struct {
 	Wait time.Duration
 	// Owner is a free-form label recorded with the grant (not a secret).
 	Owner string
+	// Continue, if set, is called before every try after the first: a
+	// non-nil error ends the acquire with that error (wrapped), nothing
+	// granted. The API checks there that the caller's key is still valid,
+	// so a key revoked during a long wait gets nothing afterwards.
+	Continue func(ctx context.Context) error
 }
 
 // Grant is a held lock.
@@ -508,10 +527,15 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			l.leave(key, w, granted)
 		}
 	}()
-	for {
+	for first := true; ; first = false {
 		if w == nil && req.Wait > 0 {
 			// Queued before the first try, so a release during it wakes us.
 			w = l.enqueue(key)
+		}
+		if !first && req.Continue != nil {
+			if err := req.Continue(ctx); err != nil {
+				return nil, fmt.Errorf("acquire %q: %w", key, err)
+			}
 		}
 		// A fresh lock token per try: a node that refuses a try holds
 		// somebody else's token, never one of ours, so the clean-up after a

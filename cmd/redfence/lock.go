@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/term"
+
 	"github.com/redfence/redfence/client"
 )
 
@@ -188,7 +190,7 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		"REDFENCE_LOCK_NAME="+lease.Name(),
 		"REDFENCE_FENCING_TOKEN="+lease.FencingToken().String())
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, stdout, stderr
-	if fi, err := os.Stdin.Stat(); err == nil && fi.Mode()&os.ModeCharDevice != 0 {
+	if term.IsTerminal(int(os.Stdin.Fd())) {
 		// COMMAND runs in a process group of its own, in the background of
 		// the terminal: reading it would stop COMMAND (SIGTTIN) while the
 		// lock is renewed for ever. It reads end-of-file instead.
@@ -239,7 +241,18 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		exitedStatus = -1
 		poll         <-chan time.Time
 	)
-	groupGone := func() bool { return errors.Is(syscall.Kill(-pgid, 0), syscall.ESRCH) }
+	groupGone := func() bool {
+		// Members that exited are zombies until reaped: by us when they
+		// were re-parented to us (we are PID 1 in a container, or a
+		// subreaper). COMMAND itself was reaped by cmd.Wait.
+		for {
+			var ws syscall.WaitStatus
+			if pid, err := syscall.Wait4(-pgid, &ws, syscall.WNOHANG, nil); pid <= 0 || err != nil {
+				break
+			}
+		}
+		return errors.Is(syscall.Kill(-pgid, 0), syscall.ESRCH)
+	}
 	leaseDone, ctxDone := lease.Done(), ctx.Done()
 	for {
 		select {
@@ -276,7 +289,11 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		case <-leaseDone:
 			leaseDone = nil
 			lost = true
-			fmt.Fprintf(stderr, "redfence lock: lease on %q lost (%v): sending SIGTERM to the command\n", lease.Name(), lease.Err())
+			target := "the command"
+			if exitedStatus >= 0 {
+				target = "what is left of the command's process group"
+			}
+			fmt.Fprintf(stderr, "redfence lock: lease on %q lost (%v): sending SIGTERM to %s\n", lease.Name(), lease.Err(), target)
 			ev.printf("sent SIGTERM; lease deadline %s", stamp(lease.Deadline()))
 			stop()
 		case <-kill:
