@@ -1307,6 +1307,7 @@ type epochReader interface {
 // its quarantine starts then (as when an acquire finds it) and is reported.
 func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	var recovering sync.Map // node index -> chan struct{}: its recovery
+	var found sync.Map      // node index -> the marker it held, when not the one expected
 	votes, _ := l.round(ctx, "ping", nodeOp{sync: func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
 		er, ok := n.(epochReader)
 		epoch, _ := l.members[i].state()
@@ -1315,6 +1316,7 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 		}
 		got, err := er.Epoch(ctx)
 		if err == nil && got != epoch {
+			found.Store(i, got)
 			if done := l.recover(i, epoch); done != nil {
 				recovering.Store(i, done)
 			}
@@ -1333,8 +1335,17 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	out := make([]NodeStatus, len(l.nodes))
 	for i, r := range t.results {
 		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}
-		if _, until := l.members[i].state(); until.After(l.opts.Now()) {
+		epoch, until := l.members[i].state()
+		if until.After(l.opts.Now()) {
 			out[i].QuarantinedUntil = until
+			continue
+		}
+		if got, ok := found.Load(i); ok && got.(string) != epoch {
+			// Not quarantined, yet not the marker of the epoch on record
+			// (which a server merely behind has just adopted): recording
+			// the loss failed, and every acquire on it is refused.
+			out[i].Up = false
+			out[i].Err = errors.New("the node lost its memory (no epoch marker of the recorded epoch) and its quarantine could not be recorded")
 		}
 	}
 	return out

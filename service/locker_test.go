@@ -128,6 +128,16 @@ func (n *memNode) TTL(ctx context.Context, key string) (time.Duration, error) {
 
 func (n *memNode) Ping(ctx context.Context) error { return n.run(ctx, "ping") }
 
+// Epoch reads the marker (see epochReader).
+func (n *memNode) Epoch(ctx context.Context) (string, error) {
+	if err := n.run(ctx, "epoch"); err != nil {
+		return "", err
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.marker, nil
+}
+
 // set stores key with ttl, or deletes it when val is "".
 func (n *memNode) set(key, val string, ttl time.Duration) {
 	n.mu.Lock()

@@ -334,3 +334,47 @@ func TestLocker_ExtendFencingDown(t *testing.T) {
 		}
 	}
 }
+
+// failingRegistry is a Registry that cannot record quarantines.
+type failingRegistry struct{ *memRegistry }
+
+func (failingRegistry) QuarantineNode(context.Context, string, string, string, time.Duration) (string, time.Time, error) {
+	return "", time.Time{}, errors.New("postgres is down")
+}
+
+// TestLocker_NodesLostMemory: Nodes reports a node that lost its memory as
+// quarantined, or, when the quarantine cannot be recorded, as down with the
+// reason, never as up.
+func TestLocker_NodesLostMemory(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		failing     bool
+		quarantined bool
+	}{{"Recorded", false, true}, {"NotRecorded", true, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			ns, ms := nodes(3)
+			clk := &clock{t: time.Unix(1e9, 0)}
+			var reg Registry = newRegistry(clk)
+			if tc.failing {
+				reg = failingRegistry{newRegistry(clk)}
+			}
+			l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now})
+			if err := l.Init(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+			for i, st := range l.Nodes(t.Context()) {
+				if !st.Up || !st.QuarantinedUntil.IsZero() {
+					t.Fatalf("node %d after Init: %+v; want up, not quarantined", i, st)
+				}
+			}
+			ms[1].restart()
+			st := l.Nodes(t.Context())[1]
+			switch {
+			case tc.quarantined && st.QuarantinedUntil.IsZero():
+				t.Errorf("node 1 lost its memory: %+v; want quarantined", st)
+			case !tc.quarantined && (st.Up || st.Err == nil):
+				t.Errorf("node 1 lost its memory, quarantine not recorded: %+v; want down with the reason", st)
+			}
+		})
+	}
+}
