@@ -386,7 +386,8 @@ type Problem struct {
 	// - `request-too-large` (413): the body exceeds the server's limit (1 MiB
 	//   by default).
 	// - `unsupported-media-type` (415): a non-empty body that is not
-	//   `application/json`.
+	//   `application/json` (or another `+json` type), or whose Content-Type
+	//   names a charset other than UTF-8.
 	// - `not-found` (404): no such route.
 	// - `method-not-allowed` (405): the path exists but not with this method;
 	//   see the `Allow` header.
@@ -535,7 +536,9 @@ type UnsupportedMediaType = Problem
 type HealthzParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -543,7 +546,9 @@ type HealthzParams struct {
 type MetricsParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -551,7 +556,9 @@ type MetricsParams struct {
 type OpenapiParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -559,7 +566,9 @@ type OpenapiParams struct {
 type ReadyzParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -571,7 +580,9 @@ type ReleaseLockParams struct {
 
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -579,7 +590,9 @@ type ReleaseLockParams struct {
 type GetLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -587,7 +600,9 @@ type GetLockParams struct {
 type AcquireLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -599,7 +614,9 @@ type ExtendLockParams struct {
 
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -607,7 +624,9 @@ type ExtendLockParams struct {
 type ListNodesParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -615,7 +634,9 @@ type ListNodesParams struct {
 type GetResourceParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -623,7 +644,9 @@ type GetResourceParams struct {
 type PutResourceParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern is not refused: it is replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
+	// characters of base64url like a lock token), is not refused: it is
+	// replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 

@@ -20,7 +20,11 @@ func cmdDev(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 with no REDFENCE_REDIS_ADDRS / REDFENCE_DATABASE_URL it starts its own
 redis-server nodes and a throwaway Postgres on free loopback ports (local
 binaries, or Docker through dockertest when they are missing), migrates, and
-serves. Ctrl-C stops everything it started and removes its temporary data.`, stdout)
+serves. Ctrl-C stops everything it started and removes its temporary data.
+
+Unlike serve, dev listens on --addr (REDFENCE_LISTEN_ADDR is ignored) and logs
+text unless REDFENCE_LOG_FORMAT is set; the settings below are otherwise the
+same.`, stdout)
 	addr := fs.String("addr", "127.0.0.1:8080", "HTTP listen address")
 	n := fs.Int("nodes", 5, "number of Redis nodes to start")
 	if err := parseFlags(fs, args); err != nil {

@@ -11,7 +11,9 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -77,7 +79,9 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -122,7 +126,9 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -166,7 +172,9 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -195,7 +203,9 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -223,7 +233,9 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -253,7 +265,9 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -283,7 +297,9 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -549,7 +565,8 @@ export interface components {
              *     - `request-too-large` (413): the body exceeds the server's limit (1 MiB
              *       by default).
              *     - `unsupported-media-type` (415): a non-empty body that is not
-             *       `application/json`.
+             *       `application/json` (or another `+json` type), or whose Content-Type
+             *       names a charset other than UTF-8.
              *     - `not-found` (404): no such route.
              *     - `method-not-allowed` (405): the path exists but not with this method;
              *       see the `Allow` header.
@@ -698,7 +715,7 @@ export interface components {
                 "application/problem+json": components["schemas"]["Problem"];
             };
         };
-        /** @description `unsupported-media-type`: a non-empty body whose Content-Type is not `application/json` (or another `+json` type). */
+        /** @description `unsupported-media-type`: a non-empty body whose Content-Type is not `application/json` (or another `+json` type), or names a charset other than UTF-8. */
         UnsupportedMediaType: {
             headers: {
                 "X-Request-Id": components["headers"]["XRequestId"];
@@ -1026,7 +1043,9 @@ export interface components {
         /**
          * @description Your ID for this request, echoed in the `X-Request-Id` response header,
          *     in error bodies and in the server's logs. A value that does not match the
-         *     pattern is not refused: it is replaced by a generated ID.
+         *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+         *     characters of base64url like a lock token), is not refused: it is
+         *     replaced by a generated ID.
          * @example checkout-7f3a9c
          */
         RequestId: string;
@@ -1089,7 +1108,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1147,7 +1168,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1234,7 +1257,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1296,7 +1321,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1384,7 +1411,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1461,7 +1490,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1534,7 +1565,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1603,7 +1636,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1639,7 +1674,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1711,7 +1748,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1752,7 +1791,9 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern is not refused: it is replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
+                 *     characters of base64url like a lock token), is not refused: it is
+                 *     replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
