@@ -73,7 +73,6 @@ type sweeper struct {
 	mu sync.Mutex
 	// pending holds, per node, the deletes to redeliver.
 	pending []map[sweepKey]*sweepEntry
-	size    int
 	running bool
 	closed  bool
 	dropped []bool // per node: maxSwept was reached since the last warning
@@ -101,16 +100,13 @@ func (s *sweeper) add(i int, rkey, token string) {
 		return
 	}
 	k := sweepKey{rkey, token}
-	if _, ok := s.pending[i][k]; !ok {
-		if len(s.pending[i]) >= maxSwept {
-			if !s.dropped[i] {
-				s.dropped[i] = true
-				s.l.opts.Logger.Warn("too many unanswered lock deletes to retry; new ones are left to expire with their TTL",
-					"node", s.l.nodes[i].Addr(), "pending", len(s.pending[i]))
-			}
-			return
+	if _, ok := s.pending[i][k]; !ok && len(s.pending[i]) >= maxSwept {
+		if !s.dropped[i] {
+			s.dropped[i] = true
+			s.l.opts.Logger.Warn("too many unanswered lock deletes to retry; new ones are left to expire with their TTL",
+				"node", s.l.nodes[i].Addr(), "pending", len(s.pending[i]))
 		}
-		s.size++
+		return
 	}
 	s.pending[i][k] = &sweepEntry{added: s.l.opts.Now()} // a new unknown outcome: start again
 	if !s.running {
@@ -124,7 +120,16 @@ func (s *sweeper) add(i int, rkey, token string) {
 func (s *sweeper) count() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.size
+	return s.sizeLocked()
+}
+
+// sizeLocked counts the pending deletes of every node. s.mu is held.
+func (s *sweeper) sizeLocked() int {
+	n := 0
+	for _, p := range s.pending {
+		n += len(p)
+	}
+	return n
 }
 
 // close stops the sweeper and forgets what was pending.
@@ -142,7 +147,6 @@ func (s *sweeper) close() {
 	for _, p := range s.pending {
 		clear(p)
 	}
-	s.size = 0
 	s.mu.Unlock()
 }
 
@@ -163,7 +167,7 @@ func (s *sweeper) run() {
 		if s.passed != nil {
 			s.passed()
 		}
-		if s.size == 0 || s.closed {
+		if s.sizeLocked() == 0 || s.closed {
 			s.running = false
 			s.mu.Unlock()
 			return
@@ -223,19 +227,18 @@ func (s *sweeper) passNode(ctx context.Context, i int, keys []sweepKey) {
 		e := s.pending[i][k]
 		switch {
 		case errors.Is(err, errNodeClosed):
-			s.size -= len(s.pending[i]) // the node is gone for good
-			clear(s.pending[i])
+			clear(s.pending[i]) // the node is gone for good
 		case e == nil: // ended meanwhile (Close)
 		case replied:
 			if e.errors++; e.errors >= maxSweepErrors {
-				s.drop(i, k)
+				delete(s.pending[i], k)
 			}
 		case err != nil:
 		case ok:
-			s.drop(i, k)
+			delete(s.pending[i], k)
 		default:
 			if e.absent++; e.absent >= 2 && s.l.opts.Now().Sub(e.added) >= sweepSettle {
-				s.drop(i, k)
+				delete(s.pending[i], k)
 			}
 		}
 		if len(s.pending[i]) < maxSwept/2 {
@@ -246,10 +249,4 @@ func (s *sweeper) passNode(ctx context.Context, i int, keys []sweepKey) {
 			return
 		}
 	}
-}
-
-// drop ends node i's entry k. s.mu is held.
-func (s *sweeper) drop(i int, k sweepKey) {
-	delete(s.pending[i], k)
-	s.size--
 }

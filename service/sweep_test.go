@@ -36,7 +36,7 @@ func TestSweeper_Passes(t *testing.T) {
 	passes, next, quit := make(chan int), make(chan struct{}), make(chan struct{})
 	l.sweep.passed = func() { // with sweep.mu held
 		select {
-		case passes <- l.sweep.size:
+		case passes <- l.sweep.sizeLocked():
 		case <-quit:
 			return
 		}
@@ -280,7 +280,7 @@ func TestLocker_ReleaseSweepsAbsentNodes(t *testing.T) {
 		l.sweep.mu.Lock()
 		defer l.sweep.mu.Unlock()
 		_, ok := l.sweep.pending[4][sweepKey{rkey, g.Token}]
-		return ok && l.sweep.size == 1, nil
+		return ok && l.sweep.sizeLocked() == 1, nil
 	})
 	testutil.WaitFor(t, 30*time.Second, "the sweeper to finish", func() (bool, error) {
 		return l.sweep.count() == 0, nil
