@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -11,6 +13,7 @@ import (
 
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
 	"github.com/redfence/redfence/store"
 )
@@ -68,19 +71,24 @@ func (e *restartEnv) holdOnFirstThree(t *testing.T, l *service.Locker, key strin
 	t.Helper()
 	ctx := t.Context()
 	rkey := "redfence:lock:" + key
-	for _, c := range e.raw[3:] {
+	scripts := make([]int64, len(e.raw))
+	for i, c := range e.raw[3:] {
 		if err := c.Set(ctx, rkey, "someone-else", time.Minute).Err(); err != nil {
 			t.Fatal(err)
 		}
+		scripts[3+i] = scriptCalls(t, c)
 	}
 	a, err := l.Acquire(ctx, key, service.Request{TTL: 3 * time.Second})
 	if err != nil {
 		t.Fatalf("A: %v", err)
 	}
-	// Extend waits for the granting round's stragglers, so A's refused SETs
-	// on nodes 3 and 4 are over before someone-else's keys are removed.
-	if _, err := l.Extend(ctx, key, a.Token, 3*time.Second); err != nil {
-		t.Fatalf("A extend: %v", err)
+	// A's grant returned once a majority answered: wait until nodes 3 and 4
+	// ran A's (refused) acquire script too, so that it cannot land after
+	// someone-else's keys are removed.
+	for i, c := range e.raw[3:] {
+		testutil.WaitFor(t, 30*time.Second, "A's acquire to reach the held nodes", func() (bool, error) {
+			return scriptCalls(t, c) > scripts[3+i], nil
+		})
 	}
 	for _, c := range e.raw[3:] {
 		if err := c.Del(ctx, rkey).Err(); err != nil {
@@ -88,6 +96,29 @@ func (e *restartEnv) holdOnFirstThree(t *testing.T, l *service.Locker, key strin
 		}
 	}
 	return a
+}
+
+// scriptCalls is how many Lua scripts node c has run.
+func scriptCalls(t *testing.T, c *redis.Client) int64 {
+	t.Helper()
+	info, err := c.Info(t.Context(), "commandstats").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n int64
+	for line := range strings.Lines(info) {
+		for _, cmd := range []string{"cmdstat_evalsha:calls=", "cmdstat_eval:calls="} {
+			if rest, ok := strings.CutPrefix(line, cmd); ok {
+				v, _, _ := strings.Cut(rest, ",")
+				k, err := strconv.ParseInt(v, 10, 64)
+				if err != nil {
+					t.Fatalf("commandstats %q: %v", line, err)
+				}
+				n += k
+			}
+		}
+	}
+	return n
 }
 
 func (e *restartEnv) restartEmpty(t *testing.T, i int) {

@@ -68,7 +68,12 @@ func TestLocker_WaitersFIFO(t *testing.T) {
 		t.Fatalf("second waiter: %+v; want fencing token 3", rb)
 	}
 	// holder 1 + first waiter 2 (refused, then woken) + second waiter 2.
-	// A release that woke every waiter would add a refused try.
+	// A release that woke every waiter would add a refused try. A grant
+	// returns once a majority answered: wait for node0's answers to those
+	// five tries (it counts a try before it answers).
+	for range 5 {
+		<-ms[0].acquired
+	}
 	if got := tries.Load(); got != 5 {
 		t.Errorf("acquire tries on node0 = %d; want 5", got)
 	}
