@@ -235,8 +235,15 @@ type KeyAuthOptions struct {
 // Guarantee: a key revoked (or deleted) in Postgres is refused by this
 // KeyAuth no later than CacheTTL after the revocation committed, even if the
 // notification is lost; with notifications flowing, as soon as one arrives.
-// When Postgres cannot answer, keys that are not cached are refused with a
-// 503, never let through.
+// Both hold while this server can reach Postgres.
+//
+// When Postgres cannot answer, a key that was valid at its last lookup keeps
+// working, beyond CacheTTL, until a lookup succeeds again (Consul's ACL
+// down_policy "extend-cache"): a release or a read needs no Postgres, and a
+// client must be able to let its lock go during an outage. Lookups of such a
+// key then run in the background, one at a time, so a request does not wait
+// LookupTimeout for each. A key this KeyAuth has not seen valid is refused
+// with a 503, never let through.
 type KeyAuth struct {
 	ks   KeyStore
 	opts KeyAuthOptions
@@ -255,6 +262,10 @@ type cached struct {
 	// the key (nil with key).
 	principal *Principal
 	at        time.Time // when the lookup started
+	// down is set once a later lookup failed (Postgres did not answer):
+	// the entry is then served past CacheTTL while lookups retry in the
+	// background.
+	down bool
 }
 
 var _ Authenticator = (*KeyAuth)(nil)
@@ -320,29 +331,12 @@ func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 	if ok && !now.Before(e.at) && now.Sub(e.at) < a.opts.CacheTTL {
 		return e, nil
 	}
-	ch := a.group.DoChan(id, func() (any, error) {
-		a.mu.Lock()
-		gen := a.gen
-		a.mu.Unlock()
-		start := a.opts.Now()
-		// The query serves every caller waiting on it: it must not end
-		// because the first one went away.
-		lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.opts.LookupTimeout)
-		defer cancel()
-		k, err := a.ks.Key(lctx, id)
-		if errors.Is(err, store.ErrKeyNotFound) {
-			k, err = nil, nil
-		}
-		if err != nil {
-			return nil, err
-		}
-		c := cached{key: k, at: start}
-		if k != nil {
-			c.principal = &Principal{KeyID: k.ID, Tenant: k.Tenant, Scopes: k.Scopes}
-		}
-		a.store(id, c, gen)
-		return c, nil
-	})
+	// The query serves every caller waiting on it: it must not end because
+	// the first one went away.
+	ch := a.group.DoChan(id, func() (any, error) { return a.fetch(context.WithoutCancel(ctx), id) })
+	if ok && e.down {
+		return e, nil // Postgres was down at the last lookup: the one just started runs in the background
+	}
 	select {
 	case res := <-ch:
 		if res.Err != nil {
@@ -352,6 +346,50 @@ func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 	case <-ctx.Done():
 		return cached{}, ctx.Err()
 	}
+}
+
+// fetch looks id up in the store and caches the answer. If the store cannot
+// answer and id was last seen as a valid key, it returns that entry, marked
+// down (see KeyAuth).
+func (a *KeyAuth) fetch(ctx context.Context, id string) (cached, error) {
+	a.mu.Lock()
+	gen := a.gen
+	a.mu.Unlock()
+	start := a.opts.Now()
+	lctx, cancel := context.WithTimeout(ctx, a.opts.LookupTimeout)
+	defer cancel()
+	k, err := a.ks.Key(lctx, id)
+	if errors.Is(err, store.ErrKeyNotFound) {
+		k, err = nil, nil
+	}
+	if err != nil {
+		if e, ok := a.markDown(id, gen); ok {
+			return e, nil
+		}
+		return cached{}, err
+	}
+	c := cached{key: k, at: start}
+	if k != nil {
+		c.principal = &Principal{KeyID: k.ID, Tenant: k.Tenant, Scopes: k.Scopes}
+	}
+	a.store(id, c, gen)
+	return c, nil
+}
+
+// markDown marks the cached entry of id down and returns it, if id is cached
+// as a key (valid or revoked: a revoked one is still refused) and no
+// invalidation happened since gen. An id cached as unknown is not served
+// past CacheTTL: the key may have been created since.
+func (a *KeyAuth) markDown(id string, gen uint64) (cached, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e, ok := a.cache[id]
+	if !ok || a.gen != gen || e.key == nil {
+		return cached{}, false
+	}
+	e.down = true
+	a.cache[id] = e
+	return e, true
 }
 
 // store caches e under id unless an invalidation happened since gen.

@@ -16,6 +16,7 @@ import (
 
 	"github.com/redfence/redfence"
 	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
 	"github.com/redfence/redfence/internal/openapitest"
 	"github.com/redfence/redfence/internal/testutil"
@@ -40,7 +41,7 @@ func newAuthEnv(t *testing.T, o envOptions, opts api.Options) (*env, keys) {
 	t.Helper()
 	e := newEnv(t, o)
 	ctx := t.Context()
-	auth := api.NewKeyAuth(e.db, api.KeyAuthOptions{})
+	auth := api.NewKeyAuth(e.db, o.auth)
 	w, err := e.db.WatchKeys(ctx, auth.Changed)
 	if err != nil {
 		t.Fatal(err)
@@ -397,6 +398,202 @@ func TestKeyAuth_Cache(t *testing.T) {
 		wantRefused("malformed", "rf_nope_"+strings.Repeat("x", 43))
 		wantRefused("unknown id", store.KeyPrefix+"fedcba9876543210_"+strings.Repeat("x", 43))
 	})
+}
+
+// outage is a KeyStore over a real one that can be made to fail at once, as
+// when Postgres refuses connections, or to hang, as when it is stopped, until
+// the mode changes (the connection is then reset) or the lookup times out.
+type outage struct {
+	api.KeyStore
+	mu      sync.Mutex
+	mode    string        // "", "fail" or "hang"
+	unhang  chan struct{} // closed when the mode changes from "hang"
+	hanging int           // lookups hanging now
+}
+
+func (o *outage) set(mode string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.mode == "hang" {
+		close(o.unhang)
+	}
+	if mode == "hang" {
+		o.unhang = make(chan struct{})
+	}
+	o.mode = mode
+}
+
+func (o *outage) nowHanging() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.hanging
+}
+
+func (o *outage) Key(ctx context.Context, id string) (*store.APIKey, error) {
+	o.mu.Lock()
+	mode, unhang := o.mode, o.unhang
+	if mode == "hang" {
+		o.hanging++
+	}
+	o.mu.Unlock()
+	switch mode {
+	case "fail":
+		return nil, errors.New("dial tcp 127.0.0.1:5432: connect: connection refused")
+	case "hang":
+		defer func() {
+			o.mu.Lock()
+			o.hanging--
+			o.mu.Unlock()
+		}()
+		select {
+		case <-unhang:
+			return nil, errors.New("read tcp 127.0.0.1:5432: connection reset by peer")
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return o.KeyStore.Key(ctx, id)
+}
+
+// TestKeyAuth_Down: while Postgres cannot answer, a key seen valid keeps
+// working past the cache TTL (so its client can still release), without a
+// request waiting for the lookups that retry in the background; a key not
+// seen, or dropped by a notification, is not let through; once Postgres
+// answers again, what it says applies.
+func TestKeyAuth_Down(t *testing.T) {
+	t.Parallel()
+	db := testKeyStore(t)
+	ctx := t.Context()
+	clk := &clock{now: time.Unix(1_000_000, 0)}
+	ks := &outage{KeyStore: db}
+	// A lookup that hangs would hang the test: a request must not wait for it.
+	a := api.NewKeyAuth(ks, api.KeyAuthOptions{CacheTTL: time.Second, LookupTimeout: time.Hour, Now: clk.Now})
+	create := func() (string, string) {
+		key, k, err := db.CreateKey(ctx, "acme", store.DefaultScopes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return key, k.ID
+	}
+	key, id := create()
+	dropped, droppedID := create()
+	unseen, _ := create()
+	revoked, revokedID := create()
+	if _, err := db.RevokeKey(ctx, revokedID); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{key, dropped} {
+		if _, err := a.Authenticate(ctx, k); err != nil {
+			t.Fatalf("before the outage: %v", err)
+		}
+	}
+	if _, err := a.Authenticate(ctx, revoked); !errors.Is(err, api.ErrUnauthorized) {
+		t.Fatalf("revoked key before the outage: %v; want ErrUnauthorized", err)
+	}
+
+	ks.set("fail")
+	clk.Add(2 * time.Second)
+	if p, err := a.Authenticate(ctx, key); err != nil || p.Tenant != "acme" {
+		t.Errorf("key seen valid, Postgres down: %+v, %v; want it accepted", p, err)
+	}
+	if _, err := a.Authenticate(ctx, revoked); !errors.Is(err, api.ErrUnauthorized) {
+		t.Errorf("revoked key, Postgres down: %v; want ErrUnauthorized", err)
+	}
+	for what, k := range map[string]string{"a key never looked up": unseen, "an unknown id": store.KeyPrefix + "fedcba9876543210_" + strings.Repeat("x", 43)} {
+		if p, err := a.Authenticate(ctx, k); err == nil || errors.Is(err, api.ErrUnauthorized) {
+			t.Errorf("%s, Postgres down: %+v, %v; want an error other than ErrUnauthorized (503)", what, p, err)
+		}
+	}
+	a.Changed(store.KeyChange{ID: droppedID})
+	if p, err := a.Authenticate(ctx, dropped); err == nil {
+		t.Errorf("key dropped by a notification, Postgres down: %+v; want an error", p)
+	}
+
+	// Postgres stopped: lookups hang (for an hour here). Requests with the
+	// key still answer at once, with one lookup at a time behind them.
+	ks.set("hang")
+	clk.Add(2 * time.Second)
+	// (A bound, not a timing assertion: without it a regression would hang
+	// the test for an hour.)
+	hctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for range 3 {
+		if _, err := a.Authenticate(hctx, key); err != nil {
+			t.Fatalf("key seen valid, lookups hanging: %v", err)
+		}
+	}
+	testutil.WaitFor(t, 30*time.Second, "the background lookup to start", func() (bool, error) {
+		return ks.nowHanging() > 0, nil
+	})
+	for range 3 {
+		if _, err := a.Authenticate(hctx, key); err != nil {
+			t.Fatalf("key seen valid, lookups hanging: %v", err)
+		}
+	}
+	if n := ks.nowHanging(); n != 1 {
+		t.Errorf("%d lookups of one key hang at once; want 1", n)
+	}
+
+	// Postgres back; the key was revoked meanwhile, and a was not told.
+	// The lookups behind the requests find it out.
+	if _, err := db.RevokeKey(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	ks.set("")
+	testutil.WaitFor(t, 30*time.Second, "the revocation to apply once Postgres answers", func() (bool, error) {
+		_, err := a.Authenticate(ctx, key)
+		return errors.Is(err, api.ErrUnauthorized), nil
+	})
+	if p, err := a.Authenticate(ctx, unseen); err != nil || p.Tenant != "acme" {
+		t.Errorf("a key never looked up, Postgres back: %+v, %v; want it accepted", p, err)
+	}
+}
+
+// TestAuth_PostgresDown: with Postgres stopped, a client whose key this
+// server has seen can still release its lock (release needs only Redis); a
+// key it has not seen gets 503 auth-unavailable, and an acquire 503
+// fencing-unavailable.
+func TestAuth_PostgresDown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pg, err := cluster.StartPostgres(ctx, cluster.PostgresOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pg.Close() })
+	url, err := pg.CreateDatabase(ctx, t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Every request asks Postgres: the key's cached entry has always
+	// expired by the time Postgres is stopped.
+	e, k := newAuthEnv(t, envOptions{databaseURL: url, auth: api.KeyAuthOptions{CacheTTL: time.Nanosecond}}, api.Options{})
+	r := e.do(e.client, http.MethodPost, "/v1/locks/held", map[string]any{"ttl_ms": 60000}, bearerHdr(k.a)...)
+	if r.status != 201 {
+		t.Fatalf("acquire = %d %s", r.status, r.body)
+	}
+	var g api.LockResponse
+	r.decode(t, &g)
+	if err := pg.Stop(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	r = e.do(e.client, http.MethodPost, "/v1/locks/other", nil, bearerHdr(k.a)...)
+	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" {
+		t.Errorf("acquire with Postgres down = %d %s; want 503 fencing-unavailable", r.status, r.body)
+	}
+	r = e.do(e.client, http.MethodDelete, "/v1/locks/held", nil, append(bearerHdr(k.a), api.LockTokenHeader, g.LockToken)...)
+	if r.status != 204 {
+		t.Errorf("release with Postgres down = %d %s; want 204", r.status, r.body)
+	}
+	for i, keys := range e.lockKeys() {
+		if len(keys) != 0 {
+			t.Errorf("node %d keeps %v after the release", i, keys)
+		}
+	}
+	r = e.do(e.client, http.MethodGet, "/v1/locks/held", nil, bearerHdr(k.b)...)
+	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"auth-unavailable" || r.header.Get("Retry-After") == "" {
+		t.Errorf("a key not seen before, Postgres down = %d %s; want 503 auth-unavailable with Retry-After", r.status, r.body)
+	}
 }
 
 // TestAuth_Unavailable: when Postgres cannot answer, keys are refused with

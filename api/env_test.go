@@ -46,6 +46,8 @@ type envOptions struct {
 	// databaseURL defaults to a fresh database on the shared Postgres.
 	databaseURL string
 	service     service.Options
+	// auth tunes the KeyAuth of newAuthEnv.
+	auth api.KeyAuthOptions
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
