@@ -76,8 +76,9 @@ func (o Outcome) String() string {
 type NodeResult struct {
 	Addr    string
 	Outcome Outcome
-	// Remaining is the holder's remaining TTL reported by a node that said No
-	// to an acquire.
+	// Remaining is the lease left on the node: the holder's, from a node
+	// that said No to an acquire; the renewed one, from a node that said
+	// Yes to an extend.
 	Remaining time.Duration
 	Latency   time.Duration
 	// Err is set for Failed and Timeout.

@@ -1112,10 +1112,9 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	// shortens a lease (see extendScript), so a failed or partial round
 	// leaves every node's lease at least as long as the client believes.
 	start := l.opts.Now()
-	expires := start.Add(ttl - l.drift(ttl))
 	votes, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
-		ok, err := n.Extend(ctx, rkey, token, ttl)
-		return ok, 0, err
+		lease, err := n.Extend(ctx, rkey, token, ttl)
+		return lease > 0, lease, err
 	}}, nil, l.decided)
 	t := l.collect(votes)
 	lost := func(cause error) (*Grant, error) {
@@ -1130,6 +1129,11 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		}
 		return nil, &Error{Op: "extend", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
 	}
+	// The lease a majority keeps: at least ttl, more where a node kept a
+	// longer one. Each node measured its lease after start, so it lasts
+	// at least that long from start.
+	lease := l.majorityLease(t)
+	expires := start.Add(lease - l.drift(lease))
 	if !l.opts.Now().Before(expires) {
 		return lost(errors.New("renewal took longer than the lease"))
 	}
@@ -1252,6 +1256,19 @@ type Status struct {
 	Last fencing.Record
 }
 
+// majorityLease is the longest lease a majority of the Yes answers of t
+// reported: the quorum-th longest (t has at least quorum of them).
+func (l *Locker) majorityLease(t *tally) time.Duration {
+	var rem []time.Duration
+	for _, r := range t.results {
+		if r.Outcome == Yes {
+			rem = append(rem, r.Remaining)
+		}
+	}
+	slices.SortFunc(rem, func(a, b time.Duration) int { return int(b - a) })
+	return rem[l.quorum-1]
+}
+
 // Status reports whether key is held, by asking every node for its TTL.
 func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	rkey := keyspace.RedisKey(key)
@@ -1261,12 +1278,6 @@ func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	}}, nil, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	l.drain(t, votes)
-	var rem []time.Duration
-	for _, r := range t.results {
-		if r.Outcome == Yes {
-			rem = append(rem, r.Remaining)
-		}
-	}
 	if t.yes < l.quorum && len(l.nodes)-t.no >= l.quorum {
 		return nil, &Error{Op: "status", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
 	}
@@ -1276,9 +1287,8 @@ func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	}
 	st := &Status{Key: key, Last: rec}
 	if t.yes >= l.quorum {
-		slices.SortFunc(rem, func(a, b time.Duration) int { return int(b - a) })
 		st.Held = true
-		st.Remaining = rem[l.quorum-1]
+		st.Remaining = l.majorityLease(t)
 	}
 	return st, nil
 }

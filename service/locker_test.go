@@ -85,17 +85,17 @@ func (n *memNode) restart() {
 	n.vals, n.ttl, n.marker = map[string]string{}, map[string]time.Duration{}, ""
 }
 
-func (n *memNode) Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error) {
+func (n *memNode) Extend(ctx context.Context, key, token string, ttl time.Duration) (time.Duration, error) {
 	if err := n.run(ctx, "extend"); err != nil {
-		return false, err
+		return 0, err
 	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.vals[key] != token {
-		return false, nil
+		return 0, nil
 	}
 	n.ttl[key] = max(n.ttl[key], ttl) // as extendScript: never shorter
-	return true, nil
+	return n.ttl[key], nil
 }
 
 func (n *memNode) Release(ctx context.Context, key, token string) (bool, error) {
@@ -567,6 +567,34 @@ func TestLocker_Extend(t *testing.T) {
 		}
 		if renewed < 3 {
 			t.Errorf("%d nodes renewed to 5s; want at least a majority", renewed)
+		}
+	})
+	t.Run("ReportsTheLeaseKept", func(t *testing.T) {
+		// A renewal shorter than the lease keeps the lease, and the grant
+		// says so: its deadline is the majority's, not the one asked for.
+		ns, ms := nodes(5)
+		l := newLocker(t, ns, &memIssuer{}, Options{})
+		g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		settle(ms)
+		// The nodes hold leases of 2 to 5 minutes: whichever three answer
+		// first, a majority keeps between 2 and 3 minutes.
+		for i, d := range []time.Duration{5 * time.Minute, 4 * time.Minute, 3 * time.Minute, 2 * time.Minute, 2 * time.Minute} {
+			ms[i].mu.Lock()
+			ms[i].ttl[rkey] = d
+			ms[i].mu.Unlock()
+		}
+		g2, err := l.Extend(ctx, key, g.Token, time.Second)
+		if err != nil {
+			t.Fatalf("Extend = %v", err)
+		}
+		if lease := g2.Expires.Sub(g2.Start); lease < 2*time.Minute-l.drift(2*time.Minute) || lease > 3*time.Minute {
+			t.Errorf("Extend to 1s of leases of 2 to 5 minutes reports %v; want 2 to 3 minutes less the drift allowance", lease)
+		}
+		if g2.TTL != time.Second {
+			t.Errorf("Extend TTL = %v; want the 1s asked for", g2.TTL)
 		}
 	})
 	t.Run("LostOnMajority", func(t *testing.T) {

@@ -29,8 +29,9 @@ type Node interface {
 	// any case), and reports whether it did.
 	Mark(ctx context.Context, epoch string, replace bool) (bool, error)
 	// Extend renews key to at least ttl from now (never shorter than it
-	// is) if key holds token, and reports whether key holds it.
-	Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error)
+	// is) if key holds token. It returns the lease the key has from now on
+	// (at least ttl), or 0 if key does not hold token.
+	Extend(ctx context.Context, key, token string, ttl time.Duration) (time.Duration, error)
 	// Release deletes key if it holds token, and reports whether it did.
 	Release(ctx context.Context, key, token string) (bool, error)
 	// TTL returns key's remaining TTL, or 0 if key does not exist.
@@ -63,11 +64,15 @@ if t < 1 then return 1 end
 return t`)
 	// extendScript: compare-and-pexpire; never creates the key and never
 	// shortens its lease (a renewal that failed elsewhere must not cut short
-	// the deadline its client still relies on). 1 if the key holds the token.
+	// the deadline its client still relies on). It returns the lease in
+	// milliseconds from now (at least ARGV[2]), or 0 if the key does not
+	// hold the token.
 	extendScript = newLuaScript(`
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 1`)
+local ttl = tonumber(ARGV[2])
+local t = redis.call('PTTL', KEYS[1])
+if t < ttl then redis.call('PEXPIRE', KEYS[1], ttl) return ttl end
+return t`)
 	// markScript: set the epoch marker if there is none, or in any case
 	// when ARGV[2] is '1'.
 	markScript = newLuaScript(`
@@ -335,12 +340,12 @@ func (n *RedisNode) Mark(ctx context.Context, epoch string, replace bool) (bool,
 }
 
 // Extend implements Node.
-func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Duration) (bool, error) {
+func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Duration) (time.Duration, error) {
 	v, err := n.eval(ctx, extendScript, &scriptArgs{keys: []any{key}, argv: []any{token, ttl.Milliseconds()}}, nil)
 	if err != nil {
-		return false, fmt.Errorf("extend: %w", err)
+		return 0, fmt.Errorf("extend: %w", err)
 	}
-	return v == 1, nil
+	return time.Duration(v) * time.Millisecond, nil
 }
 
 // Release implements Node.

@@ -25,26 +25,26 @@ func TestRedisNode_ExtendNeverShortens(t *testing.T) {
 		}
 		return d
 	}
-	if ok, err := n.Extend(ctx, "k", "tok", time.Second); err != nil || !ok {
-		t.Fatalf("Extend to 1s = %v, %v; want true (the key holds the token)", ok, err)
+	if lease, err := n.Extend(ctx, "k", "tok", time.Second); err != nil || lease < 30*time.Second || lease > time.Minute {
+		t.Fatalf("Extend to 1s = %v, %v; want the lease kept, about a minute (the key holds the token)", lease, err)
 	}
 	if d := pttl(); d < 30*time.Second {
 		t.Errorf("after a shorter renewal the lease has %v left; want about a minute", d)
 	}
-	if ok, err := n.Extend(ctx, "k", "tok", 10*time.Minute); err != nil || !ok {
-		t.Fatalf("Extend to 10m = %v, %v", ok, err)
+	if lease, err := n.Extend(ctx, "k", "tok", 10*time.Minute); err != nil || lease != 10*time.Minute {
+		t.Fatalf("Extend to 10m = %v, %v; want 10m", lease, err)
 	}
 	if d := pttl(); d < 5*time.Minute {
 		t.Errorf("after a longer renewal the lease has %v left; want about 10 minutes", d)
 	}
-	if ok, err := n.Extend(ctx, "k", "other", time.Hour); err != nil || ok {
-		t.Errorf("Extend with another token = %v, %v; want false", ok, err)
+	if lease, err := n.Extend(ctx, "k", "other", time.Hour); err != nil || lease != 0 {
+		t.Errorf("Extend with another token = %v, %v; want 0", lease, err)
 	}
 	if d := pttl(); d > 11*time.Minute {
 		t.Errorf("another token's renewal changed the lease to %v", d)
 	}
-	if ok, err := n.Extend(ctx, "absent", "tok", time.Hour); err != nil || ok {
-		t.Errorf("Extend of a missing key = %v, %v; want false", ok, err)
+	if lease, err := n.Extend(ctx, "absent", "tok", time.Hour); err != nil || lease != 0 {
+		t.Errorf("Extend of a missing key = %v, %v; want 0", lease, err)
 	}
 	if n, err := admin.Exists(ctx, "absent").Result(); err != nil || n != 0 {
 		t.Errorf("Extend created a key: EXISTS = %d, %v", n, err)
