@@ -46,16 +46,29 @@ type Issuer interface {
 
 // Registry records, for every server sharing the nodes, each node's epoch (the
 // marker that proves it kept its memory) and how long it is quarantined after
-// losing it.
+// losing it. A quarantine's end is kept on the registry's clock and reported
+// as the time left, so servers whose clocks are set differently still agree
+// on it (each counts the time left on its own monotonic clock).
 type Registry interface {
 	// RegisterNode records addr with epoch unless addr is known, and returns
-	// addr's epoch and quarantine end; created reports that addr was unknown.
-	RegisterNode(ctx context.Context, addr, epoch string) (cur string, until time.Time, created bool, err error)
+	// addr's epoch and the time left of its quarantine (0 if none); created
+	// reports that addr was unknown.
+	RegisterNode(ctx context.Context, addr, epoch string) (cur string, left time.Duration, created bool, err error)
 	// QuarantineNode records that addr no longer holds the marker expected:
 	// if addr's epoch is still expected and no quarantine is running, it sets
 	// next as the epoch and quarantines addr for d from now. It returns addr's
-	// epoch and quarantine end after that.
-	QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (cur string, until time.Time, err error)
+	// epoch and the time left of its quarantine after that (0 if none).
+	QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (cur string, left time.Duration, err error)
+}
+
+// quarantineEnd is the end, on the Locker's clock, of a quarantine with left
+// to run as reported by the Registry now (zero if none). Counted from after
+// the answer arrived, it ends no earlier than on the registry's clock.
+func (l *Locker) quarantineEnd(left time.Duration) time.Time {
+	if left <= 0 {
+		return time.Time{}
+	}
+	return l.opts.Now().Add(left)
 }
 
 // Observer receives measurements from a Locker (for metrics). Its methods
@@ -320,10 +333,11 @@ func (l *Locker) Init(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		cur, until, created, err := l.opts.Registry.RegisterNode(ctx, m.Addr(), epoch)
+		cur, left, created, err := l.opts.Registry.RegisterNode(ctx, m.Addr(), epoch)
 		if err != nil {
 			return fmt.Errorf("service: register node %s: %w", m.Addr(), err)
 		}
+		until := l.quarantineEnd(left)
 		m.set(cur, until)
 		if until.After(l.opts.Now()) {
 			l.opts.Observer.Quarantine(m.Addr(), until)
@@ -387,7 +401,8 @@ func (l *Locker) recover(i int, seen string) chan struct{} {
 		if err != nil {
 			return
 		}
-		cur, until, err := l.opts.Registry.QuarantineNode(ctx, m.Addr(), seen, next, l.quarantineFor())
+		cur, left, err := l.opts.Registry.QuarantineNode(ctx, m.Addr(), seen, next, l.quarantineFor())
+		until := l.quarantineEnd(left)
 		if err != nil {
 			l.opts.Logger.Warn("node lost its memory; could not record the quarantine", slog.String("node", m.Addr()), slog.String("error", err.Error()))
 			return

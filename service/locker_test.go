@@ -778,24 +778,29 @@ func marked(n *memNode) <-chan struct{} {
 	return ch
 }
 
-func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (string, time.Time, bool, error) {
+func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (string, time.Duration, bool, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if cur, ok := r.epochs[addr]; ok {
-		return cur, r.until[addr], false, nil
+		return cur, r.left(addr), false, nil
 	}
 	r.epochs[addr] = epoch
-	return epoch, time.Time{}, true, nil
+	return epoch, 0, true, nil
 }
 
-func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Time, error) {
+func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.clk.Now()
 	if r.epochs[addr] == expected && !now.Before(r.until[addr]) {
 		r.epochs[addr], r.until[addr] = next, now.Add(d)
 	}
-	return r.epochs[addr], r.until[addr], nil
+	return r.epochs[addr], r.left(addr), nil
+}
+
+// left is the time left of addr's quarantine on r's clock. r.mu is held.
+func (r *memRegistry) left(addr string) time.Duration {
+	return max(r.until[addr].Sub(r.clk.Now()), 0)
 }
 
 func TestLocker_Quarantine(t *testing.T) {
@@ -851,6 +856,23 @@ func TestLocker_Quarantine(t *testing.T) {
 		clk.Advance(time.Minute + time.Second)
 		if !l.counts(0, clk.Now()) {
 			t.Error("node still not counted after the quarantine ended")
+		}
+	})
+
+	t.Run("RegistryClockOffset", func(t *testing.T) {
+		// The registry's clock (Postgres') is set 10 s behind this
+		// server's: the quarantine still lasts MaxTTL on this server.
+		clk := &clock{t: time.Unix(1000, 0)}
+		reg := newRegistry(&clock{t: time.Unix(990, 0)})
+		l, ms := setup(t, reg, clk)
+		recovered := marked(ms[0])
+		if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err == nil {
+			t.Fatal("B granted while A's lease is live")
+		}
+		<-recovered
+		clk.Advance(time.Minute - time.Second)
+		if l.counts(0, clk.Now()) {
+			t.Error("node counted again before MaxTTL passed on this server's clock")
 		}
 	})
 

@@ -338,8 +338,8 @@ func TestLocker_ExtendFencingDown(t *testing.T) {
 // failingRegistry is a Registry that cannot record quarantines.
 type failingRegistry struct{ *memRegistry }
 
-func (failingRegistry) QuarantineNode(context.Context, string, string, string, time.Duration) (string, time.Time, error) {
-	return "", time.Time{}, errors.New("postgres is down")
+func (failingRegistry) QuarantineNode(context.Context, string, string, string, time.Duration) (string, time.Duration, error) {
+	return "", 0, errors.New("postgres is down")
 }
 
 // TestLocker_NodesLostMemory: Nodes reports a node that lost its memory as

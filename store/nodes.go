@@ -4,41 +4,48 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 )
 
+// leftSQL is the time left of a node row's quarantine in milliseconds, by
+// Postgres' clock (0 if none).
+const leftSQL = `GREATEST(COALESCE(EXTRACT(EPOCH FROM quarantined_until - now()) * 1000, 0), 0)::float8`
+
 // RegisterNode records the Redis node addr with epoch unless it is known, and
-// returns its epoch and quarantine end (zero if none); created reports that
-// it was unknown. It implements service.Registry.
-func (db *DB) RegisterNode(ctx context.Context, addr, epoch string) (string, time.Time, bool, error) {
+// returns its epoch and the time left of its quarantine (0 if none); created
+// reports that it was unknown. It implements service.Registry.
+func (db *DB) RegisterNode(ctx context.Context, addr, epoch string) (string, time.Duration, bool, error) {
 	var cur string
-	var until *time.Time
+	var left float64
 	err := db.pool.QueryRow(ctx, `
 INSERT INTO redfence_nodes (addr, epoch) VALUES ($1, $2)
 ON CONFLICT (addr) DO NOTHING
-RETURNING epoch, quarantined_until`, addr, epoch).Scan(&cur, &until)
+RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 	if err == nil {
-		return cur, deref(until), true, nil
+		return cur, millis(left), true, nil
 	}
 	if !errors.Is(err, pgx.ErrNoRows) {
-		return "", time.Time{}, false, fmt.Errorf("store: register node %s: %w", addr, classify(err))
+		return "", 0, false, fmt.Errorf("store: register node %s: %w", addr, classify(err))
 	}
-	if err := db.pool.QueryRow(ctx, `SELECT epoch, quarantined_until FROM redfence_nodes WHERE addr = $1`, addr).Scan(&cur, &until); err != nil {
-		return "", time.Time{}, false, fmt.Errorf("store: register node %s: %w", addr, classify(err))
+	if err := db.pool.QueryRow(ctx, `SELECT epoch, `+leftSQL+` FROM redfence_nodes WHERE addr = $1`, addr).Scan(&cur, &left); err != nil {
+		return "", 0, false, fmt.Errorf("store: register node %s: %w", addr, classify(err))
 	}
-	return cur, deref(until), false, nil
+	return cur, millis(left), false, nil
 }
 
 // QuarantineNode records that addr lost the marker expected. If addr's epoch
 // is still expected and no quarantine is running, it moves addr to epoch next
 // and quarantines it until now + d, by Postgres' clock, so every server
 // sharing the nodes agrees on the end. Either way it returns addr's epoch and
-// quarantine end after the statement. It implements service.Registry.
-func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Time, error) {
+// the time left of its quarantine after the statement (0 if none), by
+// Postgres' clock: a server's clock may be set differently, and counts the
+// time left instead. It implements service.Registry.
+func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
 	var cur string
-	var until *time.Time
+	var left float64
 	err := db.pool.QueryRow(ctx, `
 WITH moved AS (
     UPDATE redfence_nodes
@@ -47,21 +54,20 @@ WITH moved AS (
            memory_losses = memory_losses + 1,
            updated_at = now()
      WHERE addr = $1 AND epoch = $2 AND (quarantined_until IS NULL OR quarantined_until <= now())
- RETURNING epoch, quarantined_until
+ RETURNING epoch, `+leftSQL+`
 )
-SELECT epoch, quarantined_until FROM moved
+SELECT * FROM moved
 UNION ALL
-SELECT epoch, quarantined_until FROM redfence_nodes WHERE addr = $1 AND NOT EXISTS (SELECT 1 FROM moved)`,
-		addr, expected, next, d.Milliseconds()).Scan(&cur, &until)
+SELECT epoch, `+leftSQL+` FROM redfence_nodes WHERE addr = $1 AND NOT EXISTS (SELECT 1 FROM moved)`,
+		addr, expected, next, d.Milliseconds()).Scan(&cur, &left)
 	if err != nil {
-		return "", time.Time{}, fmt.Errorf("store: quarantine node %s: %w", addr, classify(err))
+		return "", 0, fmt.Errorf("store: quarantine node %s: %w", addr, classify(err))
 	}
-	return cur, deref(until), nil
+	return cur, millis(left), nil
 }
 
-func deref(t *time.Time) time.Time {
-	if t == nil {
-		return time.Time{}
-	}
-	return *t
+// millis converts a number of milliseconds, rounded up so that a quarantine
+// never ends early.
+func millis(ms float64) time.Duration {
+	return time.Duration(math.Ceil(ms * float64(time.Millisecond)))
 }
