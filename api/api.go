@@ -408,10 +408,19 @@ func jsonReason(err error) string {
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return "truncated JSON"
 	case strings.HasPrefix(err.Error(), "json: unknown field "):
-		return "unknown field " + strings.TrimPrefix(err.Error(), "json: unknown field ")
+		// The name is the client's (quoted by encoding/json): cut it short,
+		// as it goes into the answer and the log.
+		field := strings.TrimPrefix(err.Error(), "json: unknown field ")
+		if len(field) > maxQuotedField {
+			field = strings.ToValidUTF8(field[:maxQuotedField], "") + `…"`
+		}
+		return "unknown field " + field
 	}
 	return err.Error()
 }
+
+// maxQuotedField bounds how much of an unknown field's name an error quotes.
+const maxQuotedField = 64
 
 func jsonType(kind string) string {
 	switch kind {
@@ -461,9 +470,14 @@ func (h *Handler) acquire(w http.ResponseWriter, r *http.Request) {
 		tree := flatten(buf[:0], err)
 		outcome := tree.classify().slug
 		h.m.acquire(outcome)
+		// Only what passed validation is logged: a refused name or owner
+		// can be any text the client sent, up to the body limit.
 		owner := ""
-		if req.Owner != nil {
+		if req.Owner != nil && validOwner(*req.Owner) == "" {
 			owner = *req.Owner
+		}
+		if keyspace.ValidName(name) != "" {
+			name = ""
 		}
 		h.audit(r, slog.LevelInfo, "lock refused", name, owner, 0, outcome, noTTL)
 		h.writeErrorTree(w, r, err, tree)

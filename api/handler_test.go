@@ -324,6 +324,47 @@ func TestAccessLog(t *testing.T) {
 	}
 }
 
+// TestRefusedInputNotLogged: what a refused acquire sent in its body that
+// failed validation (a long or unprintable owner, a long unknown field name)
+// is not copied into the log or the answer in full, and the audit line names
+// neither an owner nor a name that failed validation.
+func TestRefusedInputNotLogged(t *testing.T) {
+	e := newFakeEnv(t, true)
+	e.logs = &testutil.Buffer{}
+	e.h.raw = slog.NewJSONHandler(e.logs, nil)
+	e.h.log = slog.New(principalLog{e.h.raw})
+	long := strings.Repeat("s3cr3t", 100)
+	for _, tc := range []struct{ path, body string }{
+		{"/v1/locks/orders", `{"owner":"` + long + `"}`},
+		{"/v1/locks/orders", `{"owner":"a\u0000b"}`},
+		{"/v1/locks/orders", `{"` + long + `":1}`},
+		{"/v1/locks/" + strings.Repeat("n", 300), `{"owner":"w"}`},
+	} {
+		w := e.do(e.h, http.MethodPost, tc.path, tc.body, "Authorization", "Bearer "+benchAPIKey)
+		if w.Code != http.StatusBadRequest {
+			t.Errorf("POST %.40s… %.40s… = %d; want 400", tc.path, tc.body, w.Code)
+		}
+		if strings.Contains(w.Body.String(), long) {
+			t.Errorf("the answer quotes the body at length: %.200s…", w.Body)
+		}
+	}
+	if strings.Contains(e.logs.String(), long) {
+		t.Errorf("the log holds a body that failed validation:\n%.2000s", e.logs)
+	}
+	ls := e.lines(t, "lock refused")
+	if len(ls) != 4 {
+		t.Fatalf("%d lock refused lines; want 4", len(ls))
+	}
+	for i, l := range ls {
+		if l["owner"] != "" {
+			t.Errorf("audit line %d names owner %q", i, l["owner"])
+		}
+		if want := map[bool]string{true: "", false: "orders"}[i == 3]; l["name"] != want {
+			t.Errorf("audit line %d names %q; want %q", i, l["name"], want)
+		}
+	}
+}
+
 // TestFastRoute sends the same requests to a Handler as they come (acquire
 // and release skip the router) and through the router (forced by a route
 // context in the request's context, as when the Handler is mounted in
