@@ -287,14 +287,23 @@ func NewKeyAuth(ks KeyStore, opts KeyAuthOptions) *KeyAuth {
 	return &KeyAuth{ks: ks, opts: opts, cache: make(map[string]cached)}
 }
 
-// Changed drops what is cached about the key that changed, or about every
-// key for a KeyChange with no ID.
+// Changed drops what is cached about the key that changed. A KeyChange with
+// no ID (notifications may have been missed) makes every cached key be
+// looked up again on its next use; until that succeeds, the entries stay for
+// when Postgres cannot answer.
 func (a *KeyAuth) Changed(c store.KeyChange) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.gen++
 	if c.ID == "" {
-		clear(a.cache)
+		for id, e := range a.cache {
+			if e.key == nil {
+				delete(a.cache, id)
+				continue
+			}
+			e.at = time.Time{} // long expired
+			a.cache[id] = e
+		}
 		return
 	}
 	delete(a.cache, c.ID)
@@ -363,7 +372,7 @@ func (a *KeyAuth) fetch(ctx context.Context, id string) (cached, error) {
 		k, err = nil, nil
 	}
 	if err != nil {
-		if e, ok := a.markDown(id, gen); ok {
+		if e, ok := a.markDown(id); ok {
 			return e, nil
 		}
 		return cached{}, err
@@ -377,14 +386,14 @@ func (a *KeyAuth) fetch(ctx context.Context, id string) (cached, error) {
 }
 
 // markDown marks the cached entry of id down and returns it, if id is cached
-// as a key (valid or revoked: a revoked one is still refused) and no
-// invalidation happened since gen. An id cached as unknown is not served
-// past CacheTTL: the key may have been created since.
-func (a *KeyAuth) markDown(id string, gen uint64) (cached, bool) {
+// as a key (valid or revoked: a revoked one is still refused). A key whose
+// change was notified is not cached any more; an id cached as unknown is not
+// served past CacheTTL: the key may have been created since.
+func (a *KeyAuth) markDown(id string) (cached, bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	e, ok := a.cache[id]
-	if !ok || a.gen != gen || e.key == nil {
+	if !ok || e.key == nil {
 		return cached{}, false
 	}
 	e.down = true

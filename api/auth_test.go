@@ -508,6 +508,12 @@ func TestKeyAuth_Down(t *testing.T) {
 	if p, err := a.Authenticate(ctx, dropped); err == nil {
 		t.Errorf("key dropped by a notification, Postgres down: %+v; want an error", p)
 	}
+	// Notifications lost (everything to be looked up again): the keys seen
+	// valid still work while Postgres cannot answer.
+	a.Changed(store.KeyChange{})
+	if p, err := a.Authenticate(ctx, key); err != nil || p.Tenant != "acme" {
+		t.Errorf("key seen valid, notifications lost, Postgres down: %+v, %v; want it accepted", p, err)
+	}
 
 	// Postgres stopped: lookups hang (for an hour here). Requests with the
 	// key still answer at once, with one lookup at a time behind them.

@@ -2,6 +2,7 @@ package api_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"slices"
@@ -407,5 +408,24 @@ func TestAPI_PostgresDown(t *testing.T) {
 	g := e.mustAcquire("pg", map[string]any{"wait_ms": 10000})
 	if g.FencingToken <= last {
 		t.Errorf("token after Postgres restart = %d; want above %d", g.FencingToken, last)
+	}
+}
+
+// TestAPI_NullDocument: null is a document like any other JSON value, in the
+// request and in the answer (both validated against openapi.yaml).
+func TestAPI_NullDocument(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	g := e.mustAcquire("null-doc", nil)
+	if r := e.put("null-doc", g.FencingToken, nil); r.status != 200 {
+		t.Fatalf("PUT null = %d %s", r.status, r.body)
+	}
+	r := e.do(e.client, http.MethodGet, "/v1/resources/null-doc", nil)
+	var res struct {
+		Data json.RawMessage `json:"data"`
+	}
+	r.decode(t, &res)
+	if r.status != 200 || string(res.Data) != "null" {
+		t.Errorf("GET = %d %s; want 200 with data null", r.status, r.body)
 	}
 }

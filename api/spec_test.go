@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	"github.com/go-chi/chi/v5"
 
 	"github.com/redfence/redfence"
+	"github.com/redfence/redfence/internal/keyspace"
 	"github.com/redfence/redfence/internal/openapitest"
 )
 
@@ -182,5 +184,32 @@ func TestSpec_Refusals(t *testing.T) {
 				t.Errorf("%s %s: body %s; want problem type %s", tt.method, tt.path, got, tt.wantType)
 			}
 		})
+	}
+}
+
+// TestSpec_NamePattern: the Name parameter's pattern in openapi.yaml accepts
+// exactly the names the server accepts, so a generated client that checks it
+// never sends a name the server refuses, nor refuses one it accepts.
+func TestSpec_NamePattern(t *testing.T) {
+	doc, err := openapi3.NewLoader().LoadFromData(redfence.OpenAPI)
+	if err != nil {
+		t.Fatalf("load openapi.yaml: %v", err)
+	}
+	p := doc.Components.Parameters["Name"]
+	if p == nil || p.Value.Schema == nil {
+		t.Fatal("openapi.yaml has no components/parameters/Name schema")
+	}
+	re, err := regexp.Compile(p.Value.Schema.Value.Pattern)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{
+		"", ".", "..", "...", ".a", "a.", "..a", ".a.", "a..b", "a", "orders:invoice-7", "_", "-", ":",
+		strings.Repeat("a", 200), strings.Repeat("a", 201), "." + strings.Repeat("a", 199), ".." + strings.Repeat("a", 198),
+		".." + strings.Repeat("a", 199), strings.Repeat(".", 200), "a/b", "a b", "é", "a%2Fb",
+	} {
+		if spec, server := re.MatchString(name), keyspace.ValidName(name) == ""; spec != server {
+			t.Errorf("name %q: spec pattern accepts it: %v, server accepts it: %v", name, spec, server)
+		}
 	}
 }

@@ -113,7 +113,7 @@ type AcquireResponse struct {
 	FencingToken int64 `json:"fencing_token"`
 
 	// LockToken The holder's secret, needed to extend and release (header
-	// `Lock-Token`). Returned by acquire only; never shown again.
+	// `Lock-Token`). Never shown again.
 	//
 	//
 	// Example: jzocnifUtgU-kaoMf0LY4Vtgw_c
@@ -839,7 +839,9 @@ type ClientInterface interface {
 	// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
 	// majority of nodes (a renewal never shortens a lease). The fencing token
 	// stays the same (it is the same grant). The new lease is valid for
-	// `validity_ms` from **your send time** of this request.
+	// `validity_ms` from **your send time** of this request: the lease a
+	// majority of nodes kept, which is longer than `ttl_ms` where more was
+	// left.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -858,7 +860,9 @@ type ClientInterface interface {
 	// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
 	// majority of nodes (a renewal never shortens a lease). The fencing token
 	// stays the same (it is the same grant). The new lease is valid for
-	// `validity_ms` from **your send time** of this request.
+	// `validity_ms` from **your send time** of this request: the lease a
+	// majority of nodes kept, which is longer than `ttl_ms` where more was
+	// left.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -1101,7 +1105,9 @@ func (c *Client) AcquireLock(ctx context.Context, name Name, params *AcquireLock
 // Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
 // majority of nodes (a renewal never shortens a lease). The fencing token
 // stays the same (it is the same grant). The new lease is valid for
-// `validity_ms` from **your send time** of this request.
+// `validity_ms` from **your send time** of this request: the lease a
+// majority of nodes kept, which is longer than `ttl_ms` where more was
+// left.
 //
 // A 409 `lock-lost` means the lease expired or a newer grant exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -1130,7 +1136,9 @@ func (c *Client) ExtendLockWithBody(ctx context.Context, name Name, params *Exte
 // Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
 // majority of nodes (a renewal never shortens a lease). The fencing token
 // stays the same (it is the same grant). The new lease is valid for
-// `validity_ms` from **your send time** of this request.
+// `validity_ms` from **your send time** of this request: the lease a
+// majority of nodes kept, which is longer than `ttl_ms` where more was
+// left.
 //
 // A 409 `lock-lost` means the lease expired or a newer grant exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -1959,7 +1967,9 @@ type ClientWithResponsesInterface interface {
 	// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
 	// majority of nodes (a renewal never shortens a lease). The fencing token
 	// stays the same (it is the same grant). The new lease is valid for
-	// `validity_ms` from **your send time** of this request.
+	// `validity_ms` from **your send time** of this request: the lease a
+	// majority of nodes kept, which is longer than `ttl_ms` where more was
+	// left.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -1978,7 +1988,9 @@ type ClientWithResponsesInterface interface {
 	// Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
 	// majority of nodes (a renewal never shortens a lease). The fencing token
 	// stays the same (it is the same grant). The new lease is valid for
-	// `validity_ms` from **your send time** of this request.
+	// `validity_ms` from **your send time** of this request: the lease a
+	// majority of nodes kept, which is longer than `ttl_ms` where more was
+	// left.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -3680,7 +3692,9 @@ func (c *ClientWithResponses) AcquireLockWithResponse(ctx context.Context, name 
 // Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
 // majority of nodes (a renewal never shortens a lease). The fencing token
 // stays the same (it is the same grant). The new lease is valid for
-// `validity_ms` from **your send time** of this request.
+// `validity_ms` from **your send time** of this request: the lease a
+// majority of nodes kept, which is longer than `ttl_ms` where more was
+// left.
 //
 // A 409 `lock-lost` means the lease expired or a newer grant exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -3705,7 +3719,9 @@ func (c *ClientWithResponses) ExtendLockWithBodyWithResponse(ctx context.Context
 // Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
 // majority of nodes (a renewal never shortens a lease). The fencing token
 // stays the same (it is the same grant). The new lease is valid for
-// `validity_ms` from **your send time** of this request.
+// `validity_ms` from **your send time** of this request: the lease a
+// majority of nodes kept, which is longer than `ttl_ms` where more was
+// left.
 //
 // A 409 `lock-lost` means the lease expired or a newer grant exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.

@@ -21,7 +21,8 @@ export interface paths {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -89,7 +90,8 @@ export interface paths {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -103,7 +105,9 @@ export interface paths {
          * @description Renews the lease held by `Lock-Token` to at least `ttl_ms` from now on a
          *     majority of nodes (a renewal never shortens a lease). The fencing token
          *     stays the same (it is the same grant). The new lease is valid for
-         *     `validity_ms` from **your send time** of this request.
+         *     `validity_ms` from **your send time** of this request: the lease a
+         *     majority of nodes kept, which is longer than `ttl_ms` where more was
+         *     left.
          *
          *     A 409 `lock-lost` means the lease expired or a newer grant exists: the
          *     lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -136,7 +140,8 @@ export interface paths {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -407,7 +412,14 @@ export interface components {
             owner: string;
         };
         /** @description A new grant; `lock_token` is always present. */
-        AcquireResponse: components["schemas"]["LockResponse"] & unknown;
+        AcquireResponse: components["schemas"]["LockResponse"] & {
+            /**
+             * @description The holder's secret, needed to extend and release (header
+             *     `Lock-Token`). Never shown again.
+             * @example jzocnifUtgU-kaoMf0LY4Vtgw_c
+             */
+            lock_token: string;
+        };
         /** @description A lock's state. Never contains the lock token. */
         LockStatus: {
             /** @example orders:invoice-7 */
@@ -1030,7 +1042,8 @@ export interface components {
     parameters: {
         /**
          * @description The lock's name; a resource has the same name as the lock that protects
-         *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+         *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+         *     `.` and `..` (URL paths normalise them away).
          * @example orders:invoice-7
          */
         Name: string;
@@ -1118,7 +1131,8 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1178,7 +1192,8 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1273,7 +1288,8 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1337,7 +1353,8 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1421,7 +1438,8 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1500,7 +1518,8 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded.
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
+                 *     `.` and `..` (URL paths normalise them away).
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
