@@ -74,14 +74,19 @@ same.`, stdout)
 			return err
 		}
 	}
-	fmt.Fprint(stdout, walkthrough(s.URL(), cfg, key))
+	prog, err := os.Executable() // the banner's commands work from any directory
+	if err != nil {
+		prog = "redfence"
+	}
+	fmt.Fprint(stdout, walkthrough(s.URL(), cfg, key, prog))
 	return serveUntilDone(ctx, s, cfg)
 }
 
 // walkthrough is the banner redfence dev prints: what runs where, and curl
 // commands to try that work as printed in a POSIX shell. key is the API key
-// for tenant "dev" the commands send; "" when auth is off.
-func walkthrough(base string, cfg *Config, key string) string {
+// for tenant "dev" the commands send; "" when auth is off. prog is the path
+// of this binary, for the commands that run it.
+func walkthrough(base string, cfg *Config, key, prog string) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, `
 Redfence is serving on %s
@@ -124,10 +129,10 @@ Try it (in another terminal):
 	}
 	fmt.Fprintf(&b, `
   API: $RF/openapi.yaml   nodes: curl%s $RF/v1/nodes   metrics: curl%s $RF/metrics
-  More keys: REDFENCE_DATABASE_URL='%s' redfence keys create --tenant <tenant>
+  More keys: REDFENCE_DATABASE_URL='%s' %s keys create --tenant <tenant>
 Press Ctrl-C to stop.
 
-`, auth, auth, redactURL(cfg.DatabaseURL))
+`, auth, auth, redactURL(cfg.DatabaseURL), prog)
 	return b.String()
 }
 

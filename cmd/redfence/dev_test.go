@@ -54,7 +54,7 @@ func TestDev_Walkthrough(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		banner := walkthrough(s.URL(), cfg, key)
+		banner := walkthrough(s.URL(), cfg, key, "/opt/redfence/bin/redfence")
 		_, script, ok := strings.Cut(banner, "Try it (in another terminal):\n")
 		script, _, ok2 := strings.Cut(script, "\n  API:")
 		if !ok || !ok2 || !strings.Contains(script, "KEY="+key) {
@@ -70,7 +70,10 @@ func TestDev_Walkthrough(t *testing.T) {
 			`"fencing_token":2`, `"owner":"bob"`,
 			`"type":"urn:redfence:problem:stale-token"`,
 			`"type":"urn:redfence:problem:unauthorized"`, "401")
-		if off := walkthrough(s.URL(), cfg, ""); !strings.Contains(off, "AUTHENTICATION IS OFF") || strings.Contains(off, "Authorization") {
+		if !strings.Contains(banner, "/opt/redfence/bin/redfence keys create") {
+			t.Errorf("the banner's keys command does not run this binary:\n%s", banner)
+		}
+		if off := walkthrough(s.URL(), cfg, "", "/opt/redfence/bin/redfence"); !strings.Contains(off, "AUTHENTICATION IS OFF") || strings.Contains(off, "Authorization") {
 			t.Errorf("the banner without a key does not warn, or still sends a key:\n%s", off)
 		}
 	})
