@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -254,12 +255,19 @@ func TestAPI_GCPause(t *testing.T) {
 // leave nothing behind (DESIGN step 3).
 func TestAPI_StallBeforeIssuance(t *testing.T) {
 	t.Parallel()
-	const ttl = 200 * time.Millisecond
-	e := newEnv(t, envOptions{service: service.Options{AfterQuorum: func(ctx context.Context, key string) {
-		if key == "stalled" {
-			time.Sleep(ttl + 50*time.Millisecond) // the injected fault: a pause longer than the lease
-		}
-	}}})
+	// The injected fault: a pause longer than the lease, made by moving the
+	// Locker's clock on. The keys' real TTL is long, so they are still on
+	// the nodes unless the refused grant deletes them.
+	const ttl = 10 * time.Second
+	var offset atomic.Int64
+	e := newEnv(t, envOptions{service: service.Options{
+		Now: func() time.Time { return time.Now().Add(time.Duration(offset.Load())) },
+		AfterQuorum: func(ctx context.Context, key string) {
+			if key == "stalled" {
+				offset.Add(int64(ttl + time.Second))
+			}
+		},
+	}})
 	r := e.do(e.client, http.MethodPost, "/v1/locks/stalled", map[string]any{"ttl_ms": ttl.Milliseconds()})
 	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"lease-expired" {
 		t.Fatalf("stalled acquire = %d %s; want 503 lease-expired", r.status, r.body)

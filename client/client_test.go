@@ -166,8 +166,10 @@ func TestLease_Margin(t *testing.T) {
 	t.Parallel()
 	s := clienttest.Start(t, clienttest.Options{})
 	c := newClient(t, s.URL)
-	const margin = 300 * time.Millisecond
-	l, err := c.Acquire(t.Context(), "margin", &client.LockOptions{TTL: time.Second, NoRenew: true, Margin: margin})
+	// A margin of seconds: the lease must end well before its deadline, with
+	// time left for what follows to reach the server even on a loaded host.
+	const margin = 2 * time.Second
+	l, err := c.Acquire(t.Context(), "margin", &client.LockOptions{TTL: 5 * time.Second, NoRenew: true, Margin: margin})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,11 +181,22 @@ func TestLease_Margin(t *testing.T) {
 	if err := l.Release(t.Context()); err != nil {
 		t.Errorf("Release after the margin = %v; want nil (the key was still there)", err)
 	}
-	if _, err := c.Acquire(t.Context(), "margin", &client.LockOptions{TTL: time.Second, Margin: 900 * time.Millisecond}); err == nil ||
+	// A margin that leaves no room to renew is refused before anything is
+	// asked of the server: no lock taken, no token burned.
+	if _, err := c.Acquire(t.Context(), "margin-bad", &client.LockOptions{TTL: time.Second, Margin: 900 * time.Millisecond}); err == nil ||
 		!strings.Contains(err.Error(), "Margin") {
 		t.Errorf("Acquire with a margin beyond the renewal point = %v; want an error about Margin", err)
 	}
-	released(t, c, "margin") // the refused lease was released again
+	l, err = c.Acquire(t.Context(), "margin-bad", &client.LockOptions{TTL: 5 * time.Second})
+	if err != nil {
+		t.Fatalf("Acquire after the refused margin = %v; want the lock free", err)
+	}
+	if tok := l.FencingToken(); tok != 1 {
+		t.Errorf("first grant after the refused margin has token %d; want 1 (nothing was issued)", tok)
+	}
+	if err := l.Release(t.Context()); err != nil {
+		t.Errorf("Release = %v", err)
+	}
 }
 
 func TestDo(t *testing.T) {

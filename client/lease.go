@@ -108,6 +108,13 @@ func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*
 	if err != nil {
 		return nil, err
 	}
+	if o.TTL > 0 {
+		// Known before asking: a bad Margin takes no lock (and burns no
+		// token). With the server's default TTL it is checked on the grant.
+		if err := o.checkMargin(o.TTL); err != nil {
+			return nil, err
+		}
+	}
 	owner := o.Owner
 	if owner == "" {
 		owner = c.opts.Owner
@@ -133,15 +140,24 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 	}
 	l.life, l.end = context.WithCancelCause(context.Background())
 	l.stopped, l.stop = context.WithCancel(context.Background())
-	if o.Margin > 0 && !o.NoRenew && o.Margin >= l.ttl-l.interval() {
+	if err := o.checkMargin(l.ttl); err != nil {
 		// Renewal would come too late to keep the lease: release it again.
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		_ = c.release(ctx, name, g.lock)
-		return nil, fmt.Errorf("client: Margin %v leaves no room to renew a %v lease every %v", o.Margin, l.ttl, l.interval())
+		return nil, err
 	}
 	go l.watch()
 	return l, nil
+}
+
+// checkMargin checks that o's Margin leaves room to renew a lease of ttl.
+func (o *LockOptions) checkMargin(ttl time.Duration) error {
+	interval := time.Duration(float64(ttl) * o.RenewFraction)
+	if o.Margin > 0 && !o.NoRenew && o.Margin >= ttl-interval {
+		return fmt.Errorf("client: Margin %v leaves no room to renew a %v lease every %v", o.Margin, ttl, interval)
+	}
+	return nil
 }
 
 // Name returns the lock's name.

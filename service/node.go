@@ -164,12 +164,12 @@ func dialer(opts RedisOptions) func(ctx context.Context, network, addr string) (
 			return serr
 		},
 	}
-	return func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if opts.TLSConfig == nil {
-			return d.DialContext(ctx, network, addr)
-		}
-		return tls.DialWithDialer(d, network, addr, opts.TLSConfig)
+	if opts.TLSConfig == nil {
+		return d.DialContext
 	}
+	// The handshake, too, is bounded by ctx (the per-node timeout).
+	td := &tls.Dialer{NetDialer: d, Config: opts.TLSConfig}
+	return td.DialContext
 }
 
 // Addr returns the node's address.
