@@ -242,6 +242,15 @@ type Locker struct {
 
 	// sweep redelivers the deletes whose outcome is unknown.
 	sweep *sweeper
+
+	// life ends when Close is called; background recoveries (see recover)
+	// run under it, and Close waits for them (bg). None starts once closed
+	// is set (under bgMu).
+	life   context.Context
+	cancel context.CancelFunc
+	bgMu   sync.Mutex
+	closed bool
+	bg     sync.WaitGroup
 }
 
 // lateRound is the clean-up state of one acquire round, shared by its nodes'
@@ -301,6 +310,7 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		recent:    make(map[string]recentGrant),
 		pending:   make(map[string]*pending),
 	}
+	l.life, l.cancel = context.WithCancel(context.Background())
 	l.sweep = newSweeper(l)
 	if s, ok := issuer.(fencing.Speculator); ok && !opts.NoSpeculation {
 		l.speculator = s
@@ -314,11 +324,20 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 	return l, nil
 }
 
-// Close stops the Locker's background work: the redelivery of deletes whose
-// outcome is unknown (see sweeper). It closes neither the nodes nor the
-// issuer; the Locker still serves calls, but such deletes are no longer
-// retried.
-func (l *Locker) Close() { l.sweep.close() }
+// Close stops the Locker's background work and waits for it: the
+// redelivery of deletes whose outcome is unknown (see sweeper) and the
+// recording of node restarts (see recover). It closes neither the nodes nor
+// the issuer; the Locker still serves calls, but such deletes are no longer
+// retried, and a node found restarted is counted out without a recorded
+// quarantine.
+func (l *Locker) Close() {
+	l.bgMu.Lock()
+	l.closed = true
+	l.bgMu.Unlock()
+	l.cancel()
+	l.sweep.close()
+	l.bg.Wait()
+}
 
 // Init registers the nodes with the Registry (a no-op without one): a node
 // never seen before is marked with a fresh epoch; a known node keeps the
@@ -385,17 +404,26 @@ func (l *Locker) recover(i int, seen string) chan struct{} {
 		m.mu.Unlock()
 		return done
 	}
+	l.bgMu.Lock()
+	if l.closed {
+		l.bgMu.Unlock()
+		m.mu.Unlock()
+		return nil
+	}
+	l.bg.Add(1)
+	l.bgMu.Unlock()
 	done := make(chan struct{})
 	m.recovery = done
 	m.mu.Unlock()
 	go func() {
+		defer l.bg.Done()
 		defer func() {
 			m.mu.Lock()
 			m.recovery = nil
 			m.mu.Unlock()
 			close(done)
 		}()
-		ctx, cancel := context.WithTimeout(context.Background(), l.opts.IssueTimeout)
+		ctx, cancel := context.WithTimeout(l.life, l.opts.IssueTimeout)
 		defer cancel()
 		next, err := newEpoch()
 		if err != nil {

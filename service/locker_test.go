@@ -6,6 +6,7 @@ import (
 	"fmt"
 	mathrand "math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -932,4 +933,42 @@ func TestLocker_Quarantine(t *testing.T) {
 			t.Errorf("second server's quarantine ends %v; want the first's %v", until2, until1)
 		}
 	})
+}
+
+// blockingRegistry is a Registry whose QuarantineNode waits for its context
+// to end.
+type blockingRegistry struct {
+	*memRegistry
+	entered  chan struct{}
+	returned atomic.Bool
+}
+
+func (r *blockingRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
+	r.entered <- struct{}{}
+	<-ctx.Done()
+	r.returned.Store(true)
+	return "", 0, ctx.Err()
+}
+
+// TestLocker_CloseWaitsForRecovery: Close ends the recording of a node
+// restart that is under way and waits for it, so nothing touches the
+// registry or the nodes after Close.
+func TestLocker_CloseWaitsForRecovery(t *testing.T) {
+	ctx := context.Background()
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := &blockingRegistry{memRegistry: newRegistry(clk), entered: make(chan struct{}, 1)}
+	ns, ms := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now, MaxTTL: time.Minute, IssueTimeout: time.Hour})
+	if err := l.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ms[0].restart()
+	if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err != nil {
+		t.Fatalf("acquire with 4 of 5 nodes counted = %v", err)
+	}
+	<-reg.entered
+	l.Close()
+	if !reg.returned.Load() {
+		t.Error("Close returned while the recovery still ran")
+	}
 }
