@@ -92,10 +92,13 @@ return 0`)
 
 // RedisNode is a Node backed by one Redis server through go-redis.
 type RedisNode struct {
-	addr   string
-	client *redis.Client
-	pipe   *pipeliner
-	watch  *watcher
+	addr string
+	// epochKey is the key of the node's epoch marker (keyspace.NodeEpochKey),
+	// boxed once for the commands that name it.
+	epochKey any
+	client   *redis.Client
+	pipe     *pipeliner
+	watch    *watcher
 }
 
 var _ Node = (*RedisNode)(nil)
@@ -137,7 +140,7 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 		DialerRetries:         1,
 		DisableIdentity:       true,
 	})
-	n := &RedisNode{addr: addr, client: client, watch: newWatcher(client, opts.DialTimeout)}
+	n := &RedisNode{addr: addr, epochKey: keyspace.NodeEpochKey(addr), client: client, watch: newWatcher(client, opts.DialTimeout)}
 	if !opts.Unpipelined {
 		n.pipe = newPipeliner(client)
 	}
@@ -217,19 +220,27 @@ func evalOf(ctx context.Context, cmd *redis.Cmd, src string) *redis.Cmd {
 // eval runs script with a's keys and arguments (and last, when not nil,
 // after them) through the node's pipeline and returns its integer answer.
 func (n *RedisNode) eval(ctx context.Context, s luaScript, a *scriptArgs, last any) (int64, error) {
-	cmd, err := n.do(ctx, evalCmd(ctx, s, a, last), s.src)
+	cmd, err := n.do(ctx, evalCmd(ctx, s, a, n.epochKey, last), s.src)
 	if err != nil {
 		return 0, err
 	}
 	return cmd.Int64()
 }
 
-// evalCmd is the EVALSHA of script s with a's keys and arguments, and last
-// after them when it is not nil.
-func evalCmd(ctx context.Context, s luaScript, a *scriptArgs, last any) *redis.Cmd {
-	cmdArgs := make([]any, 0, 4+len(a.keys)+len(a.argv))
-	cmdArgs = append(cmdArgs, "evalsha", s.sha, len(a.keys))
+// evalCmd is the EVALSHA of script s with a's keys (then marker, the node's
+// epoch marker key, if a.marker) and arguments, and last after them when it
+// is not nil.
+func evalCmd(ctx context.Context, s luaScript, a *scriptArgs, marker, last any) *redis.Cmd {
+	cmdArgs := make([]any, 0, 5+len(a.keys)+len(a.argv))
+	nkeys := len(a.keys)
+	if a.marker {
+		nkeys++
+	}
+	cmdArgs = append(cmdArgs, "evalsha", s.sha, nkeys)
 	cmdArgs = append(cmdArgs, a.keys...)
+	if a.marker {
+		cmdArgs = append(cmdArgs, marker)
+	}
 	cmdArgs = append(cmdArgs, a.argv...)
 	if last != nil {
 		cmdArgs = append(cmdArgs, last)
@@ -260,11 +271,14 @@ var _ asyncNode = (*RedisNode)(nil)
 // and shared by its command to every node (commands only read them).
 type scriptArgs struct {
 	keys, argv []any
+	// marker appends the node's epoch marker key to keys (it differs by
+	// node).
+	marker bool
 }
 
 // acquireArgs are the arguments of the acquire script, but the epoch.
 func acquireArgs(key, token string, ttl time.Duration) *scriptArgs {
-	return &scriptArgs{keys: []any{key, keyspace.NodeEpochKey}, argv: []any{token, ttl.Milliseconds()}}
+	return &scriptArgs{keys: []any{key}, marker: true, argv: []any{token, ttl.Milliseconds()}}
 }
 
 // releaseArgs are the arguments of the release script.
@@ -278,7 +292,7 @@ func (n *RedisNode) async() bool { return n.pipe != nil }
 // nil, after them) through the node's pipeline and calls done with its
 // integer answer. The node must be pipelined.
 func (n *RedisNode) evalAsync(ctx context.Context, s luaScript, a *scriptArgs, last any, done func(int64, error)) {
-	n.pipe.doAsync(ctx, evalCmd(ctx, s, a, last), s.src, func(cmd *redis.Cmd, err error) {
+	n.pipe.doAsync(ctx, evalCmd(ctx, s, a, n.epochKey, last), s.src, func(cmd *redis.Cmd, err error) {
 		if err != nil {
 			done(0, err)
 			return
@@ -332,7 +346,7 @@ func (n *RedisNode) Mark(ctx context.Context, epoch string, replace bool) (bool,
 	if replace {
 		flag = "1"
 	}
-	v, err := n.eval(ctx, markScript, &scriptArgs{keys: []any{keyspace.NodeEpochKey}, argv: []any{epoch, flag}}, nil)
+	v, err := n.eval(ctx, markScript, &scriptArgs{marker: true, argv: []any{epoch, flag}}, nil)
 	if err != nil {
 		return false, fmt.Errorf("mark: %w", err)
 	}
@@ -375,7 +389,7 @@ func (n *RedisNode) TTL(ctx context.Context, key string) (time.Duration, error) 
 // Epoch returns the node's epoch marker, or "" if it has none (see
 // epochReader).
 func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
-	v, err := n.client.Get(ctx, keyspace.NodeEpochKey).Result()
+	v, err := n.client.Get(ctx, keyspace.NodeEpochKey(n.addr)).Result()
 	if errors.Is(err, redis.Nil) {
 		return "", nil
 	}

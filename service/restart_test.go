@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strconv"
 	"strings"
 	"testing"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/keyspace"
 	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
 	"github.com/redfence/redfence/store"
@@ -48,9 +50,19 @@ func newRestartEnv(t *testing.T, persist bool) *restartEnv {
 // locker returns a Locker on the nodes; reg nil disables restart detection.
 func (e *restartEnv) locker(t *testing.T, reg service.Registry) *service.Locker {
 	t.Helper()
+	addrs := make([]string, len(e.nodes))
+	for i, n := range e.nodes {
+		addrs[i] = n.Addr()
+	}
+	return e.lockerAt(t, reg, addrs)
+}
+
+// lockerAt is locker with the nodes configured as addrs.
+func (e *restartEnv) lockerAt(t *testing.T, reg service.Registry, addrs []string) *service.Locker {
+	t.Helper()
 	var ns []service.Node
-	for _, n := range e.nodes {
-		rn := service.NewRedisNode(n.Addr(), service.RedisOptions{})
+	for _, addr := range addrs {
+		rn := service.NewRedisNode(addr, service.RedisOptions{})
 		t.Cleanup(func() { rn.Close() })
 		ns = append(ns, rn)
 	}
@@ -292,7 +304,7 @@ func TestLocker_StaleMarker(t *testing.T) {
 	e.restartEmpty(t, 0)
 	var err error
 	for range 3 { // the raw client's pooled connection died with the old process
-		if err = e.raw[0].Set(ctx, "redfence:node-epoch", "an-older-epoch", 0).Err(); err == nil {
+		if err = e.raw[0].Set(ctx, keyspace.NodeEpochKey(e.nodes[0].Addr()), "an-older-epoch", 0).Err(); err == nil {
 			break
 		}
 	}
@@ -308,7 +320,7 @@ func TestLocker_StaleMarker(t *testing.T) {
 	_ = l.Release(ctx, "probe", g.Token)
 	waitQuarantined(t, l, 0)
 	waitQuarantineOver(t, l)
-	if m, err := e.raw[0].Get(ctx, "redfence:node-epoch").Result(); err != nil || m == "an-older-epoch" {
+	if m, err := e.raw[0].Get(ctx, keyspace.NodeEpochKey(e.nodes[0].Addr())).Result(); err != nil || m == "an-older-epoch" {
 		t.Fatalf("node 0's marker = %q, %v; want the epoch of its quarantine", m, err)
 	}
 	// Node 0 counts again: with nodes 3 and 4 held by someone else, a grant
@@ -324,4 +336,45 @@ func TestLocker_StaleMarker(t *testing.T) {
 		t.Fatalf("acquire that needs node 0 after its quarantine: %v", err)
 	}
 	_ = l.Release(ctx, key, g.Token)
+}
+
+// TestLocker_AliasedAddress: two servers that spell one node's address
+// differently (an IP on one, a host name on the other) keep apart markers
+// and registry entries: neither takes the other's marks for a memory loss,
+// so the node is never quarantined; and a real restart is still found by
+// both.
+func TestLocker_AliasedAddress(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	ctx := t.Context()
+	l1 := e.locker(t, e.db)
+	addrs := make([]string, len(e.nodes))
+	for i, n := range e.nodes {
+		addrs[i] = n.Addr()
+	}
+	_, port, err := net.SplitHostPort(addrs[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	addrs[0] = net.JoinHostPort("localhost", port)
+	l2 := e.lockerAt(t, e.db, addrs)
+	for round := range 3 {
+		for j, l := range []*service.Locker{l1, l2} {
+			if st := l.Nodes(ctx)[0]; !st.QuarantinedUntil.IsZero() || !st.Up {
+				t.Fatalf("round %d, server %d: node 0 = %+v; want up, not quarantined", round, j+1, st)
+			}
+			name := fmt.Sprintf("alias-%d-%d", round, j)
+			g, err := l.Acquire(ctx, name, service.Request{TTL: time.Second})
+			if err != nil {
+				t.Fatalf("round %d, server %d: %v", round, j+1, err)
+			}
+			if err := l.Release(ctx, name, g.Token); err != nil {
+				t.Fatalf("round %d, server %d: release: %v", round, j+1, err)
+			}
+		}
+	}
+	e.restartEmpty(t, 0)
+	for _, l := range []*service.Locker{l1, l2} {
+		waitQuarantined(t, l, 0)
+	}
 }

@@ -16,9 +16,16 @@ import (
 // MaxNameLen is the longest lock or resource name accepted.
 const MaxNameLen = 200
 
-// NodeEpochKey is the key of each Redis node's epoch marker: a node that
-// lost it restarted without its data.
-const NodeEpochKey = "redfence:node-epoch"
+// NodeEpochPrefix prefixes the key of a Redis node's epoch marker (see
+// NodeEpochKey).
+const NodeEpochPrefix = "redfence:node-epoch:"
+
+// NodeEpochKey is the key of the epoch marker of the Redis node configured
+// as addr: a node that lost it restarted without its data. There is one per
+// address a node is configured under, so servers that spell one node's
+// address differently keep apart markers, as they keep apart registry
+// entries, instead of overwriting each other's.
+func NodeEpochKey(addr string) string { return NodeEpochPrefix + addr }
 
 // RedisPrefix prefixes every lock key on the Redis nodes.
 const RedisPrefix = "redfence:lock:"
