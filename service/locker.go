@@ -59,7 +59,16 @@ type Registry interface {
 	// next as the epoch and quarantines addr for d from now. It returns addr's
 	// epoch and the time left of its quarantine after that (0 if none).
 	QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (cur string, left time.Duration, err error)
+	// Heartbeat records that the server id runs, that its leases need a
+	// quarantine of at least quarantine, and that it says so every every.
+	// QuarantineNode then quarantines for at least the longest quarantine
+	// of the servers that may still hold a lease, so servers configured
+	// with different MaxTTLs agree on a safe one.
+	Heartbeat(ctx context.Context, id string, quarantine, every time.Duration) error
 }
+
+// heartbeatEvery is how often a Locker with a Registry renews its Heartbeat.
+const heartbeatEvery = time.Second
 
 // quarantineEnd is the end, on the Locker's clock, of a quarantine with left
 // to run as reported by the Registry now (zero if none). Counted from after
@@ -347,6 +356,9 @@ func (l *Locker) Init(ctx context.Context) error {
 	if l.opts.Registry == nil {
 		return nil
 	}
+	if err := l.startHeartbeat(ctx); err != nil {
+		return err
+	}
 	for _, m := range l.members {
 		epoch, err := newEpoch()
 		if err != nil {
@@ -369,6 +381,44 @@ func (l *Locker) Init(ctx context.Context) error {
 			cancel()
 		}
 	}
+	return nil
+}
+
+// startHeartbeat makes the Locker's first Heartbeat, then renews it every
+// heartbeatEvery until Close. A failed renewal is retried at the next beat:
+// while Postgres cannot be reached, this server grants nothing either.
+func (l *Locker) startHeartbeat(ctx context.Context) error {
+	id, err := newEpoch()
+	if err != nil {
+		return err
+	}
+	q := l.quarantineFor()
+	if err := l.opts.Registry.Heartbeat(ctx, id, q, heartbeatEvery); err != nil {
+		return fmt.Errorf("service: heartbeat: %w", err)
+	}
+	l.bgMu.Lock()
+	defer l.bgMu.Unlock()
+	if l.closed {
+		return nil
+	}
+	l.bg.Add(1)
+	go func() {
+		defer l.bg.Done()
+		t := time.NewTicker(heartbeatEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-l.life.Done():
+				return
+			case <-t.C:
+			}
+			hctx, cancel := context.WithTimeout(l.life, heartbeatEvery)
+			if err := l.opts.Registry.Heartbeat(hctx, id, q, heartbeatEvery); err != nil && l.life.Err() == nil {
+				l.opts.Logger.Warn("could not renew this server's heartbeat", slog.String("error", err.Error()))
+			}
+			cancel()
+		}
+	}()
 	return nil
 }
 

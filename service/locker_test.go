@@ -756,10 +756,11 @@ func TestLocker_Status(t *testing.T) {
 
 // memRegistry is an in-memory Registry on a manual clock.
 type memRegistry struct {
-	clk    *clock
-	mu     sync.Mutex
-	epochs map[string]string
-	until  map[string]time.Time
+	clk     *clock
+	mu      sync.Mutex
+	epochs  map[string]string
+	until   map[string]time.Time
+	servers map[string]time.Duration // server id -> the quarantine it needs
 }
 
 func newRegistry(clk *clock) *memRegistry {
@@ -794,9 +795,22 @@ func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next s
 	defer r.mu.Unlock()
 	now := r.clk.Now()
 	if r.epochs[addr] == expected && !now.Before(r.until[addr]) {
+		for _, q := range r.servers { // as store: the longest any server needs
+			d = max(d, q)
+		}
 		r.epochs[addr], r.until[addr] = next, now.Add(d)
 	}
 	return r.epochs[addr], r.left(addr), nil
+}
+
+func (r *memRegistry) Heartbeat(ctx context.Context, id string, quarantine, every time.Duration) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.servers == nil {
+		r.servers = map[string]time.Duration{}
+	}
+	r.servers[id] = quarantine
+	return nil
 }
 
 // left is the time left of addr's quarantine on r's clock. r.mu is held.
@@ -874,6 +888,30 @@ func TestLocker_Quarantine(t *testing.T) {
 		clk.Advance(time.Minute - time.Second)
 		if l.counts(0, clk.Now()) {
 			t.Error("node counted again before MaxTTL passed on this server's clock")
+		}
+	})
+
+	t.Run("LongestMaxTTLWins", func(t *testing.T) {
+		// Another server sharing the nodes grants leases of up to 5
+		// minutes: the quarantine this server starts covers them.
+		clk := &clock{t: time.Unix(1000, 0)}
+		reg := newRegistry(clk)
+		var ons []Node // nodes of its own: only its heartbeat matters here
+		for i := range 3 {
+			ons = append(ons, newMem(fmt.Sprintf("other%d", i)))
+		}
+		other := newLocker(t, ons, &memIssuer{}, Options{Registry: reg, Now: clk.Now, MaxTTL: 5 * time.Minute})
+		if err := other.Init(ctx); err != nil {
+			t.Fatal(err)
+		}
+		l, ms := setup(t, reg, clk)
+		recovered := marked(ms[0])
+		if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err == nil {
+			t.Fatal("B granted while A's lease is live")
+		}
+		<-recovered
+		if _, until := l.members[0].state(); until.Before(clk.Now().Add(5 * time.Minute)) {
+			t.Errorf("quarantined until %v; want at least the other server's 5m MaxTTL later, %v", until, clk.Now().Add(5*time.Minute))
 		}
 	})
 

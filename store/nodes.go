@@ -38,7 +38,8 @@ RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 
 // QuarantineNode records that addr lost the marker expected. If addr's epoch
 // is still expected and no quarantine is running, it moves addr to epoch next
-// and quarantines it until now + d, by Postgres' clock, so every server
+// and quarantines it until now + d, or longer if a server that may still hold
+// a lease needs more (see Heartbeat), by Postgres' clock, so every server
 // sharing the nodes agrees on the end. Either way it returns addr's epoch and
 // the time left of its quarantine after the statement (0 if none), by
 // Postgres' clock: a server's clock may be set differently, and counts the
@@ -47,10 +48,17 @@ func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next string, d
 	var cur string
 	var left float64
 	err := db.pool.QueryRow(ctx, `
-WITH moved AS (
+WITH q AS (
+    -- The longest quarantine any server that may still hold a lease needs:
+    -- one whose last heartbeat is younger than its own quarantine (plus two
+    -- beats), as leases it granted before stopping end within that.
+    SELECT GREATEST($4::bigint, COALESCE(max(quarantine_ms), 0)) AS ms
+      FROM redfence_servers
+     WHERE seen_at + make_interval(secs => (quarantine_ms + 2 * beat_ms)::float8 / 1000) > now()
+), moved AS (
     UPDATE redfence_nodes
        SET epoch = $3,
-           quarantined_until = now() + make_interval(secs => $4::float8 / 1000),
+           quarantined_until = now() + make_interval(secs => (SELECT ms FROM q)::float8 / 1000),
            memory_losses = memory_losses + 1,
            updated_at = now()
      WHERE addr = $1 AND epoch = $2 AND (quarantined_until IS NULL OR quarantined_until <= now())
@@ -70,4 +78,21 @@ SELECT epoch, `+leftSQL+` FROM redfence_nodes WHERE addr = $1 AND NOT EXISTS (SE
 // never ends early.
 func millis(ms float64) time.Duration {
 	return time.Duration(math.Ceil(ms * float64(time.Millisecond)))
+}
+
+// Heartbeat records that the server id runs and that a node that lost its
+// memory must be quarantined for at least quarantine for its leases; it says
+// so again every every. A server whose heartbeats stopped counts until its
+// quarantine (and two beats) has passed since the last one. Rows of servers
+// gone for a day are deleted. It implements service.Registry.
+func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, every time.Duration) error {
+	_, err := db.pool.Exec(ctx, `
+WITH gone AS (DELETE FROM redfence_servers WHERE seen_at < now() - interval '1 day' AND id <> $1)
+INSERT INTO redfence_servers (id, quarantine_ms, beat_ms) VALUES ($1, $2, $3)
+ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, beat_ms = excluded.beat_ms, seen_at = now()`,
+		id, quarantine.Milliseconds(), every.Milliseconds())
+	if err != nil {
+		return fmt.Errorf("store: heartbeat of server %s: %w", id, classify(err))
+	}
+	return nil
 }

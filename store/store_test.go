@@ -786,3 +786,48 @@ func TestDB_Nodes(t *testing.T) {
 		t.Fatalf("RegisterNode after the quarantine ended = %v, %v; want 0 left", left4, err)
 	}
 }
+
+// TestDB_Heartbeat: a quarantine lasts as long as the longest that a server
+// which may still hold a lease needs, whatever the detecting server asks.
+func TestDB_Heartbeat(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _ := newDB(t, Options{})
+	quarantine := func(addr string) time.Duration {
+		t.Helper()
+		if _, _, _, err := db.RegisterNode(ctx, addr, "e1"); err != nil {
+			t.Fatal(err)
+		}
+		_, left, err := db.QuarantineNode(ctx, addr, "e1", "e2", 10*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return left
+	}
+	if left := quarantine("alone:6379"); left <= 0 || left > 10*time.Second {
+		t.Errorf("no server registered: %v left; want up to the 10s asked", left)
+	}
+	for id, q := range map[string]time.Duration{"short": time.Minute, "long": 5 * time.Minute} {
+		if err := db.Heartbeat(ctx, id, q, time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if left := quarantine("n1:6379"); left <= time.Minute || left > 5*time.Minute {
+		t.Errorf("with a live server needing 5m: %v left; want up to 5m, more than 1m", left)
+	}
+	// The long one stopped beating longer ago than its quarantine: any
+	// lease it granted has ended.
+	if _, err := db.pool.Exec(ctx, `UPDATE redfence_servers SET seen_at = now() - interval '10 minutes' WHERE id = 'long'`); err != nil {
+		t.Fatal(err)
+	}
+	if left := quarantine("n2:6379"); left <= 10*time.Second || left > time.Minute {
+		t.Errorf("with the long server gone: %v left; want up to 1m, more than 10s", left)
+	}
+	// Beating again brings it back.
+	if err := db.Heartbeat(ctx, "long", 5*time.Minute, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if left := quarantine("n3:6379"); left <= time.Minute {
+		t.Errorf("with the long server back: %v left; want more than 1m", left)
+	}
+}
