@@ -130,7 +130,9 @@ func (p *pending) won() {
 
 // abandon withdraws p's token, before the refusal of its try is returned. If
 // it cannot be withdrawn, the token stays burned, which fences out no live
-// grant (see fencing.Speculation).
+// grant (see fencing.Speculation). The key is not speculated on again until
+// a grant of it here is released: a key held elsewhere would otherwise cost
+// two durable commits (issue, withdraw) for every refused try.
 func (p *pending) abandon(ctx context.Context) {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.l.opts.IssueTimeout)
 	if err := p.spec.Abandon(cctx); err != nil {
@@ -138,6 +140,7 @@ func (p *pending) abandon(ctx context.Context) {
 			"name", p.key, "error", err.Error())
 	}
 	cancel()
+	p.l.distrust(p.key, p.last)
 	p.end()
 }
 

@@ -127,7 +127,9 @@ func TestLocker_Speculation(t *testing.T) {
 	})
 
 	// A try that fails withdraws its token: a refused acquire leaves the
-	// key's token as it was.
+	// key's token as it was. The key is not speculated on again until a
+	// grant of it here is released, so a name held elsewhere costs no
+	// issuance per refused try.
 	t.Run("FailedTryWithdraws", func(t *testing.T) {
 		ns, ms := nodes(5)
 		for _, m := range ms[:3] {
@@ -136,13 +138,31 @@ func TestLocker_Speculation(t *testing.T) {
 		}
 		iss := &specIssuer{memIssuer: &memIssuer{}}
 		l := newLocker(t, ns, iss, Options{})
-		if _, err := l.Acquire(ctx, key, req); !errors.Is(err, ErrHeld) {
-			t.Fatalf("Acquire = %v; want ErrHeld", err)
+		for range 3 {
+			if _, err := l.Acquire(ctx, key, req); !errors.Is(err, ErrHeld) {
+				t.Fatalf("Acquire = %v; want ErrHeld", err)
+			}
 		}
 		wantCalls(t, iss, "speculate orders 0", "abandon orders")
 		if r, _ := iss.Last(ctx, key); r.Token != 0 {
 			t.Errorf("token %d left by a refused try; want none", r.Token)
 		}
+		// Freed: granted with a token issued after the quorum; once that
+		// grant is released here, the key is speculated on again.
+		for _, m := range ms[:3] {
+			m.set(rkey, "", 0)
+		}
+		g, err := l.Acquire(ctx, key, req)
+		if err != nil || g.Fencing != 1 {
+			t.Fatalf("Acquire of the freed key = %+v, %v; want token 1", g, err)
+		}
+		if err := l.Release(ctx, key, g.Token); err != nil {
+			t.Fatal(err)
+		}
+		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 2 {
+			t.Fatalf("Acquire after release = %+v, %v; want token 2", g, err)
+		}
+		wantCalls(t, iss, "speculate orders 0", "abandon orders", "speculate orders 1", "confirm orders")
 	})
 
 	// A token issued elsewhere meanwhile makes the speculation ungrantable:
