@@ -255,7 +255,7 @@ func (db *DB) Last(ctx context.Context, key string) (fencing.Record, error) {
 		return r, nil
 	}
 	if err != nil {
-		return r, fmt.Errorf("store: last token for %q: %w", key, err)
+		return r, fmt.Errorf("store: last token for %q: %w", key, classify(err))
 	}
 	r.Token = fencing.Token(t)
 	return r, nil

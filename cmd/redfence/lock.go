@@ -281,7 +281,9 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 			ctxDone = nil
 			// A signal cancels ctx too (signal.NotifyContext, whose cause
 			// describes the signal) and is forwarded above; a plain
-			// cancellation or deadline stops the command.
+			// cancellation or deadline stops the command. The comparison is
+			// ==, not errors.Is, on purpose: a signal's cause may wrap
+			// context.Canceled, and must not match here.
 			if cause := context.Cause(ctx); cause == context.Canceled || cause == context.DeadlineExceeded {
 				ev.printf("stopping the command: %v", cause)
 				stop()
