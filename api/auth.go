@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -242,8 +243,9 @@ type KeyAuthOptions struct {
 // down_policy "extend-cache"): a release or a read needs no Postgres, and a
 // client must be able to let its lock go during an outage. Lookups of such a
 // key then run in the background, one at a time, so a request does not wait
-// LookupTimeout for each. A key this KeyAuth has not seen valid is refused
-// with a 503, never let through.
+// LookupTimeout for each; once one succeeds, what it read applies (the
+// requests that came while it ran got the earlier answer). A key this
+// KeyAuth has not seen valid is refused with a 503, never let through.
 type KeyAuth struct {
 	ks   KeyStore
 	opts KeyAuthOptions
@@ -289,8 +291,8 @@ func NewKeyAuth(ks KeyStore, opts KeyAuthOptions) *KeyAuth {
 
 // Changed drops what is cached about the key that changed. A KeyChange with
 // no ID (notifications may have been missed) makes every cached key be
-// looked up again on its next use; until that succeeds, the entries stay for
-// when Postgres cannot answer.
+// looked up again on its next use, waiting for the answer; the entries stay
+// only for when Postgres cannot give one.
 func (a *KeyAuth) Changed(c store.KeyChange) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -301,7 +303,7 @@ func (a *KeyAuth) Changed(c store.KeyChange) {
 				delete(a.cache, id)
 				continue
 			}
-			e.at = time.Time{} // long expired
+			e.at, e.down = time.Time{}, false // long expired, looked up before use
 			a.cache[id] = e
 		}
 		return
@@ -331,18 +333,23 @@ func (a *KeyAuth) Authenticate(ctx context.Context, key string) (*Principal, err
 }
 
 // lookup returns the key with id (nil if there is none) from the cache, or
-// from the store. Concurrent lookups of one id share one query.
+// from the store. Concurrent lookups of one id share one query, unless an
+// invalidation came between them: a lookup that started before it may have
+// read what it invalidated.
 func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 	now := a.opts.Now()
 	a.mu.Lock()
 	e, ok := a.cache[id]
+	gen := a.gen
 	a.mu.Unlock()
 	if ok && !now.Before(e.at) && now.Sub(e.at) < a.opts.CacheTTL {
 		return e, nil
 	}
 	// The query serves every caller waiting on it: it must not end because
 	// the first one went away.
-	ch := a.group.DoChan(id, func() (any, error) { return a.fetch(context.WithoutCancel(ctx), id) })
+	ch := a.group.DoChan(id+"\x00"+strconv.FormatUint(gen, 10), func() (any, error) {
+		return a.fetch(context.WithoutCancel(ctx), id, gen)
+	})
 	if ok && e.down {
 		return e, nil // Postgres was down at the last lookup: the one just started runs in the background
 	}
@@ -360,10 +367,7 @@ func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 // fetch looks id up in the store and caches the answer. If the store cannot
 // answer and id was last seen as a valid key, it returns that entry, marked
 // down (see KeyAuth).
-func (a *KeyAuth) fetch(ctx context.Context, id string) (cached, error) {
-	a.mu.Lock()
-	gen := a.gen
-	a.mu.Unlock()
+func (a *KeyAuth) fetch(ctx context.Context, id string, gen uint64) (cached, error) {
 	start := a.opts.Now()
 	lctx, cancel := context.WithTimeout(ctx, a.opts.LookupTimeout)
 	defer cancel()
@@ -401,11 +405,16 @@ func (a *KeyAuth) markDown(id string) (cached, bool) {
 	return e, true
 }
 
-// store caches e under id unless an invalidation happened since gen.
+// store caches e under id unless an invalidation happened since gen. Then
+// it drops id's entry if it is down: Postgres answers again, and the next
+// request must wait for its answer rather than be served the old one.
 func (a *KeyAuth) store(id string, e cached, gen uint64) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.gen != gen {
+		if old, ok := a.cache[id]; ok && old.down {
+			delete(a.cache, id)
+		}
 		return
 	}
 	if len(a.cache) >= a.opts.MaxCached {

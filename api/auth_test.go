@@ -553,6 +553,24 @@ func TestKeyAuth_Down(t *testing.T) {
 	if p, err := a.Authenticate(ctx, unseen); err != nil || p.Tenant != "acme" {
 		t.Errorf("a key never looked up, Postgres back: %+v, %v; want it accepted", p, err)
 	}
+
+	// Down again, then back with the key revoked meanwhile: the flush the
+	// key listener sends when it reconnects makes the next request wait
+	// for Postgres' answer instead of being served the old entry.
+	ks.set("fail")
+	clk.Add(2 * time.Second)
+	if _, err := a.Authenticate(ctx, unseen); err != nil {
+		t.Fatalf("key seen valid, Postgres down again: %v", err)
+	}
+	ks.set("")
+	id2, _ := store.KeyID(unseen)
+	if _, err := db.RevokeKey(ctx, id2); err != nil {
+		t.Fatal(err)
+	}
+	a.Changed(store.KeyChange{})
+	if _, err := a.Authenticate(ctx, unseen); !errors.Is(err, api.ErrUnauthorized) {
+		t.Errorf("key revoked while Postgres was down, after the reconnect flush: %v; want ErrUnauthorized", err)
+	}
 }
 
 // TestAuth_PostgresDown: with Postgres stopped, a client whose key this
