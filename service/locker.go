@@ -59,16 +59,26 @@ type Registry interface {
 	// next as the epoch and quarantines addr for d from now. It returns addr's
 	// epoch and the time left of its quarantine after that (0 if none).
 	QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (cur string, left time.Duration, err error)
-	// Heartbeat records that the server id runs, that its leases need a
-	// quarantine of at least quarantine, and that it says so every every.
-	// QuarantineNode then quarantines for at least the longest quarantine
-	// of the servers that may still hold a lease, so servers configured
-	// with different MaxTTLs agree on a safe one.
-	Heartbeat(ctx context.Context, id string, quarantine, every time.Duration) error
+	// Heartbeat records that the server id runs and that its leases need a
+	// quarantine of at least quarantine. QuarantineNode then quarantines
+	// for at least the longest quarantine of the servers that may still
+	// hold a lease: those whose last heartbeat is younger than their
+	// quarantine plus grace. So servers configured with different MaxTTLs
+	// agree on a safe one.
+	Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error
 }
 
-// heartbeatEvery is how often a Locker with a Registry renews its Heartbeat.
-const heartbeatEvery = time.Second
+const (
+	// heartbeatEvery is how often a Locker with a Registry renews its
+	// Heartbeat.
+	heartbeatEvery = time.Second
+	// heartbeatGrace is how long the registry counts a server past its
+	// last heartbeat, beyond its quarantine. A Locker grants and extends
+	// only while its last successful heartbeat began less than half of it
+	// ago, so every lease it grants ends while the registry still counts
+	// it.
+	heartbeatGrace = 20 * time.Second
+)
 
 // quarantineEnd is the end, on the Locker's clock, of a quarantine with left
 // to run as reported by the Registry now (zero if none). Counted from after
@@ -259,7 +269,12 @@ type Locker struct {
 	cancel context.CancelFunc
 	bgMu   sync.Mutex
 	closed bool
-	bg     sync.WaitGroup
+	// beating is set once the heartbeat started (under bgMu); lastBeat is
+	// when its last success began (under beatMu).
+	beating  bool
+	beatMu   sync.Mutex
+	lastBeat time.Time
+	bg       sync.WaitGroup
 }
 
 // lateRound is the clean-up state of one acquire round, shared by its nodes'
@@ -356,9 +371,7 @@ func (l *Locker) Init(ctx context.Context) error {
 	if l.opts.Registry == nil {
 		return nil
 	}
-	if err := l.startHeartbeat(ctx); err != nil {
-		return err
-	}
+
 	for _, m := range l.members {
 		epoch, err := newEpoch()
 		if err != nil {
@@ -379,21 +392,46 @@ func (l *Locker) Init(ctx context.Context) error {
 			mctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
 			_, _ = m.Mark(mctx, cur, false)
 			cancel()
+		} else if la, ok := m.Node.(legacyAdopter); ok && left <= 0 {
+			// Best effort too: if it fails, the node is quarantined once.
+			mctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+			_, _ = la.AdoptLegacyMarker(mctx, cur)
+			cancel()
 		}
 	}
-	return nil
+	return l.startHeartbeat(ctx)
 }
 
 // startHeartbeat makes the Locker's first Heartbeat, then renews it every
-// heartbeatEvery until Close. A failed renewal is retried at the next beat:
-// while Postgres cannot be reached, this server grants nothing either.
+// heartbeatEvery until Close (once: a second Init does not start another).
+// A failed renewal is retried at the next beat; meanwhile grants go on until
+// the last success is heartbeatGrace/2 old (see heartbeatStale).
 func (l *Locker) startHeartbeat(ctx context.Context) error {
+	l.bgMu.Lock()
+	started := l.beating
+	l.beating = true
+	l.bgMu.Unlock()
+	if started {
+		return nil
+	}
 	id, err := newEpoch()
 	if err != nil {
 		return err
 	}
 	q := l.quarantineFor()
-	if err := l.opts.Registry.Heartbeat(ctx, id, q, heartbeatEvery); err != nil {
+	beat := func(ctx context.Context) error {
+		sent := time.Now() // real time: the registry counts on Postgres' clock
+		if err := l.opts.Registry.Heartbeat(ctx, id, q, heartbeatGrace); err != nil {
+			return err
+		}
+		l.beatMu.Lock()
+		if sent.After(l.lastBeat) {
+			l.lastBeat = sent
+		}
+		l.beatMu.Unlock()
+		return nil
+	}
+	if err := beat(ctx); err != nil {
 		return fmt.Errorf("service: heartbeat: %w", err)
 	}
 	l.bgMu.Lock()
@@ -412,14 +450,31 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 				return
 			case <-t.C:
 			}
-			hctx, cancel := context.WithTimeout(l.life, heartbeatEvery)
-			if err := l.opts.Registry.Heartbeat(hctx, id, q, heartbeatEvery); err != nil && l.life.Err() == nil {
+			hctx, cancel := context.WithTimeout(l.life, l.opts.IssueTimeout)
+			if err := beat(hctx); err != nil && l.life.Err() == nil {
 				l.opts.Logger.Warn("could not renew this server's heartbeat", slog.String("error", err.Error()))
 			}
 			cancel()
 		}
 	}()
 	return nil
+}
+
+// heartbeatStale returns an error if this Locker has a Registry, has made
+// its first heartbeat, and its last successful one began heartbeatGrace/2
+// ago or more: a lease granted now could outlast the registry's count of
+// this server, and a quarantine started elsewhere could end before it.
+func (l *Locker) heartbeatStale() error {
+	if l.opts.Registry == nil {
+		return nil
+	}
+	l.beatMu.Lock()
+	last := l.lastBeat
+	l.beatMu.Unlock()
+	if last.IsZero() || time.Since(last) < heartbeatGrace/2 {
+		return nil
+	}
+	return fmt.Errorf("this server's heartbeat in the registry is %v old: it grants nothing until Postgres records one", time.Since(last).Round(time.Millisecond))
 }
 
 func newEpoch() (string, error) {
@@ -995,6 +1050,9 @@ func (l *Locker) cleanupContext(ctx context.Context) (context.Context, context.C
 func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Grant, *Error) {
 	l.tries.Add(1)
 	defer l.tries.Add(-1)
+	if err := l.heartbeatStale(); err != nil {
+		return nil, &Error{Op: "acquire", Key: key, Err: ErrFencing, Cause: err}
+	}
 	rkey := keyspace.RedisKey(key)
 	start := l.opts.Now()
 	expires := start.Add(req.TTL - l.drift(req.TTL))
@@ -1184,6 +1242,9 @@ func (l *Locker) retryAfter(t *tally) time.Duration {
 func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duration) (*Grant, error) {
 	if err := l.CheckTTL(ttl); err != nil {
 		return nil, err
+	}
+	if err := l.heartbeatStale(); err != nil {
+		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Cause: err}
 	}
 	rkey := keyspace.RedisKey(key)
 	// The grant's record is read before any node is touched, so Postgres
@@ -1395,6 +1456,14 @@ type NodeStatus struct {
 	// QuarantinedUntil is when the node's votes count again after it lost
 	// its memory; zero when they count now.
 	QuarantinedUntil time.Time
+}
+
+// legacyAdopter is a Node that may hold its marker under the key used before
+// markers were kept per address (RedisNode). A known node, not quarantined,
+// gets it carried over at Init, so that upgrading the servers does not make
+// every node look restarted.
+type legacyAdopter interface {
+	AdoptLegacyMarker(ctx context.Context, epoch string) (bool, error)
 }
 
 // epochReader is a Node that reports its epoch marker without changing it

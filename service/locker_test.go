@@ -803,7 +803,7 @@ func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next s
 	return r.epochs[addr], r.left(addr), nil
 }
 
-func (r *memRegistry) Heartbeat(ctx context.Context, id string, quarantine, every time.Duration) error {
+func (r *memRegistry) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.servers == nil {
@@ -1008,5 +1008,54 @@ func TestLocker_CloseWaitsForRecovery(t *testing.T) {
 	l.Close()
 	if !reg.returned.Load() {
 		t.Error("Close returned while the recovery still ran")
+	}
+}
+
+// firstBeatOnly is a Registry whose heartbeats fail after the first.
+type firstBeatOnly struct {
+	*memRegistry
+	beats atomic.Int32
+}
+
+func (r *firstBeatOnly) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
+	if r.beats.Add(1) > 1 {
+		return errors.New("postgres is down")
+	}
+	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace)
+}
+
+// TestLocker_StaleHeartbeat: a Locker whose last successful heartbeat is
+// half the grace old grants and extends nothing (the registry could stop
+// counting it before such a lease ended), and resumes once one succeeds.
+func TestLocker_StaleHeartbeat(t *testing.T) {
+	ctx := context.Background()
+	clk := &clock{t: time.Unix(1000, 0)}
+	ns, _ := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: &firstBeatOnly{memRegistry: newRegistry(clk)}, Now: clk.Now})
+	if err := l.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.beatMu.Lock()
+	fresh := l.lastBeat
+	l.lastBeat = time.Now().Add(-heartbeatGrace / 2)
+	l.beatMu.Unlock()
+	if _, err := l.Acquire(ctx, "other", Request{TTL: time.Second}); !errors.Is(err, ErrFencing) {
+		t.Errorf("acquire with a stale heartbeat = %v; want ErrFencing", err)
+	}
+	if _, err := l.Extend(ctx, key, g.Token, time.Minute); !errors.Is(err, ErrFencing) {
+		t.Errorf("extend with a stale heartbeat = %v; want ErrFencing", err)
+	}
+	if err := l.Release(ctx, key, g.Token); err != nil {
+		t.Errorf("release with a stale heartbeat = %v; want it to work (it shortens nothing)", err)
+	}
+	l.beatMu.Lock()
+	l.lastBeat = fresh.Add(heartbeatGrace) // as a success would
+	l.beatMu.Unlock()
+	if _, err := l.Acquire(ctx, "other", Request{TTL: time.Second}); err != nil {
+		t.Errorf("acquire once the heartbeat is fresh = %v", err)
 	}
 }

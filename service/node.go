@@ -73,6 +73,12 @@ local ttl = tonumber(ARGV[2])
 local t = redis.call('PTTL', KEYS[1])
 if t < ttl then redis.call('PEXPIRE', KEYS[1], ttl) return ttl end
 return t`)
+	// adoptScript: carry a node's marker over from the legacy key (KEYS[1])
+	// to its per-address key (KEYS[2]) if it has none there and the legacy
+	// one holds the epoch ARGV[1]: 1 if it did.
+	adoptScript = newLuaScript(`
+if redis.call('EXISTS', KEYS[2]) == 0 and redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[2], ARGV[1]) return 1 end
+return 0`)
 	// markScript: set the epoch marker if there is none, or in any case
 	// when ARGV[2] is '1'.
 	markScript = newLuaScript(`
@@ -384,6 +390,17 @@ func (n *RedisNode) TTL(ctx context.Context, key string) (time.Duration, error) 
 		return 0, nil
 	}
 	return time.Duration(d) * time.Millisecond, nil
+}
+
+// AdoptLegacyMarker carries the node's marker over from the key used before
+// markers were kept per address, if it holds epoch there and has no marker
+// of its own yet; it reports whether it did (see legacyAdopter).
+func (n *RedisNode) AdoptLegacyMarker(ctx context.Context, epoch string) (bool, error) {
+	v, err := n.eval(ctx, adoptScript, &scriptArgs{keys: []any{keyspace.LegacyNodeEpochKey}, marker: true, argv: []any{epoch}}, nil)
+	if err != nil {
+		return false, fmt.Errorf("adopt marker: %w", err)
+	}
+	return v == 1, nil
 }
 
 // Epoch returns the node's epoch marker, or "" if it has none (see

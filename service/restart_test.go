@@ -378,3 +378,40 @@ func TestLocker_AliasedAddress(t *testing.T) {
 		waitQuarantined(t, l, 0)
 	}
 }
+
+// TestLocker_LegacyMarker: a node that holds the epoch on record under the
+// marker key of earlier versions (one key for all addresses) has it carried
+// over at Init and is not quarantined, so upgrading the servers stops no
+// grants; a node with no marker at all is still quarantined.
+func TestLocker_LegacyMarker(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	ctx := t.Context()
+	_ = e.locker(t, e.db) // registers the nodes and marks them
+	for i, n := range e.nodes {
+		key := keyspace.NodeEpochKey(n.Addr())
+		epoch, err := e.raw[i].Get(ctx, key).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		// As an earlier version left it: the legacy key only; node 4
+		// restarted without its data, so it has none.
+		if i < 4 {
+			if err := e.raw[i].Set(ctx, keyspace.LegacyNodeEpochKey, epoch, 0).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := e.raw[i].Del(ctx, key).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	l := e.locker(t, e.db)
+	for i, st := range l.Nodes(ctx) {
+		if quarantined := !st.QuarantinedUntil.IsZero(); quarantined != (i == 4) {
+			t.Errorf("node %d after the upgrade: %+v; want quarantined only for node 4 (no marker at all)", i, st)
+		}
+	}
+	if _, err := l.Acquire(ctx, "after-upgrade", service.Request{TTL: time.Second}); err != nil {
+		t.Errorf("acquire after the upgrade = %v; want granted", err)
+	}
+}

@@ -50,11 +50,11 @@ func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next string, d
 	err := db.pool.QueryRow(ctx, `
 WITH q AS (
     -- The longest quarantine any server that may still hold a lease needs:
-    -- one whose last heartbeat is younger than its own quarantine (plus two
-    -- beats), as leases it granted before stopping end within that.
+    -- one whose last heartbeat is younger than its own quarantine plus its
+    -- grace, as leases it granted before stopping end within that.
     SELECT GREATEST($4::bigint, COALESCE(max(quarantine_ms), 0)) AS ms
       FROM redfence_servers
-     WHERE seen_at + make_interval(secs => (quarantine_ms + 2 * beat_ms)::float8 / 1000) > now()
+     WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > now()
 ), moved AS (
     UPDATE redfence_nodes
        SET epoch = $3,
@@ -67,11 +67,17 @@ WITH q AS (
 SELECT * FROM moved
 UNION ALL
 SELECT epoch, `+leftSQL+` FROM redfence_nodes WHERE addr = $1 AND NOT EXISTS (SELECT 1 FROM moved)`,
-		addr, expected, next, d.Milliseconds()).Scan(&cur, &left)
+		addr, expected, next, ceilMillis(d)).Scan(&cur, &left)
 	if err != nil {
 		return "", 0, fmt.Errorf("store: quarantine node %s: %w", addr, classify(err))
 	}
 	return cur, millis(left), nil
+}
+
+// ceilMillis is d in whole milliseconds, rounded up so that a quarantine
+// never ends early.
+func ceilMillis(d time.Duration) int64 {
+	return (d + time.Millisecond - 1).Milliseconds()
 }
 
 // millis converts a number of milliseconds, rounded up so that a quarantine
@@ -81,16 +87,16 @@ func millis(ms float64) time.Duration {
 }
 
 // Heartbeat records that the server id runs and that a node that lost its
-// memory must be quarantined for at least quarantine for its leases; it says
-// so again every every. A server whose heartbeats stopped counts until its
-// quarantine (and two beats) has passed since the last one. Rows of servers
-// gone for a day are deleted. It implements service.Registry.
-func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, every time.Duration) error {
+// memory must be quarantined for at least quarantine for its leases. A
+// server whose heartbeats stopped counts until its quarantine plus grace has
+// passed since the last one. Rows of servers gone for a day are deleted. It
+// implements service.Registry.
+func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
 	_, err := db.pool.Exec(ctx, `
 WITH gone AS (DELETE FROM redfence_servers WHERE seen_at < now() - interval '1 day' AND id <> $1)
-INSERT INTO redfence_servers (id, quarantine_ms, beat_ms) VALUES ($1, $2, $3)
-ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, beat_ms = excluded.beat_ms, seen_at = now()`,
-		id, quarantine.Milliseconds(), every.Milliseconds())
+INSERT INTO redfence_servers (id, quarantine_ms, grace_ms) VALUES ($1, $2, $3)
+ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, grace_ms = excluded.grace_ms, seen_at = now()`,
+		id, ceilMillis(quarantine), ceilMillis(grace))
 	if err != nil {
 		return fmt.Errorf("store: heartbeat of server %s: %w", id, classify(err))
 	}

@@ -136,7 +136,9 @@ type AcquireResponse struct {
 
 	// ValidityMs How long the lease lasts, in milliseconds, counted from the time the
 	// **client sent** the request (TTL minus the time the grant took minus a
-	// clock-drift allowance). Deadline = your send time + validity_ms.
+	// clock-drift allowance; for extend, the lease a majority of nodes kept,
+	// which may be longer than `ttl_ms`). Deadline = your send time +
+	// validity_ms.
 	//
 	//
 	// Example: 9886
@@ -219,7 +221,9 @@ type LockResponse struct {
 
 	// ValidityMs How long the lease lasts, in milliseconds, counted from the time the
 	// **client sent** the request (TTL minus the time the grant took minus a
-	// clock-drift allowance). Deadline = your send time + validity_ms.
+	// clock-drift allowance; for extend, the lease a majority of nodes kept,
+	// which may be longer than `ttl_ms`). Deadline = your send time +
+	// validity_ms.
 	//
 	//
 	// Example: 9886

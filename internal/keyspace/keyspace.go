@@ -27,6 +27,11 @@ const NodeEpochPrefix = "redfence:node-epoch:"
 // entries, instead of overwriting each other's.
 func NodeEpochKey(addr string) string { return NodeEpochPrefix + addr }
 
+// LegacyNodeEpochKey is the key of a node's epoch marker before markers were
+// kept per address (one key for all). A node that holds the epoch on record
+// there kept its memory; its marker is carried over (see service.Locker.Init).
+const LegacyNodeEpochKey = "redfence:node-epoch"
+
 // RedisPrefix prefixes every lock key on the Redis nodes.
 const RedisPrefix = "redfence:lock:"
 

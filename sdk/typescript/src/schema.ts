@@ -394,7 +394,9 @@ export interface components {
              * Format: int64
              * @description How long the lease lasts, in milliseconds, counted from the time the
              *     **client sent** the request (TTL minus the time the grant took minus a
-             *     clock-drift allowance). Deadline = your send time + validity_ms.
+             *     clock-drift allowance; for extend, the lease a majority of nodes kept,
+             *     which may be longer than `ttl_ms`). Deadline = your send time +
+             *     validity_ms.
              * @example 9886
              */
             validity_ms: number;
