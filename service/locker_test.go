@@ -787,18 +787,28 @@ func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (str
 		return cur, r.left(addr), false, nil
 	}
 	r.epochs[addr] = epoch
-	return epoch, 0, true, nil
+	var need time.Duration // as store: quarantined if servers may hold leases
+	for _, q := range r.servers {
+		need = max(need, q)
+	}
+	if need > 0 {
+		r.until[addr] = r.clk.Now().Add(need)
+	}
+	return epoch, r.left(addr), true, nil
 }
 
 func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	now := r.clk.Now()
-	if r.epochs[addr] == expected && !now.Before(r.until[addr]) {
+	if r.epochs[addr] == expected {
 		for _, q := range r.servers { // as store: the longest any server needs
 			d = max(d, q)
 		}
-		r.epochs[addr], r.until[addr] = next, now.Add(d)
+		r.epochs[addr] = next
+		if end := now.Add(d); end.After(r.until[addr]) {
+			r.until[addr] = end
+		}
 	}
 	return r.epochs[addr], r.left(addr), nil
 }
@@ -896,6 +906,7 @@ func TestLocker_Quarantine(t *testing.T) {
 		// minutes: the quarantine this server starts covers them.
 		clk := &clock{t: time.Unix(1000, 0)}
 		reg := newRegistry(clk)
+		l, ms := setup(t, reg, clk)
 		var ons []Node // nodes of its own: only its heartbeat matters here
 		for i := range 3 {
 			ons = append(ons, newMem(fmt.Sprintf("other%d", i)))
@@ -904,7 +915,6 @@ func TestLocker_Quarantine(t *testing.T) {
 		if err := other.Init(ctx); err != nil {
 			t.Fatal(err)
 		}
-		l, ms := setup(t, reg, clk)
 		recovered := marked(ms[0])
 		if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err == nil {
 			t.Fatal("B granted while A's lease is live")

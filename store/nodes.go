@@ -14,14 +14,27 @@ import (
 // Postgres' clock (0 if none).
 const leftSQL = `GREATEST(COALESCE(EXTRACT(EPOCH FROM quarantined_until - now()) * 1000, 0), 0)::float8`
 
+// liveNeedSQL is the longest quarantine, in milliseconds, that a server which
+// may still hold a lease needs (0 if none): one whose last heartbeat is
+// younger than its own quarantine plus its grace, as the leases it granted
+// before stopping end within that (see Heartbeat).
+const liveNeedSQL = `(SELECT COALESCE(max(quarantine_ms), 0) FROM redfence_servers
+   WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > now())`
+
 // RegisterNode records the Redis node addr with epoch unless it is known, and
 // returns its epoch and the time left of its quarantine (0 if none); created
-// reports that it was unknown. It implements service.Registry.
+// reports that it was unknown. An address first seen while some server may
+// still hold a lease is quarantined at once, as a node that lost its memory
+// would be: it may be a node those servers know under another address, just
+// restarted. Only a brand-new cluster's nodes count at once. It implements
+// service.Registry.
 func (db *DB) RegisterNode(ctx context.Context, addr, epoch string) (string, time.Duration, bool, error) {
 	var cur string
 	var left float64
 	err := db.pool.QueryRow(ctx, `
-INSERT INTO redfence_nodes (addr, epoch) VALUES ($1, $2)
+INSERT INTO redfence_nodes (addr, epoch, quarantined_until)
+SELECT $1, $2, CASE WHEN need > 0 THEN now() + make_interval(secs => need::float8 / 1000) END
+  FROM (SELECT `+liveNeedSQL+` AS need) n
 ON CONFLICT (addr) DO NOTHING
 RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 	if err == nil {
@@ -37,31 +50,27 @@ RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 }
 
 // QuarantineNode records that addr lost the marker expected. If addr's epoch
-// is still expected and no quarantine is running, it moves addr to epoch next
-// and quarantines it until now + d, or longer if a server that may still hold
-// a lease needs more (see Heartbeat), by Postgres' clock, so every server
-// sharing the nodes agrees on the end. Either way it returns addr's epoch and
-// the time left of its quarantine after the statement (0 if none), by
-// Postgres' clock: a server's clock may be set differently, and counts the
-// time left instead. It implements service.Registry.
+// is still expected, it moves addr to epoch next and quarantines it until now
+// + d, or longer if a server that may still hold a lease needs more (see
+// Heartbeat), or if a quarantine already running ends later, by Postgres'
+// clock, so every server sharing the nodes agrees on the end. (A loss during
+// a running quarantine restarts it: a server that knows the node under
+// another address may have counted it meanwhile.) Either way it returns
+// addr's epoch and the time left of its quarantine after the statement (0 if
+// none), by Postgres' clock: a server's clock may be set differently, and
+// counts the time left instead. It implements service.Registry.
 func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
 	var cur string
 	var left float64
 	err := db.pool.QueryRow(ctx, `
-WITH q AS (
-    -- The longest quarantine any server that may still hold a lease needs:
-    -- one whose last heartbeat is younger than its own quarantine plus its
-    -- grace, as leases it granted before stopping end within that.
-    SELECT GREATEST($4::bigint, COALESCE(max(quarantine_ms), 0)) AS ms
-      FROM redfence_servers
-     WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > now()
-), moved AS (
+WITH moved AS (
     UPDATE redfence_nodes
        SET epoch = $3,
-           quarantined_until = now() + make_interval(secs => (SELECT ms FROM q)::float8 / 1000),
+           quarantined_until = GREATEST(COALESCE(quarantined_until, now()),
+               now() + make_interval(secs => GREATEST($4::bigint, `+liveNeedSQL+`)::float8 / 1000)),
            memory_losses = memory_losses + 1,
            updated_at = now()
-     WHERE addr = $1 AND epoch = $2 AND (quarantined_until IS NULL OR quarantined_until <= now())
+     WHERE addr = $1 AND epoch = $2
  RETURNING epoch, `+leftSQL+`
 )
 SELECT * FROM moved
