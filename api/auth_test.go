@@ -16,7 +16,6 @@ import (
 
 	"github.com/redfence/redfence"
 	"github.com/redfence/redfence/api"
-	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
 	"github.com/redfence/redfence/internal/openapitest"
 	"github.com/redfence/redfence/internal/testutil"
@@ -580,15 +579,7 @@ func TestKeyAuth_Down(t *testing.T) {
 func TestAuth_PostgresDown(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pg, err := cluster.StartPostgres(ctx, cluster.PostgresOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pg.Close() })
-	url, err := pg.CreateDatabase(ctx, t.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	pg, url := ownPostgres(t)
 	// Every request asks Postgres: the key's cached entry has always
 	// expired by the time Postgres is stopped.
 	e, k := newAuthEnv(t, envOptions{databaseURL: url, auth: api.KeyAuthOptions{CacheTTL: time.Nanosecond}}, api.Options{})

@@ -252,3 +252,20 @@ func (e *env) snapshot() string {
 	}
 	return b.String()
 }
+
+// ownPostgres starts a Postgres of the test's own, which it may stop, and
+// returns it with the URL of a database on it.
+func ownPostgres(t *testing.T) (*cluster.Postgres, string) {
+	t.Helper()
+	ctx := context.Background()
+	pg, err := cluster.StartPostgres(ctx, cluster.PostgresOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pg.Close() })
+	url, err := pg.CreateDatabase(ctx, t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pg, url
+}

@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/redfence/redfence/api"
-	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
 )
@@ -347,15 +346,7 @@ func TestAPI_NodeFailures(t *testing.T) {
 func TestAPI_PostgresDown(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pg, err := cluster.StartPostgres(ctx, cluster.PostgresOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pg.Close() })
-	url, err := pg.CreateDatabase(ctx, t.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
+	pg, url := ownPostgres(t)
 	e := newEnv(t, envOptions{databaseURL: url})
 	var last int64
 	for range 3 {
