@@ -364,14 +364,15 @@ func (l *Locker) Close() {
 }
 
 // Init registers the nodes with the Registry (a no-op without one): a node
-// never seen before is marked with a fresh epoch; a known node keeps the
-// epoch on record, so if it restarted without its data while no server ran,
-// the first acquire that reaches it finds the marker missing.
+// never seen before is marked with a fresh epoch (and starts quarantined if
+// servers may hold leases, see Registry); a known node keeps the epoch on
+// record, so if it restarted without its data while no server ran, the first
+// acquire that reaches it finds the marker missing. Then it starts this
+// server's heartbeat (see startHeartbeat).
 func (l *Locker) Init(ctx context.Context) error {
 	if l.opts.Registry == nil {
 		return nil
 	}
-
 	for _, m := range l.members {
 		epoch, err := newEpoch()
 		if err != nil {
