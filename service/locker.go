@@ -52,12 +52,15 @@ type Issuer interface {
 type Registry interface {
 	// RegisterNode records addr with epoch unless addr is known, and returns
 	// addr's epoch and the time left of its quarantine (0 if none); created
-	// reports that addr was unknown.
+	// reports that addr was unknown. An address first seen while some
+	// server may hold a lease starts quarantined as QuarantineNode would
+	// (it may be a known node under another address, just restarted).
 	RegisterNode(ctx context.Context, addr, epoch string) (cur string, left time.Duration, created bool, err error)
 	// QuarantineNode records that addr no longer holds the marker expected:
-	// if addr's epoch is still expected and no quarantine is running, it sets
-	// next as the epoch and quarantines addr for d from now. It returns addr's
-	// epoch and the time left of its quarantine after that (0 if none).
+	// if addr's epoch is still expected, it sets next as the epoch and
+	// quarantines addr for d from now (never shortening a running
+	// quarantine). It returns addr's epoch and the time left of its
+	// quarantine after that (0 if none).
 	QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (cur string, left time.Duration, err error)
 	// Heartbeat records that the server id runs and that its leases need a
 	// quarantine of at least quarantine. QuarantineNode then quarantines
