@@ -396,8 +396,10 @@ func (l *Locker) Init(ctx context.Context) error {
 			mctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
 			_, _ = m.Mark(mctx, cur, false)
 			cancel()
-		} else if la, ok := m.Node.(legacyAdopter); ok && left <= 0 {
+		} else if la, ok := m.Node.(legacyAdopter); ok {
 			// Best effort too: if it fails, the node is quarantined once.
+			// (The legacy key holding the epoch on record proves the node
+			// kept its memory since it was marked, quarantine or not.)
 			mctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
 			_, _ = la.AdoptLegacyMarker(mctx, cur)
 			cancel()
@@ -413,7 +415,6 @@ func (l *Locker) Init(ctx context.Context) error {
 func (l *Locker) startHeartbeat(ctx context.Context) error {
 	l.bgMu.Lock()
 	started := l.beating
-	l.beating = true
 	l.bgMu.Unlock()
 	if started {
 		return nil
@@ -436,13 +437,14 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 		return nil
 	}
 	if err := beat(ctx); err != nil {
-		return fmt.Errorf("service: heartbeat: %w", err)
+		return fmt.Errorf("service: heartbeat: %w", err) // Init may be retried
 	}
 	l.bgMu.Lock()
 	defer l.bgMu.Unlock()
-	if l.closed {
+	if l.closed || l.beating { // closed, or a concurrent Init started one
 		return nil
 	}
+	l.beating = true
 	l.bg.Add(1)
 	go func() {
 		defer l.bg.Done()
@@ -1247,9 +1249,6 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	if err := l.CheckTTL(ttl); err != nil {
 		return nil, err
 	}
-	if err := l.heartbeatStale(); err != nil {
-		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Cause: err}
-	}
 	rkey := keyspace.RedisKey(key)
 	// The grant's record is read before any node is touched, so Postgres
 	// being unavailable fails the extend with every lease as it was.
@@ -1269,6 +1268,11 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	// answers ErrLost.) A renewal also never
 	// shortens a lease (see extendScript), so a failed or partial round
 	// leaves every node's lease at least as long as the client believes.
+	// Checked after the read, which may take IssueTimeout: the lease runs
+	// from here.
+	if err := l.heartbeatStale(); err != nil {
+		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Cause: err}
+	}
 	start := l.opts.Now()
 	votes, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
 		lease, err := n.Extend(ctx, rkey, token, ttl)

@@ -1069,3 +1069,39 @@ func TestLocker_StaleHeartbeat(t *testing.T) {
 		t.Errorf("acquire once the heartbeat is fresh = %v", err)
 	}
 }
+
+// firstBeatFails is a Registry whose first heartbeat fails.
+type firstBeatFails struct {
+	*memRegistry
+	beats atomic.Int32
+}
+
+func (r *firstBeatFails) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
+	if r.beats.Add(1) == 1 {
+		return errors.New("postgres is starting")
+	}
+	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace)
+}
+
+// TestLocker_InitRetried: an Init that failed on its heartbeat can be
+// retried, and the retry starts the heartbeat (a Locker must not serve
+// unrecorded in the registry).
+func TestLocker_InitRetried(t *testing.T) {
+	ctx := context.Background()
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := &firstBeatFails{memRegistry: newRegistry(clk)}
+	ns, _ := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now})
+	if err := l.Init(ctx); err == nil {
+		t.Fatal("Init with a failing heartbeat = nil; want its error")
+	}
+	if err := l.Init(ctx); err != nil {
+		t.Fatalf("Init retried = %v", err)
+	}
+	reg.mu.Lock()
+	n := len(reg.servers)
+	reg.mu.Unlock()
+	if n != 1 {
+		t.Errorf("%d servers recorded after the retried Init; want 1", n)
+	}
+}

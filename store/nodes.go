@@ -63,20 +63,22 @@ func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next string, d
 	var cur string
 	var left float64
 	err := db.pool.QueryRow(ctx, `
-WITH moved AS (
-    UPDATE redfence_nodes
-       SET epoch = $3,
-           quarantined_until = GREATEST(COALESCE(quarantined_until, now()),
-               now() + make_interval(secs => GREATEST($4::bigint, `+liveNeedSQL+`)::float8 / 1000)),
-           memory_losses = memory_losses + 1,
-           updated_at = now()
-     WHERE addr = $1 AND epoch = $2
- RETURNING epoch, `+leftSQL+`
-)
-SELECT * FROM moved
-UNION ALL
-SELECT epoch, `+leftSQL+` FROM redfence_nodes WHERE addr = $1 AND NOT EXISTS (SELECT 1 FROM moved)`,
-		addr, expected, next, ceilMillis(d)).Scan(&cur, &left)
+UPDATE redfence_nodes
+   SET epoch = $3,
+       quarantined_until = GREATEST(COALESCE(quarantined_until, now()),
+           now() + make_interval(secs => GREATEST($4::bigint, `+liveNeedSQL+`)::float8 / 1000)),
+       memory_losses = memory_losses + 1,
+       updated_at = now()
+ WHERE addr = $1 AND epoch = $2
+RETURNING epoch, `+leftSQL, addr, expected, next, ceilMillis(d)).Scan(&cur, &left)
+	if errors.Is(err, pgx.ErrNoRows) {
+		// Another server moved it first. Read it in a statement of its own:
+		// within the UPDATE's, a read would see the row as it was before
+		// that server's move committed (READ COMMITTED re-checks only the
+		// rows it updates), and hand back the epoch the node just proved
+		// it lacks.
+		err = db.pool.QueryRow(ctx, `SELECT epoch, `+leftSQL+` FROM redfence_nodes WHERE addr = $1`, addr).Scan(&cur, &left)
+	}
 	if err != nil {
 		return "", 0, fmt.Errorf("store: quarantine node %s: %w", addr, classify(err))
 	}
@@ -98,11 +100,13 @@ func millis(ms float64) time.Duration {
 // Heartbeat records that the server id runs and that a node that lost its
 // memory must be quarantined for at least quarantine for its leases. A
 // server whose heartbeats stopped counts until its quarantine plus grace has
-// passed since the last one. Rows of servers gone for a day are deleted. It
+// passed since the last one; a day after that its row is deleted. It
 // implements service.Registry.
 func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
 	_, err := db.pool.Exec(ctx, `
-WITH gone AS (DELETE FROM redfence_servers WHERE seen_at < now() - interval '1 day' AND id <> $1)
+WITH gone AS (
+    DELETE FROM redfence_servers
+     WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) < now() - interval '1 day' AND id <> $1)
 INSERT INTO redfence_servers (id, quarantine_ms, grace_ms) VALUES ($1, $2, $3)
 ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, grace_ms = excluded.grace_ms, seen_at = now()`,
 		id, ceilMillis(quarantine), ceilMillis(grace))

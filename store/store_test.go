@@ -843,3 +843,46 @@ func TestDB_Heartbeat(t *testing.T) {
 		t.Errorf("RegisterNode(new address, servers live) = %v, %v, %v; want created, quarantined up to 5m", left, created, err)
 	}
 }
+
+// TestDB_QuarantineNodeRace: a server whose quarantine statement waited on
+// another server's move of the same node gets the epoch that move left, not
+// the one the node was found without (a read inside the waiting statement
+// would see the row as it was before the move).
+func TestDB_QuarantineNodeRace(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _ := newDB(t, Options{})
+	if _, _, _, err := db.RegisterNode(ctx, "race:6379", "E"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `UPDATE redfence_nodes SET epoch = 'NA', quarantined_until = now() + interval '1 minute' WHERE addr = 'race:6379'`); err != nil {
+		t.Fatal(err)
+	}
+	type answer struct {
+		epoch string
+		left  time.Duration
+		err   error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		epoch, left, err := db.QuarantineNode(ctx, "race:6379", "E", "NB", time.Minute)
+		done <- answer{epoch, left, err}
+	}()
+	testutil.WaitFor(t, 30*time.Second, "the second statement to wait on the row lock", func() (bool, error) {
+		var n int
+		err := db.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&n)
+		return n > 0, err
+	})
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	a := <-done
+	if a.err != nil || a.epoch != "NA" || a.left <= 0 {
+		t.Errorf("QuarantineNode after a concurrent move = %q, %v, %v; want NA and its quarantine", a.epoch, a.left, a.err)
+	}
+}
