@@ -151,9 +151,14 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 	return l, nil
 }
 
+// renewEvery is how often a lease of ttl is renewed.
+func (o *LockOptions) renewEvery(ttl time.Duration) time.Duration {
+	return time.Duration(float64(ttl) * o.RenewFraction)
+}
+
 // checkMargin checks that o's Margin leaves room to renew a lease of ttl.
 func (o *LockOptions) checkMargin(ttl time.Duration) error {
-	interval := time.Duration(float64(ttl) * o.RenewFraction)
+	interval := o.renewEvery(ttl)
 	if o.Margin > 0 && !o.NoRenew && o.Margin >= ttl-interval {
 		return fmt.Errorf("client: Margin %v leaves no room to renew a %v lease every %v", o.Margin, ttl, interval)
 	}
@@ -200,7 +205,7 @@ func (l *Lease) Err() error {
 
 // interval is the time from a (re)grant to its renewal.
 func (l *Lease) interval() time.Duration {
-	return time.Duration(float64(l.ttl) * l.opts.RenewFraction)
+	return l.opts.renewEvery(l.ttl)
 }
 
 // endAt is when Done closes unless the lease is renewed first.

@@ -265,13 +265,12 @@ type Locker struct {
 	// sweep redelivers the deletes whose outcome is unknown.
 	sweep *sweeper
 
-	// life ends when Close is called; background recoveries (see recover)
-	// run under it, and Close waits for them (bg). None starts once closed
-	// is set (under bgMu).
+	// life ends when Close is called; background work (recoveries, the
+	// heartbeat) runs under it, and Close waits for it (bg). None starts
+	// once life has ended: it is ended, and bg added to, under bgMu.
 	life   context.Context
 	cancel context.CancelFunc
 	bgMu   sync.Mutex
-	closed bool
 	// beating is set once the heartbeat started (under bgMu); lastBeat is
 	// when its last success began (under beatMu).
 	beating  bool
@@ -359,9 +358,8 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 // quarantine.
 func (l *Locker) Close() {
 	l.bgMu.Lock()
-	l.closed = true
-	l.bgMu.Unlock()
 	l.cancel()
+	l.bgMu.Unlock()
 	l.sweep.close()
 	l.bg.Wait()
 }
@@ -441,7 +439,7 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 	}
 	l.bgMu.Lock()
 	defer l.bgMu.Unlock()
-	if l.closed || l.beating { // closed, or a concurrent Init started one
+	if l.life.Err() != nil || l.beating { // closed, or a concurrent Init started one
 		return nil
 	}
 	l.beating = true
@@ -516,7 +514,7 @@ func (l *Locker) recover(i int, seen string) chan struct{} {
 		return done
 	}
 	l.bgMu.Lock()
-	if l.closed {
+	if l.life.Err() != nil {
 		l.bgMu.Unlock()
 		m.mu.Unlock()
 		return nil
