@@ -28,9 +28,10 @@ import (
 	"golang.org/x/time/rate"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/apikey"
 	"github.com/redfence/redfence/internal/keyspace"
+	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/service"
-	"github.com/redfence/redfence/store"
 )
 
 // Locker is the lock manager as the API uses it (*service.Locker).
@@ -45,8 +46,8 @@ type Locker interface {
 
 // Store is the reference store as the API uses it (*store.DB).
 type Store interface {
-	PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*store.Resource, error)
-	GetResource(ctx context.Context, key string) (*store.Resource, error)
+	PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*refstore.Resource, error)
+	GetResource(ctx context.Context, key string) (*refstore.Resource, error)
 	Ping(ctx context.Context) error
 }
 
@@ -145,8 +146,8 @@ func NewHandler(locker Locker, st Store, opts Options) *Handler {
 		ids: newRequestIDs(), grants: newGrantCache()}
 	h.limits = newLimiter(rate.Limit(opts.RateLimit), opts.RateBurst)
 	h.router = h.newRouter()
-	h.acquireH = h.authorize(store.ScopeLocks)(http.HandlerFunc(h.acquire))
-	h.releaseH = h.authorize(store.ScopeLocks)(http.HandlerFunc(h.release))
+	h.acquireH = h.authorize(apikey.ScopeLocks)(http.HandlerFunc(h.acquire))
+	h.releaseH = h.authorize(apikey.ScopeLocks)(http.HandlerFunc(h.release))
 	return h
 }
 
@@ -220,11 +221,11 @@ func (h *Handler) newRouter() *chi.Mux {
 
 	r.Get("/healthz", h.healthz)
 	r.Get("/readyz", h.readyz)
-	r.With(h.authorize(store.ScopeAdmin)).Method(http.MethodGet, "/metrics", promhttp.HandlerFor(h.opts.Registry, promhttp.HandlerOpts{}))
+	r.With(h.authorize(apikey.ScopeAdmin)).Method(http.MethodGet, "/metrics", promhttp.HandlerFor(h.opts.Registry, promhttp.HandlerOpts{}))
 	r.Get("/openapi.yaml", h.openapi)
 
 	r.Route("/v1", func(r chi.Router) {
-		locks, resources, admin := r.With(h.authorize(store.ScopeLocks)), r.With(h.authorize(store.ScopeResources)), r.With(h.authorize(store.ScopeAdmin))
+		locks, resources, admin := r.With(h.authorize(apikey.ScopeLocks)), r.With(h.authorize(apikey.ScopeResources)), r.With(h.authorize(apikey.ScopeAdmin))
 		locks.Post("/locks/{name}", h.acquire)
 		locks.Get("/locks/{name}", h.status)
 		locks.Delete("/locks/{name}", h.release)
@@ -743,7 +744,7 @@ func (h *Handler) doPut(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-func resourceJSON(name string, res *store.Resource) *Resource {
+func resourceJSON(name string, res *refstore.Resource) *Resource {
 	return &Resource{Name: name, Data: res.Data, FencingToken: int64(res.FencingToken), Version: res.Version,
 		UpdatedAt: res.UpdatedAt.UTC().Format(time.RFC3339Nano)}
 }

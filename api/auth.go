@@ -13,7 +13,7 @@ import (
 
 	"golang.org/x/sync/singleflight"
 
-	"github.com/redfence/redfence/store"
+	"github.com/redfence/redfence/internal/apikey"
 )
 
 // Access control. When Options.Auth is set, every /v1 route and /metrics
@@ -210,8 +210,8 @@ func (h *Handler) authenticate(r *http.Request) (*Principal, error) {
 // KeyStore is the API key table as KeyAuth uses it (*store.DB).
 type KeyStore interface {
 	// Key returns the key with id, revoked or not, or an error matching
-	// store.ErrKeyNotFound.
-	Key(ctx context.Context, id string) (*store.APIKey, error)
+	// apikey.ErrNotFound.
+	Key(ctx context.Context, id string) (*apikey.Key, error)
 }
 
 // KeyAuthOptions tunes a KeyAuth. Zero fields take the documented defaults.
@@ -259,7 +259,7 @@ type KeyAuth struct {
 }
 
 type cached struct {
-	key *store.APIKey // nil: no key has this id
+	key *apikey.Key // nil: no key has this id
 	// principal is the key's principal, made once for every request with
 	// the key (nil with key).
 	principal *Principal
@@ -293,7 +293,7 @@ func NewKeyAuth(ks KeyStore, opts KeyAuthOptions) *KeyAuth {
 // no ID (notifications may have been missed) makes every cached key be
 // looked up again on its next use, waiting for the answer; the entries stay
 // only for when Postgres cannot give one.
-func (a *KeyAuth) Changed(c store.KeyChange) {
+func (a *KeyAuth) Changed(c apikey.Change) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.gen++
@@ -313,9 +313,9 @@ func (a *KeyAuth) Changed(c store.KeyChange) {
 
 // Authenticate implements Authenticator.
 func (a *KeyAuth) Authenticate(ctx context.Context, key string) (*Principal, error) {
-	id, ok := store.KeyID(key)
+	id, ok := apikey.ParseID(key)
 	if !ok {
-		return nil, fmt.Errorf("%w: not of the form %s<id>_<secret>", ErrUnauthorized, store.KeyPrefix)
+		return nil, fmt.Errorf("%w: not of the form %s<id>_<secret>", ErrUnauthorized, apikey.Prefix)
 	}
 	c, err := a.lookup(ctx, id)
 	if err != nil {
@@ -372,7 +372,7 @@ func (a *KeyAuth) fetch(ctx context.Context, id string, gen uint64) (cached, err
 	lctx, cancel := context.WithTimeout(ctx, a.opts.LookupTimeout)
 	defer cancel()
 	k, err := a.ks.Key(lctx, id)
-	if errors.Is(err, store.ErrKeyNotFound) {
+	if errors.Is(err, apikey.ErrNotFound) {
 		k, err = nil, nil
 	}
 	if err != nil {

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redfence/redfence/internal/apikey"
+
 	"github.com/redfence/redfence"
 	"github.com/redfence/redfence/api"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
@@ -58,16 +60,16 @@ func newAuthEnv(t *testing.T, o envOptions, opts api.Options) (*env, keys) {
 		return key
 	}
 	var k keys
-	k.a = create("a", store.AllScopes()...)
-	k.b = create("b", store.AllScopes()...)
-	k.aLocks = create("a", store.ScopeLocks)
-	k.aResources = create("a", store.ScopeResources)
-	k.revoked = create("a", store.AllScopes()...)
-	id, _ := store.KeyID(k.revoked)
+	k.a = create("a", apikey.AllScopes()...)
+	k.b = create("b", apikey.AllScopes()...)
+	k.aLocks = create("a", apikey.ScopeLocks)
+	k.aResources = create("a", apikey.ScopeResources)
+	k.revoked = create("a", apikey.AllScopes()...)
+	id, _ := apikey.ParseID(k.revoked)
 	if _, err := e.db.RevokeKey(ctx, id); err != nil {
 		t.Fatal(err)
 	}
-	k.unknown = store.KeyPrefix + "0123456789abcdef_" + strings.Repeat("x", 43)
+	k.unknown = apikey.Prefix + "0123456789abcdef_" + strings.Repeat("x", 43)
 	k.wrong = k.a[:len(k.a)-43] + strings.Repeat("y", 43)
 	return e, k
 }
@@ -338,7 +340,7 @@ func TestKeyAuth_Cache(t *testing.T) {
 	clk := &clock{now: time.Unix(1_000_000, 0)}
 	a := api.NewKeyAuth(db, api.KeyAuthOptions{CacheTTL: time.Second, Now: clk.Now})
 	newKey := func() (string, string) {
-		key, k, err := db.CreateKey(ctx, "acme", store.DefaultScopes())
+		key, k, err := db.CreateKey(ctx, "acme", apikey.DefaultScopes())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -381,7 +383,7 @@ func TestKeyAuth_Cache(t *testing.T) {
 		if _, err := db.RevokeKey(ctx, id); err != nil {
 			t.Fatal(err)
 		}
-		a.Changed(store.KeyChange{ID: id})
+		a.Changed(apikey.Change{ID: id})
 		wantRefused("revoked, notified", key)
 
 		key2, id2 := newKey()
@@ -389,13 +391,13 @@ func TestKeyAuth_Cache(t *testing.T) {
 		if _, err := db.RevokeKey(ctx, id2); err != nil {
 			t.Fatal(err)
 		}
-		a.Changed(store.KeyChange{})
+		a.Changed(apikey.Change{})
 		wantRefused("revoked, everything flushed", key2)
 	})
 
 	t.Run("Unknown", func(t *testing.T) {
 		wantRefused("malformed", "rf_nope_"+strings.Repeat("x", 43))
-		wantRefused("unknown id", store.KeyPrefix+"fedcba9876543210_"+strings.Repeat("x", 43))
+		wantRefused("unknown id", apikey.Prefix+"fedcba9876543210_"+strings.Repeat("x", 43))
 	})
 }
 
@@ -428,7 +430,7 @@ func (o *outage) nowHanging() int {
 	return o.hanging
 }
 
-func (o *outage) Key(ctx context.Context, id string) (*store.APIKey, error) {
+func (o *outage) Key(ctx context.Context, id string) (*apikey.Key, error) {
 	o.mu.Lock()
 	mode, unhang := o.mode, o.unhang
 	if mode == "hang" {
@@ -468,7 +470,7 @@ func TestKeyAuth_Down(t *testing.T) {
 	// A lookup that hangs would hang the test: a request must not wait for it.
 	a := api.NewKeyAuth(ks, api.KeyAuthOptions{CacheTTL: time.Second, LookupTimeout: time.Hour, Now: clk.Now})
 	create := func() (string, string) {
-		key, k, err := db.CreateKey(ctx, "acme", store.DefaultScopes())
+		key, k, err := db.CreateKey(ctx, "acme", apikey.DefaultScopes())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -498,18 +500,18 @@ func TestKeyAuth_Down(t *testing.T) {
 	if _, err := a.Authenticate(ctx, revoked); !errors.Is(err, api.ErrUnauthorized) {
 		t.Errorf("revoked key, Postgres down: %v; want ErrUnauthorized", err)
 	}
-	for what, k := range map[string]string{"a key never looked up": unseen, "an unknown id": store.KeyPrefix + "fedcba9876543210_" + strings.Repeat("x", 43)} {
+	for what, k := range map[string]string{"a key never looked up": unseen, "an unknown id": apikey.Prefix + "fedcba9876543210_" + strings.Repeat("x", 43)} {
 		if p, err := a.Authenticate(ctx, k); err == nil || errors.Is(err, api.ErrUnauthorized) {
 			t.Errorf("%s, Postgres down: %+v, %v; want an error other than ErrUnauthorized (503)", what, p, err)
 		}
 	}
-	a.Changed(store.KeyChange{ID: droppedID})
+	a.Changed(apikey.Change{ID: droppedID})
 	if p, err := a.Authenticate(ctx, dropped); err == nil {
 		t.Errorf("key dropped by a notification, Postgres down: %+v; want an error", p)
 	}
 	// Notifications lost (everything to be looked up again): the keys seen
 	// valid still work while Postgres cannot answer.
-	a.Changed(store.KeyChange{})
+	a.Changed(apikey.Change{})
 	if p, err := a.Authenticate(ctx, key); err != nil || p.Tenant != "acme" {
 		t.Errorf("key seen valid, notifications lost, Postgres down: %+v, %v; want it accepted", p, err)
 	}
@@ -562,11 +564,11 @@ func TestKeyAuth_Down(t *testing.T) {
 		t.Fatalf("key seen valid, Postgres down again: %v", err)
 	}
 	ks.set("")
-	id2, _ := store.KeyID(unseen)
+	id2, _ := apikey.ParseID(unseen)
 	if _, err := db.RevokeKey(ctx, id2); err != nil {
 		t.Fatal(err)
 	}
-	a.Changed(store.KeyChange{})
+	a.Changed(apikey.Change{})
 	if _, err := a.Authenticate(ctx, unseen); !errors.Is(err, api.ErrUnauthorized) {
 		t.Errorf("key revoked while Postgres was down, after the reconnect flush: %v; want ErrUnauthorized", err)
 	}
@@ -616,7 +618,7 @@ func TestAuth_PostgresDown(t *testing.T) {
 func TestAuth_Unavailable(t *testing.T) {
 	t.Parallel()
 	db := testKeyStore(t)
-	key, _, err := db.CreateKey(t.Context(), "acme", store.AllScopes())
+	key, _, err := db.CreateKey(t.Context(), "acme", apikey.AllScopes())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -644,7 +646,7 @@ func TestAuth_Unavailable(t *testing.T) {
 func TestAuth_Header(t *testing.T) {
 	t.Parallel()
 	db := testKeyStore(t)
-	admin, _, err := db.CreateKey(t.Context(), "ops", []string{store.ScopeAdmin})
+	admin, _, err := db.CreateKey(t.Context(), "ops", []string{apikey.ScopeAdmin})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -723,7 +725,7 @@ func TestAuth_RevokedWhileWaiting(t *testing.T) {
 	if r.status != http.StatusCreated {
 		t.Fatalf("holder: %d %s", r.status, r.body)
 	}
-	waiterKey, _, err := e.db.CreateKey(ctx, "a", []string{store.ScopeLocks})
+	waiterKey, _, err := e.db.CreateKey(ctx, "a", []string{apikey.ScopeLocks})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -733,7 +735,7 @@ func TestAuth_RevokedWhileWaiting(t *testing.T) {
 			bearerHdr(waiterKey)...)
 	}()
 	<-obs.waiting // authenticated, and waiting for the holder
-	id, _ := store.KeyID(waiterKey)
+	id, _ := apikey.ParseID(waiterKey)
 	if _, err := e.db.RevokeKey(ctx, id); err != nil {
 		t.Fatal(err)
 	}

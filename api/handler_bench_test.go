@@ -17,8 +17,9 @@ import (
 	"time"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/apikey"
+	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/service"
-	"github.com/redfence/redfence/store"
 )
 
 // This file benchmarks the HTTP layer alone: full requests through
@@ -96,11 +97,11 @@ func (l *benchFakeLocker) Quorum() int                                { return 2
 // Postgres (without the round trip).
 type benchFakeStore struct{ l *benchFakeLocker }
 
-func (s benchFakeStore) PutResource(context.Context, string, fencing.Token, json.RawMessage) (*store.Resource, error) {
-	return nil, store.ErrNotFound
+func (s benchFakeStore) PutResource(context.Context, string, fencing.Token, json.RawMessage) (*refstore.Resource, error) {
+	return nil, refstore.ErrNotFound
 }
-func (s benchFakeStore) GetResource(context.Context, string) (*store.Resource, error) {
-	return nil, store.ErrNotFound
+func (s benchFakeStore) GetResource(context.Context, string) (*refstore.Resource, error) {
+	return nil, refstore.ErrNotFound
 }
 func (s benchFakeStore) Ping(context.Context) error { return nil }
 func (s benchFakeStore) Last(_ context.Context, key string) (fencing.Record, error) {
@@ -112,13 +113,13 @@ func (s benchFakeStore) Last(_ context.Context, key string) (fencing.Record, err
 
 // benchFakeKeys is an in-memory fake API key table for HTTP-layer
 // benchmarks only.
-type benchFakeKeys map[string]*store.APIKey
+type benchFakeKeys map[string]*apikey.Key
 
-func (k benchFakeKeys) Key(_ context.Context, id string) (*store.APIKey, error) {
+func (k benchFakeKeys) Key(_ context.Context, id string) (*apikey.Key, error) {
 	if key, ok := k[id]; ok {
 		return key, nil
 	}
-	return nil, store.ErrKeyNotFound
+	return nil, apikey.ErrNotFound
 }
 
 // benchWriter is a reusable http.ResponseWriter that keeps the status and
@@ -158,7 +159,7 @@ type benchBody struct{ bytes.Reader }
 func (*benchBody) Close() error { return nil }
 
 // benchAPIKey is the API key of the auth variants (tenant "bench").
-const benchAPIKey = store.KeyPrefix + "0123456789abcdef_" + "sEcReTsEcReTsEcReTsEcReTsEcReTsEcReTsEcReTx"
+const benchAPIKey = apikey.Prefix + "0123456789abcdef_" + "sEcReTsEcReTsEcReTsEcReTsEcReTsEcReTsEcReTx"
 
 // benchHandler returns a Handler over fakes that logs at Info, as JSON, to
 // io.Discard (the production default level: access and audit lines are
@@ -168,11 +169,11 @@ func benchHandler(b *testing.B, auth bool) (*Handler, *benchFakeLocker) {
 	l := newBenchFakeLocker()
 	opts := Options{Logger: slog.New(slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelInfo}))}
 	if auth {
-		id, ok := store.KeyID(benchAPIKey)
+		id, ok := apikey.ParseID(benchAPIKey)
 		if !ok {
 			b.Fatalf("benchAPIKey is malformed")
 		}
-		keys := benchFakeKeys{id: {ID: id, Tenant: "bench", Scopes: store.AllScopes(), Hash: store.HashKey(benchAPIKey)}}
+		keys := benchFakeKeys{id: {ID: id, Tenant: "bench", Scopes: apikey.AllScopes(), Hash: apikey.Hash(benchAPIKey)}}
 		opts.Auth = NewKeyAuth(keys, KeyAuthOptions{CacheTTL: time.Hour})
 		opts.RateLimit = 1e9
 	}

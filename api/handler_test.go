@@ -16,9 +16,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/redfence/redfence/internal/apikey"
 	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
-	"github.com/redfence/redfence/store"
 )
 
 // These tests run the HTTP layer over the in-memory fakes of
@@ -42,8 +42,8 @@ func newFakeEnv(t *testing.T, auth bool) *fakeEnv {
 	opts := Options{Logger: slog.New(slog.NewJSONHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
 		Registry: e.reg, Now: func() time.Time { return e.now }}
 	if auth {
-		id, _ := store.KeyID(benchAPIKey)
-		keys := benchFakeKeys{id: {ID: id, Tenant: "bench", Scopes: store.AllScopes(), Hash: store.HashKey(benchAPIKey)}}
+		id, _ := apikey.ParseID(benchAPIKey)
+		keys := benchFakeKeys{id: {ID: id, Tenant: "bench", Scopes: apikey.AllScopes(), Hash: apikey.Hash(benchAPIKey)}}
 		opts.Auth = NewKeyAuth(keys, KeyAuthOptions{CacheTTL: time.Hour})
 		opts.RateLimit = 1000
 	}

@@ -14,7 +14,7 @@ import (
 
 	"github.com/go-chi/chi/v5"
 
-	"github.com/redfence/redfence/store"
+	"github.com/redfence/redfence/internal/apikey"
 )
 
 // RequestIDHeader carries the request ID, echoed on every response.
@@ -166,7 +166,7 @@ func (g *requestIDs) next() string {
 // API key (rf_...) and not of a lock token's shape (27 characters of
 // base64url).
 func validRequestID(s string) bool {
-	if s == "" || len(s) > 64 || strings.HasPrefix(s, store.KeyPrefix) || len(s) == 27 && base64URL(s) {
+	if s == "" || len(s) > 64 || strings.HasPrefix(s, apikey.Prefix) || len(s) == 27 && base64URL(s) {
 		return false
 	}
 	for i := 0; i < len(s); i++ {

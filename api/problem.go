@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/service"
-	"github.com/redfence/redfence/store"
 )
 
 // ProblemTypePrefix prefixes every problem type URI; the suffix is the stable
@@ -219,11 +219,11 @@ func (t errTree) classify() kind {
 		return kNotHolder
 	case t.is(fencing.ErrStale):
 		return kStale
-	case t.is(store.ErrNotFound):
+	case t.is(refstore.ErrNotFound):
 		return kNoResource
-	case t.is(store.ErrInvalidData):
+	case t.is(refstore.ErrInvalidData):
 		return kInvalid
-	case t.is(store.ErrUnavailable):
+	case t.is(refstore.ErrUnavailable):
 		return kStore
 	case t.is(context.Canceled):
 		return kCancelled
@@ -262,7 +262,7 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 	p := &Problem{Type: k.typ, Title: k.title, Status: k.status, Instance: r.URL.Path, RequestID: requestID(r.Context())}
 	re, isRE := asErr[*requestError](tree)
 	ae, isAE := asErr[*authError](tree)
-	stale, isStale := asErr[*store.StaleError](tree)
+	stale, isStale := asErr[*fencing.StaleError](tree)
 	switch {
 	case isRE:
 		p.Detail, p.InvalidParams = re.detail, re.params
@@ -277,10 +277,10 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		if _, name, ok := strings.Cut(shown.Key, "/"); ok {
 			shown.Key = name
 		}
-		p.Detail = shown.Error()[len("store: "):]
+		p.Detail = strings.TrimPrefix(shown.Error(), "fencing: ")
 	case k == kNoResource:
 		p.Detail = "no document has been written under this name"
-	case tree.is(store.ErrInvalidData):
+	case tree.is(refstore.ErrInvalidData):
 		p.Detail = "Postgres cannot store this data (for example a string holding \\u0000)"
 		p.InvalidParams = []InvalidParam{{Name: "data", Reason: "not storable as jsonb"}}
 	case k == kStore:

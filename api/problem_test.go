@@ -7,8 +7,8 @@ import (
 	"testing"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/service"
-	"github.com/redfence/redfence/store"
 )
 
 // isHeld matches service.ErrHeld through an Is method.
@@ -17,13 +17,13 @@ type isHeld struct{}
 func (isHeld) Error() string        { return "is held" }
 func (isHeld) Is(target error) bool { return target == service.ErrHeld }
 
-// asStale turns into a *store.StaleError through an As method.
+// asStale turns into a *fencing.StaleError through an As method.
 type asStale struct{}
 
 func (asStale) Error() string { return "as stale" }
 func (asStale) As(target any) bool {
-	if p, ok := target.(**store.StaleError); ok {
-		*p = &store.StaleError{Key: "t/k", Got: 1, Current: 2}
+	if p, ok := target.(**fencing.StaleError); ok {
+		*p = &fencing.StaleError{Key: "t/k", Got: 1, Current: 2}
 		return true
 	}
 	return false
@@ -37,13 +37,13 @@ func TestErrTree(t *testing.T) {
 	errs := []error{
 		se, wait, fmt.Errorf("wrapped: %w", wait), errors.Join(errors.New("x"), wait, invalid("bad")),
 		fmt.Errorf("%w and %w", &authError{kind: kForbidden}, invalid("bad")), isHeld{}, fmt.Errorf("w: %w", isHeld{}),
-		asStale{}, errors.Join(asStale{}, &store.StaleError{Key: "k"}), &service.Error{Op: "release", Err: service.ErrNotHolder},
+		asStale{}, errors.Join(asStale{}, &fencing.StaleError{Key: "k"}), &service.Error{Op: "release", Err: service.ErrNotHolder},
 		&service.InvalidError{Field: "ttl", Reason: "too long"}, fmt.Errorf("x: %w", &service.InvalidError{Field: "wait"}),
-		fencing.ErrStale, store.ErrNotFound, store.ErrUnavailable, context.Canceled, errors.New("other"),
+		fencing.ErrStale, refstore.ErrNotFound, refstore.ErrUnavailable, context.Canceled, errors.New("other"),
 		errors.Join(), errors.Join(nil, se), fmt.Errorf("%w %w %w", errors.Join(se, wait), isHeld{}, asStale{}),
 	}
 	targets := []error{service.ErrHeld, service.ErrWaitTimeout, service.ErrNotHolder, service.ErrInvalid, context.Canceled,
-		fencing.ErrStale, store.ErrNotFound, store.ErrInvalidData}
+		fencing.ErrStale, refstore.ErrNotFound, refstore.ErrInvalidData}
 	for _, err := range errs {
 		var buf [2]error
 		tree := flatten(buf[:0], err)
@@ -56,7 +56,7 @@ func TestErrTree(t *testing.T) {
 		checkAs[*authError](t, err, tree)
 		checkAs[*service.Error](t, err, tree)
 		checkAs[*service.InvalidError](t, err, tree)
-		checkAs[*store.StaleError](t, err, tree)
+		checkAs[*fencing.StaleError](t, err, tree)
 		if got, want := classify(err), oldClassify(err); got != want {
 			t.Errorf("classify(%v) = %s; before %s", err, got.slug, want.slug)
 		}
@@ -103,11 +103,11 @@ func oldClassify(err error) kind {
 		return kNotHolder
 	case errors.Is(err, fencing.ErrStale):
 		return kStale
-	case errors.Is(err, store.ErrNotFound):
+	case errors.Is(err, refstore.ErrNotFound):
 		return kNoResource
-	case errors.Is(err, store.ErrInvalidData):
+	case errors.Is(err, refstore.ErrInvalidData):
 		return kInvalid
-	case errors.Is(err, store.ErrUnavailable):
+	case errors.Is(err, refstore.ErrUnavailable):
 		return kStore
 	case errors.Is(err, context.Canceled):
 		return kCancelled

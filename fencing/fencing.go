@@ -46,6 +46,37 @@ const Header = "Fencing-Token"
 // ErrStale is returned when a token is older than one already applied.
 var ErrStale = errors.New("fencing: stale token")
 
+// StaleError reports a write refused because its token is older than the
+// newest one known for the key (or, for a store that compares against the
+// issuer, newer than any issued). It matches ErrStale; Current tells the
+// writer which token it lost to.
+type StaleError struct {
+	// Key is what the write was for; empty when the refusing check does not
+	// know it.
+	Key string
+	// Got is the token the write carried.
+	Got Token
+	// Current is the newest token applied or issued for Key (0 if none).
+	Current Token
+}
+
+func (e *StaleError) Error() string {
+	var b strings.Builder
+	b.WriteString("fencing: ")
+	if e.Key != "" {
+		fmt.Fprintf(&b, "write %q: ", e.Key)
+	}
+	if e.Got > e.Current {
+		fmt.Fprintf(&b, "token %d was never issued (newest is %d)", e.Got, e.Current)
+	} else {
+		fmt.Fprintf(&b, "token %d is stale (newest is %d)", e.Got, e.Current)
+	}
+	return b.String()
+}
+
+// Unwrap returns ErrStale.
+func (e *StaleError) Unwrap() error { return ErrStale }
+
 // ErrInvalid is returned when a token is missing or malformed.
 var ErrInvalid = errors.New("fencing: invalid token")
 
@@ -130,15 +161,16 @@ func FromRequest(r *http.Request) (Token, error) {
 func SetHeader(h http.Header, t Token) { h.Set(Header, t.String()) }
 
 // Check applies the monotonic rule: it returns nil when got is valid and at
-// least as new as last (the newest token already applied; 0 for none), and an
-// error matching ErrStale or ErrInvalid otherwise. Equal tokens are accepted so
+// least as new as last (the newest token already applied; 0 for none), a
+// *StaleError (matching ErrStale) when it is older, and an error matching
+// ErrInvalid when it is not a token. Equal tokens are accepted so
 // one holder may write several times under one grant.
 func Check(last, got Token) error {
 	if !got.Valid() {
 		return fmt.Errorf("%w: %d", ErrInvalid, got)
 	}
 	if got < last {
-		return fmt.Errorf("%w: got %d, last applied %d", ErrStale, got, last)
+		return &StaleError{Got: got, Current: last}
 	}
 	return nil
 }
@@ -163,6 +195,10 @@ func (g *Guard) Apply(key string, got Token, write func() error) error {
 		g.last = make(map[string]Token)
 	}
 	if err := Check(g.last[key], got); err != nil {
+		if se, ok := err.(*StaleError); ok {
+			se.Key = key
+			return se
+		}
 		return fmt.Errorf("apply %q: %w", key, err)
 	}
 	if write != nil {

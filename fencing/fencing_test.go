@@ -118,7 +118,32 @@ func TestCheck(t *testing.T) {
 			if errors.Is(err, other) {
 				t.Errorf("Check(%d, %d) = %v; want it not to match %v", tc.last, tc.got, err, other)
 			}
+			var se *StaleError
+			if isStale := errors.As(err, &se); isStale != (tc.err == ErrStale) {
+				t.Errorf("Check(%d, %d) = %v: a *StaleError is %v; want %v", tc.last, tc.got, err, isStale, tc.err == ErrStale)
+			} else if isStale && (se.Got != tc.got || se.Current != tc.last) {
+				t.Errorf("Check(%d, %d): StaleError{Got: %d, Current: %d}; want Got %d, Current %d", tc.last, tc.got, se.Got, se.Current, tc.got, tc.last)
+			}
 		})
+	}
+}
+
+func TestStaleError(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		err  *StaleError
+		want string
+	}{
+		{&StaleError{Key: "orders", Got: 1, Current: 2}, `fencing: write "orders": token 1 is stale (newest is 2)`},
+		{&StaleError{Key: "orders", Got: 3, Current: 2}, `fencing: write "orders": token 3 was never issued (newest is 2)`},
+		{&StaleError{Got: 4, Current: 5}, `fencing: token 4 is stale (newest is 5)`},
+	} {
+		if got := tc.err.Error(); got != tc.want {
+			t.Errorf("%#v.Error() = %q; want %q", tc.err, got, tc.want)
+		}
+		if !errors.Is(tc.err, ErrStale) {
+			t.Errorf("%#v does not match ErrStale", tc.err)
+		}
 	}
 }
 
@@ -219,6 +244,9 @@ func TestGuard_Apply(t *testing.T) {
 			err := g.Apply(step.key, step.tok, write)
 			if step.err == nil && err != nil || step.err != nil && !errors.Is(err, step.err) {
 				t.Errorf("step %d: Apply(%q, %d) = %v; want %v", i, step.key, step.tok, err, step.err)
+			}
+			if se := (*StaleError)(nil); errors.As(err, &se) && (se.Key != step.key || se.Got != step.tok || se.Current != step.last) {
+				t.Errorf("step %d: Apply(%q, %d) = %#v; want the key, the token and %d", i, step.key, step.tok, se, step.last)
 			}
 			if wantCalled := step.write != nil && (step.err == nil || step.err == writeErr); called != wantCalled {
 				t.Errorf("step %d: Apply(%q, %d) called write = %v; want %v", i, step.key, step.tok, called, wantCalled)

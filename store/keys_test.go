@@ -8,83 +8,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/redfence/redfence/internal/apikey"
 )
-
-func TestKeyID(t *testing.T) {
-	t.Parallel()
-	const id = "0123456789abcdef"
-	secret := strings.Repeat("Ab-_9", 8) + "xyz" // 43 base64url characters
-	for _, tc := range []struct {
-		name, key string
-		ok        bool
-	}{
-		{"Valid", KeyPrefix + id + "_" + secret, true},
-		{"Empty", "", false},
-		{"WrongPrefix", "rk_" + id + "_" + secret, false},
-		{"UpperCaseID", KeyPrefix + strings.ToUpper(id) + "_" + secret, false},
-		{"ShortID", KeyPrefix + id[1:] + "_" + secret + "x", false},
-		{"NoSeparator", KeyPrefix + id + "-" + secret, false},
-		{"ShortSecret", KeyPrefix + id + "_" + secret[1:], false},
-		{"LongSecret", KeyPrefix + id + "_" + secret + "x", false},
-		{"PaddedSecret", KeyPrefix + id + "_" + secret[1:] + "=", false},
-		{"SpaceInSecret", KeyPrefix + id + "_" + secret[1:] + " ", false},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got, ok := KeyID(tc.key)
-			if ok != tc.ok || (ok && got != id) {
-				t.Errorf("KeyID(%q) = %q, %v; want %q, %v", tc.key, got, ok, id, tc.ok)
-			}
-		})
-	}
-	key, kid := newKey()
-	if got, ok := KeyID(key); !ok || got != kid || len(key) != KeyLen {
-		t.Errorf("KeyID(newKey() = %q) = %q, %v; want %q, true, length %d", key, got, ok, kid, KeyLen)
-	}
-}
-
-func FuzzKeyID(f *testing.F) {
-	key, _ := newKey()
-	f.Add(key)
-	f.Add("rf_0123456789abcdef_")
-	f.Add("")
-	f.Fuzz(func(t *testing.T, s string) {
-		id, ok := KeyID(s)
-		if !ok {
-			return
-		}
-		if len(s) != KeyLen || !strings.HasPrefix(s, KeyPrefix+id+"_") || !validKeyID(id) {
-			t.Errorf("KeyID(%q) = %q, true for a key not of the form rf_<16 hex>_<43 base64url>", s, id)
-		}
-	})
-}
-
-func TestParseScopes(t *testing.T) {
-	t.Parallel()
-	for _, tc := range []struct {
-		in   string
-		want []string // nil: an error
-	}{
-		{"locks", []string{"locks"}},
-		{"admin,locks", []string{"locks", "admin"}},
-		{" resources , locks,locks ", []string{"locks", "resources"}},
-		{"locks,resources,admin", AllScopes()},
-		{"", nil},
-		{"locks,", nil},
-		{"lock", nil},
-		{"LOCKS", nil},
-	} {
-		got, err := ParseScopes(tc.in)
-		if tc.want == nil {
-			if err == nil {
-				t.Errorf("ParseScopes(%q) = %v; want an error", tc.in, got)
-			}
-			continue
-		}
-		if err != nil || !slices.Equal(got, tc.want) {
-			t.Errorf("ParseScopes(%q) = %v, %v; want %v", tc.in, got, err, tc.want)
-		}
-	}
-}
 
 func TestDB_Keys(t *testing.T) {
 	t.Parallel()
@@ -96,10 +22,10 @@ func TestDB_Keys(t *testing.T) {
 			name, tenant string
 			scopes       []string
 		}{
-			{"EmptyTenant", "", DefaultScopes()},
-			{"SlashInTenant", "a/b", DefaultScopes()},
-			{"DotDotTenant", "..", DefaultScopes()},
-			{"LongTenant", strings.Repeat("t", 201), DefaultScopes()},
+			{"EmptyTenant", "", apikey.DefaultScopes()},
+			{"SlashInTenant", "a/b", apikey.DefaultScopes()},
+			{"DotDotTenant", "..", apikey.DefaultScopes()},
+			{"LongTenant", strings.Repeat("t", 201), apikey.DefaultScopes()},
 			{"NoScope", "acme", nil},
 			{"UnknownScope", "acme", []string{"locks", "root"}},
 		} {
@@ -112,14 +38,14 @@ func TestDB_Keys(t *testing.T) {
 		}
 	})
 
-	key, k, err := db.CreateKey(ctx, "acme", []string{ScopeAdmin, ScopeLocks})
+	key, k, err := db.CreateKey(ctx, "acme", []string{apikey.ScopeAdmin, apikey.ScopeLocks})
 	if err != nil {
 		t.Fatalf("CreateKey: %v", err)
 	}
-	if id, ok := KeyID(key); !ok || id != k.ID {
-		t.Fatalf("CreateKey returned key %q with id %q; KeyID says %q, %v", key, k.ID, id, ok)
+	if id, ok := apikey.ParseID(key); !ok || id != k.ID {
+		t.Fatalf("CreateKey returned key %q with id %q; ParseID says %q, %v", key, k.ID, id, ok)
 	}
-	if k.Tenant != "acme" || !slices.Equal(k.Scopes, []string{ScopeLocks, ScopeAdmin}) || k.CreatedAt.IsZero() || k.Revoked() {
+	if k.Tenant != "acme" || !slices.Equal(k.Scopes, []string{apikey.ScopeLocks, apikey.ScopeAdmin}) || k.CreatedAt.IsZero() || k.Revoked() {
 		t.Errorf("CreateKey = %+v; want tenant acme, scopes [locks admin], created, not revoked", k)
 	}
 
@@ -129,7 +55,7 @@ func TestDB_Keys(t *testing.T) {
 		if err := conn.QueryRow(ctx, `SELECT r::text FROM redfence_api_keys r WHERE id = $1`, k.ID).Scan(&row); err != nil {
 			t.Fatal(err)
 		}
-		secret := key[len(KeyPrefix)+keyIDLen+1:]
+		secret := key[len(apikey.Prefix)+16+1:]
 		if strings.Contains(row, secret) || strings.Contains(row, key) {
 			t.Errorf("the stored row %s contains the key's secret", row)
 		}
@@ -140,7 +66,7 @@ func TestDB_Keys(t *testing.T) {
 		if err != nil {
 			t.Fatalf("Key(%s): %v", k.ID, err)
 		}
-		if !bytes.Equal(got.Hash, HashKey(key)) || got.Tenant != "acme" || !slices.Equal(got.Scopes, k.Scopes) {
+		if !bytes.Equal(got.Hash, apikey.Hash(key)) || got.Tenant != "acme" || !slices.Equal(got.Scopes, k.Scopes) {
 			t.Errorf("Key(%s) = %+v; want the created key", k.ID, got)
 		}
 		if !got.Verify(key) {
@@ -162,7 +88,7 @@ func TestDB_Keys(t *testing.T) {
 	})
 
 	t.Run("Revoke", func(t *testing.T) {
-		key2, k2, err := db.CreateKey(ctx, "other", DefaultScopes())
+		key2, k2, err := db.CreateKey(ctx, "other", apikey.DefaultScopes())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -223,7 +149,7 @@ func TestDB_WatchKeys(t *testing.T) {
 	t.Cleanup(w.Close)
 	rec.want(t, "connecting", KeyChange{})
 
-	_, k, err := db.CreateKey(ctx, "acme", DefaultScopes())
+	_, k, err := db.CreateKey(ctx, "acme", apikey.DefaultScopes())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -253,7 +179,7 @@ SELECT pg_terminate_backend(pid) FROM pg_stat_activity
 		t.Fatalf("terminating the LISTEN connection: %v, %v", killed, err)
 	}
 	rec.want(t, "the connection was killed", KeyChange{})
-	_, k2, err := db.CreateKey(ctx, "acme", DefaultScopes())
+	_, k2, err := db.CreateKey(ctx, "acme", apikey.DefaultScopes())
 	if err != nil {
 		t.Fatal(err)
 	}

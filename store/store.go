@@ -33,19 +33,22 @@ import (
 	"github.com/pressly/goose/v3/lock"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/migrations"
 )
 
-// ErrNotFound is returned when a resource does not exist.
-var ErrNotFound = errors.New("store: not found")
-
-// ErrUnavailable is returned (wrapped with the cause) when Postgres could not
-// be reached or did not answer in time.
-var ErrUnavailable = errors.New("store: unavailable")
-
-// ErrInvalidData is returned when Postgres refuses the data itself (for
-// example a JSON string holding \u0000, which jsonb cannot store).
-var ErrInvalidData = errors.New("store: data rejected")
+// Errors of the reference store, shared with its consumers (see
+// internal/refstore). Match them with errors.Is.
+var (
+	// ErrNotFound is returned when a resource does not exist.
+	ErrNotFound = refstore.ErrNotFound
+	// ErrUnavailable is returned (wrapped with the cause) when Postgres could
+	// not be reached or did not answer in time.
+	ErrUnavailable = refstore.ErrUnavailable
+	// ErrInvalidData is returned when Postgres refuses the data itself (for
+	// example a JSON string holding \u0000, which jsonb cannot store).
+	ErrInvalidData = refstore.ErrInvalidData
+)
 
 // classify wraps a failed statement's error with ErrInvalidData for data
 // exceptions (SQLSTATE class 22) and ErrUnavailable otherwise.
@@ -59,26 +62,6 @@ func classify(err error) error {
 	}
 	return fmt.Errorf("%w: %w", ErrUnavailable, err)
 }
-
-// StaleError reports a reference-store write refused because its token is not
-// the newest one issued for the key. It matches fencing.ErrStale.
-type StaleError struct {
-	Key string
-	// Got is the token the write carried.
-	Got fencing.Token
-	// Current is the newest token issued for the key (0 if none).
-	Current fencing.Token
-}
-
-func (e *StaleError) Error() string {
-	if e.Got > e.Current {
-		return fmt.Sprintf("store: write %q: token %d was never issued (newest is %d)", e.Key, e.Got, e.Current)
-	}
-	return fmt.Sprintf("store: write %q: token %d is stale (newest is %d)", e.Key, e.Got, e.Current)
-}
-
-// Unwrap returns fencing.ErrStale.
-func (e *StaleError) Unwrap() error { return fencing.ErrStale }
 
 // Options tunes a DB. Zero fields take the documented defaults.
 type Options struct {
@@ -262,14 +245,7 @@ func (db *DB) Last(ctx context.Context, key string) (fencing.Record, error) {
 }
 
 // Resource is one document of the reference store.
-type Resource struct {
-	Key          string
-	Data         json.RawMessage
-	FencingToken fencing.Token
-	// Version counts accepted writes, starting at 1.
-	Version   int64
-	UpdatedAt time.Time
-}
+type Resource = refstore.Resource
 
 // The CTE takes a share lock on the token row: an issuance waiting to bump it
 // waits for this write to commit, and a write waiting behind an issuance sees
@@ -293,7 +269,7 @@ ON CONFLICT (key) DO UPDATE
 RETURNING data, fencing_token, version, updated_at`
 
 // PutResource writes data under key if token is the newest token issued for
-// key. Otherwise it changes nothing and returns a *StaleError.
+// key. Otherwise it changes nothing and returns a *fencing.StaleError.
 func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*Resource, error) {
 	q := putSQL
 	if db.opts.Unfenced {
@@ -307,7 +283,7 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 		if lerr != nil {
 			return nil, fmt.Errorf("store: put %q: refused, and %w", key, classify(lerr))
 		}
-		return nil, &StaleError{Key: key, Got: token, Current: last.Token}
+		return nil, &fencing.StaleError{Key: key, Got: token, Current: last.Token}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("store: put %q: %w", key, classify(err))

@@ -262,20 +262,20 @@ func TestDB_Issue(t *testing.T) {
 	})
 }
 
-// wantStale checks that err is a *StaleError for key with the given tokens
+// wantStale checks that err is a *fencing.StaleError for key with the given tokens
 // that matches fencing.ErrStale.
 func wantStale(t testing.TB, err error, key string, got, current fencing.Token) {
 	t.Helper()
-	var se *StaleError
+	var se *fencing.StaleError
 	if !errors.As(err, &se) {
-		t.Fatalf("PutResource(%q, %d) error = %v; want a *StaleError", key, got, err)
+		t.Fatalf("PutResource(%q, %d) error = %v; want a *fencing.StaleError", key, got, err)
 	}
 	if !errors.Is(err, fencing.ErrStale) {
 		t.Errorf("errors.Is(%v, fencing.ErrStale) = false; want true", err)
 	}
-	want := StaleError{Key: key, Got: got, Current: current}
+	want := fencing.StaleError{Key: key, Got: got, Current: current}
 	if *se != want {
-		t.Errorf("StaleError = %+v; want %+v", *se, want)
+		t.Errorf("fencing.StaleError = %+v; want %+v", *se, want)
 	}
 }
 

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redfence/redfence/internal/apikey"
+
 	"github.com/redfence/redfence/api"
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
@@ -59,7 +61,7 @@ func TestAuth_RevocationAcrossServers(t *testing.T) {
 		servers[i], _ = open(t, cfg, discard)
 	}
 	db := keyDB(t, url, discard)
-	key, id := createKey(t, db, "acme", store.AllScopes()...)
+	key, id := createKey(t, db, "acme", apikey.AllScopes()...)
 	for i, s := range servers {
 		expect(t, fmt.Sprintf("GET on server %d with the key", i), call(t, http.MethodGet, s.Addr(), "/v1/locks/x", "", auth(key)...), http.StatusOK, nil)
 	}
@@ -78,7 +80,7 @@ func TestAuth_RevocationAcrossServers(t *testing.T) {
 	t.Logf("both servers refused the key %v after the revocation committed", time.Since(revoked))
 
 	// A key created now works on both at once.
-	key2, _ := createKey(t, db, "acme", store.ScopeLocks)
+	key2, _ := createKey(t, db, "acme", apikey.ScopeLocks)
 	for i, s := range servers {
 		expect(t, fmt.Sprintf("GET on server %d with a new key", i), call(t, http.MethodGet, s.Addr(), "/v1/locks/x", "", auth(key2)...), http.StatusOK, nil)
 	}
@@ -100,10 +102,10 @@ func TestAuth_NoSecretsInLogs(t *testing.T) {
 	addr := s.Addr()
 	db := keyDB(t, url, log)
 
-	a, aID := createKey(t, db, "acme", store.AllScopes()...)
-	b, _ := createKey(t, db, "beta", store.ScopeLocks)
-	noisy, _ := createKey(t, db, "noisy", store.ScopeLocks)
-	revoked, revokedID := createKey(t, db, "acme", store.AllScopes()...)
+	a, aID := createKey(t, db, "acme", apikey.AllScopes()...)
+	b, _ := createKey(t, db, "beta", apikey.ScopeLocks)
+	noisy, _ := createKey(t, db, "noisy", apikey.ScopeLocks)
+	revoked, revokedID := createKey(t, db, "acme", apikey.AllScopes()...)
 	if _, err := db.RevokeKey(t.Context(), revokedID); err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +131,7 @@ func TestAuth_NoSecretsInLogs(t *testing.T) {
 	for what, h := range map[string][]string{
 		"revoked key":   auth(revoked),
 		"wrong secret":  auth(wrong),
-		"unknown key":   auth(store.KeyPrefix + "0123456789abcdef_" + a[len(a)-43:]),
+		"unknown key":   auth(apikey.Prefix + "0123456789abcdef_" + a[len(a)-43:]),
 		"malformed key": auth("x" + a),
 		"key as Basic":  {"Authorization", "Basic " + a},
 		"two keys":      {"Authorization", "Bearer " + a, "Authorization", "Bearer " + b},
@@ -209,7 +211,7 @@ func TestRun_Keys(t *testing.T) {
 		t.Fatalf("keys create = %v (stderr %s)", err, errOut)
 	}
 	acme := strings.TrimSpace(out)
-	acmeID, ok := store.KeyID(acme)
+	acmeID, ok := apikey.ParseID(acme)
 	if !ok || strings.Count(out, "\n") != 1 {
 		t.Fatalf("keys create printed %q; want one line, the key", out)
 	}
@@ -221,7 +223,7 @@ func TestRun_Keys(t *testing.T) {
 		t.Fatal(err)
 	}
 	beta := strings.TrimSpace(out)
-	betaID, _ := store.KeyID(beta)
+	betaID, _ := apikey.ParseID(beta)
 
 	list := func() [][]string {
 		t.Helper()

@@ -11,6 +11,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/redfence/redfence/internal/apikey"
+
 	"github.com/redfence/redfence/api"
 	"github.com/redfence/redfence/store"
 )
@@ -94,15 +96,15 @@ func keysDB(ctx context.Context, stderr io.Writer) (*store.DB, error) {
 func cmdKeysCreate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flags("keys create", "Creates an API key and prints it on stdout, only this once.\n\n"+keysHelp, stdout)
 	tenant := fs.String("tenant", "", "the tenant (namespace) of the key: 1-200 characters of A-Z a-z 0-9 . _ - : (required)")
-	scope := fs.String("scope", strings.Join(store.DefaultScopes(), ","), "comma-separated scopes: "+strings.Join(store.AllScopes(), ", "))
+	scope := fs.String("scope", strings.Join(apikey.DefaultScopes(), ","), "comma-separated scopes: "+strings.Join(apikey.AllScopes(), ", "))
 	if err := parseFlags(fs, args); err != nil {
 		return helpOK(err)
 	}
-	if reason := store.ValidTenant(*tenant); reason != "" {
+	if reason := apikey.ValidTenant(*tenant); reason != "" {
 		fmt.Fprintf(stderr, "--tenant %q: %s\n", *tenant, reason)
 		return errUsage
 	}
-	scopes, err := store.ParseScopes(*scope)
+	scopes, err := apikey.ParseScopes(*scope)
 	if err != nil {
 		fmt.Fprintf(stderr, "--scope: %s\n", strings.TrimPrefix(err.Error(), "store: "))
 		return errUsage
@@ -163,7 +165,7 @@ func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer)
 		return errUsage
 	}
 	id := fs.Arg(0)
-	if kid, ok := store.KeyID(id); ok {
+	if kid, ok := apikey.ParseID(id); ok {
 		id = kid // the whole key was given
 	}
 	db, err := keysDB(ctx, stderr)
@@ -172,7 +174,7 @@ func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	defer db.Close()
 	k, err := db.RevokeKey(ctx, id)
-	if errors.Is(err, store.ErrKeyNotFound) {
+	if errors.Is(err, apikey.ErrNotFound) {
 		return fmt.Errorf("no API key has id %q (see redfence keys list)", id)
 	}
 	if err != nil {
@@ -184,7 +186,7 @@ func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer)
 
 // devKey creates the key `redfence dev` prints: tenant "dev", every scope.
 func (s *Server) devKey(ctx context.Context) (string, error) {
-	key, k, err := s.db.CreateKey(ctx, "dev", store.AllScopes())
+	key, k, err := s.db.CreateKey(ctx, "dev", apikey.AllScopes())
 	if err != nil {
 		return "", err
 	}

@@ -108,7 +108,7 @@ func newHandler(st *Store, log *slog.Logger) http.Handler {
 			return
 		}
 		d, err := st.Put(r.Context(), r.PathValue("id"), body, token, ifVersion)
-		var stale *StaleError
+		var stale *fencing.StaleError
 		switch {
 		case errors.As(err, &stale):
 			log.Info("write refused: stale fencing token", "id", r.PathValue("id"), "fencing_token", int64(token), "current", int64(stale.Current))

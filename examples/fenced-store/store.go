@@ -52,16 +52,6 @@ var ErrNotFound = errors.New("fenced-store: not found")
 // ErrVersion: the document is no longer at the version the write was based on.
 var ErrVersion = errors.New("fenced-store: version changed")
 
-// StaleError: the write's token is older than the last applied one. It
-// matches fencing.ErrStale.
-type StaleError struct{ Got, Current fencing.Token }
-
-func (e *StaleError) Error() string {
-	return fmt.Sprintf("fencing token %d is older than %d, already applied", e.Got, e.Current)
-}
-
-func (e *StaleError) Unwrap() error { return fencing.ErrStale }
-
 // Store keeps documents in Postgres, guarded by fencing tokens.
 type Store struct{ pool *pgxpool.Pool }
 
@@ -73,7 +63,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 
 // Put writes body under id with token; ifVersion, if not nil, is the version
 // the write was based on. It returns the new version, or an error matching
-// fencing.ErrStale (a *StaleError) or ErrVersion.
+// fencing.ErrStale (a *fencing.StaleError) or ErrVersion.
 func (s *Store) Put(ctx context.Context, id string, body json.RawMessage, token fencing.Token, ifVersion *int64) (*Document, error) {
 	d := &Document{ID: id, Body: body, FencingToken: token}
 	err := s.pool.QueryRow(ctx, putSQL, id, body, int64(token), ifVersion).Scan(&d.Version, &d.UpdatedAt)
@@ -92,7 +82,7 @@ func (s *Store) Put(ctx context.Context, id string, body json.RawMessage, token 
 		return nil, err
 	}
 	if cur.FencingToken > token || ifVersion == nil {
-		return nil, &StaleError{Got: token, Current: cur.FencingToken}
+		return nil, &fencing.StaleError{Key: id, Got: token, Current: cur.FencingToken}
 	}
 	return nil, fmt.Errorf("%w: at version %d, not %d", ErrVersion, cur.Version, *ifVersion)
 }

@@ -1,0 +1,201 @@
+// Package apikey is the API key model shared by the store package, which
+// keeps keys in Postgres, and the api package, which authenticates requests
+// with them: the key format, scopes, tenants and the stored form of a key.
+// Both import this leaf so neither imports the other.
+//
+// An API key reads "rf_<id>_<secret>": the id is 16 hex digits (8 random
+// bytes), public and safe to log; the secret is 32 random bytes in unpadded
+// base64url (43 characters). Only the SHA-256 of the whole key is stored.
+package apikey
+
+import (
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base64"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/redfence/redfence/internal/keyspace"
+)
+
+// Scopes: what a key may do.
+const (
+	// ScopeLocks allows acquiring, extending, releasing and reading locks.
+	ScopeLocks = "locks"
+	// ScopeResources allows reading and writing the reference store.
+	ScopeResources = "resources"
+	// ScopeAdmin allows the node view (/v1/nodes) and /metrics.
+	ScopeAdmin = "admin"
+)
+
+// AllScopes returns every scope, in canonical order.
+func AllScopes() []string { return []string{ScopeLocks, ScopeResources, ScopeAdmin} }
+
+// DefaultScopes returns the scopes of a key created without any: locks and
+// resources.
+func DefaultScopes() []string { return []string{ScopeLocks, ScopeResources} }
+
+const (
+	// Prefix starts every API key, so secret scanners can find leaked ones.
+	Prefix    = "rf_"
+	idLen     = 16
+	secretLen = 43
+	// Len is the length of every API key.
+	Len = len(Prefix) + idLen + 1 + secretLen
+)
+
+// ErrNotFound is returned when no API key has the given id.
+var ErrNotFound = errors.New("apikey: no such key")
+
+// Key is an API key as stored: never its secret, only the hash of the whole
+// key.
+type Key struct {
+	// ID is the public part of the key.
+	ID string
+	// Tenant is the namespace of every lock and resource the key touches.
+	Tenant string
+	// Scopes are what the key may do, in canonical order.
+	Scopes []string
+	// CreatedAt is when the key was created.
+	CreatedAt time.Time
+	// RevokedAt is when the key was revoked; zero while it is active.
+	RevokedAt time.Time
+	// Hash is the SHA-256 of the whole key.
+	Hash []byte
+}
+
+// Revoked reports whether the key was revoked.
+func (k *Key) Revoked() bool { return !k.RevokedAt.IsZero() }
+
+// HasScope reports whether the key carries scope.
+func (k *Key) HasScope(scope string) bool { return slices.Contains(k.Scopes, scope) }
+
+// Verify reports whether key is this API key, comparing hashes in constant
+// time so that the time taken reveals nothing about the stored hash.
+func (k *Key) Verify(key string) bool {
+	return subtle.ConstantTimeCompare(Hash(key), k.Hash) == 1
+}
+
+// Change tells a watcher that an API key may have changed.
+type Change struct {
+	// ID is the key that changed; "" means any key may have changed (the
+	// watch connection was (re)established, so notifications may have been
+	// missed, or the table was truncated): drop everything cached.
+	ID string
+}
+
+// Hash returns the SHA-256 of key.
+//
+// A fast hash is the right choice here, unlike for passwords: the secret is
+// 256 bits from crypto/rand, so there is no dictionary or low-entropy space
+// that a slow KDF (bcrypt, argon2) would protect; reversing SHA-256 of such a
+// key is a 2^256 search either way. A fast hash lets every cache miss be
+// checked in microseconds instead of costing tens of milliseconds of CPU that
+// an unauthenticated client could make the server spend.
+func Hash(key string) []byte {
+	h := sha256.Sum256([]byte(key))
+	return h[:]
+}
+
+// New returns a fresh API key and its id.
+func New() (key, id string) {
+	var b [8 + 32]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand, Go 1.24+)
+	id = hex.EncodeToString(b[:8])
+	return Prefix + id + "_" + base64.RawURLEncoding.EncodeToString(b[8:]), id
+}
+
+// ParseID returns the id of a well-formed API key, and false for anything
+// that cannot be one. It looks at the form only: the key may still be
+// unknown.
+func ParseID(key string) (string, bool) {
+	if len(key) != Len || !strings.HasPrefix(key, Prefix) || key[len(Prefix)+idLen] != '_' {
+		return "", false
+	}
+	id := key[len(Prefix) : len(Prefix)+idLen]
+	if !ValidID(id) {
+		return "", false
+	}
+	for i := len(Prefix) + idLen + 1; i < len(key); i++ {
+		c := key[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return "", false
+		}
+	}
+	return id, true
+}
+
+// ValidID reports whether id can be the id of an API key: 16 lower-case hex
+// digits.
+func ValidID(id string) bool {
+	if len(id) != idLen {
+		return false
+	}
+	for i := 0; i < len(id); i++ {
+		if c := id[i]; !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// ParseScopes parses a comma-separated list of scopes ("locks,resources").
+// It ignores spaces and repeats and returns the scopes in canonical order;
+// an unknown or missing scope is an error.
+func ParseScopes(list string) ([]string, error) {
+	var out []string
+	for s := range strings.SplitSeq(list, ",") {
+		s = strings.TrimSpace(s)
+		if err := checkScope(s); err != nil {
+			return nil, err
+		}
+		if !slices.Contains(out, s) {
+			out = append(out, s)
+		}
+	}
+	return CanonicalScopes(out)
+}
+
+// CanonicalScopes returns scopes without repeats, in canonical order. An
+// unknown scope, or none at all, is an error.
+func CanonicalScopes(scopes []string) ([]string, error) {
+	for _, s := range scopes {
+		if err := checkScope(s); err != nil {
+			return nil, err
+		}
+	}
+	var out []string
+	for _, s := range AllScopes() {
+		if slices.Contains(scopes, s) {
+			out = append(out, s)
+		}
+	}
+	if len(out) == 0 {
+		return nil, errors.New("apikey: an API key needs at least one scope")
+	}
+	return out, nil
+}
+
+func checkScope(s string) error {
+	if !slices.Contains(AllScopes(), s) {
+		return fmt.Errorf("apikey: unknown scope %q (want %s)", s, strings.Join(AllScopes(), ", "))
+	}
+	return nil
+}
+
+// ValidTenant reports why tenant cannot name a tenant, or "" when it can: 1
+// to 200 characters of A-Z a-z 0-9 . _ - : (a keyspace namespace).
+func ValidTenant(tenant string) string {
+	if tenant == "" {
+		return "must not be empty"
+	}
+	if !keyspace.ValidNamespace(tenant) {
+		return keyspace.ValidName(tenant)
+	}
+	return ""
+}

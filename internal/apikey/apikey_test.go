@@ -1,0 +1,137 @@
+package apikey
+
+import (
+	"slices"
+	"strings"
+	"testing"
+)
+
+func TestParseID(t *testing.T) {
+	t.Parallel()
+	const id = "0123456789abcdef"
+	secret := strings.Repeat("Ab-_9", 8) + "xyz" // 43 base64url characters
+	for _, tc := range []struct {
+		name, key string
+		ok        bool
+	}{
+		{"Valid", Prefix + id + "_" + secret, true},
+		{"Empty", "", false},
+		{"WrongPrefix", "rk_" + id + "_" + secret, false},
+		{"UpperCaseID", Prefix + strings.ToUpper(id) + "_" + secret, false},
+		{"ShortID", Prefix + id[1:] + "_" + secret + "x", false},
+		{"NoSeparator", Prefix + id + "-" + secret, false},
+		{"ShortSecret", Prefix + id + "_" + secret[1:], false},
+		{"LongSecret", Prefix + id + "_" + secret + "x", false},
+		{"PaddedSecret", Prefix + id + "_" + secret[1:] + "=", false},
+		{"SpaceInSecret", Prefix + id + "_" + secret[1:] + " ", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, ok := ParseID(tc.key)
+			if ok != tc.ok || (ok && got != id) {
+				t.Errorf("ParseID(%q) = %q, %v; want %q, %v", tc.key, got, ok, id, tc.ok)
+			}
+		})
+	}
+	key, kid := New()
+	if got, ok := ParseID(key); !ok || got != kid || len(key) != Len {
+		t.Errorf("ParseID(New() = %q) = %q, %v; want %q, true, length %d", key, got, ok, kid, Len)
+	}
+}
+
+func FuzzParseID(f *testing.F) {
+	key, _ := New()
+	f.Add(key)
+	f.Add("rf_0123456789abcdef_")
+	f.Add("")
+	f.Fuzz(func(t *testing.T, s string) {
+		id, ok := ParseID(s)
+		if !ok {
+			return
+		}
+		if len(s) != Len || !strings.HasPrefix(s, Prefix+id+"_") || !ValidID(id) {
+			t.Errorf("ParseID(%q) = %q, true for a key not of the form rf_<16 hex>_<43 base64url>", s, id)
+		}
+	})
+}
+
+func TestParseScopes(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		in   string
+		want []string // nil: an error
+	}{
+		{"locks", []string{"locks"}},
+		{"admin,locks", []string{"locks", "admin"}},
+		{" resources , locks,locks ", []string{"locks", "resources"}},
+		{"locks,resources,admin", AllScopes()},
+		{"", nil},
+		{"locks,", nil},
+		{"lock", nil},
+		{"LOCKS", nil},
+	} {
+		got, err := ParseScopes(tc.in)
+		checkScopes(t, "ParseScopes", tc.in, got, err, tc.want)
+	}
+}
+
+func TestCanonicalScopes(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		in   []string
+		want []string // nil: an error
+	}{
+		{[]string{ScopeAdmin, ScopeLocks, ScopeAdmin}, []string{ScopeLocks, ScopeAdmin}},
+		{AllScopes(), AllScopes()},
+		{nil, nil},
+		{[]string{ScopeLocks, "root"}, nil},
+	} {
+		got, err := CanonicalScopes(tc.in)
+		checkScopes(t, "CanonicalScopes", tc.in, got, err, tc.want)
+	}
+}
+
+// checkScopes checks what fn(in) returned against want (nil: an error).
+func checkScopes(t *testing.T, fn string, in any, got []string, err error, want []string) {
+	t.Helper()
+	switch {
+	case want == nil && err == nil:
+		t.Errorf("%s(%q) = %v; want an error", fn, in, got)
+	case want != nil && (err != nil || !slices.Equal(got, want)):
+		t.Errorf("%s(%q) = %v, %v; want %v", fn, in, got, err, want)
+	}
+}
+
+func TestKey(t *testing.T) {
+	t.Parallel()
+	key, id := New()
+	other, _ := New()
+	k := &Key{ID: id, Tenant: "acme", Scopes: DefaultScopes(), Hash: Hash(key)}
+	if !k.Verify(key) {
+		t.Errorf("Verify(the key) = false")
+	}
+	for _, bad := range []string{other, "", key[:len(key)-1], key + "x"} {
+		if k.Verify(bad) {
+			t.Errorf("Verify(%q) = true for another key", bad)
+		}
+	}
+	if !k.HasScope(ScopeLocks) || k.HasScope(ScopeAdmin) {
+		t.Errorf("HasScope: locks %v, admin %v; want true, false", k.HasScope(ScopeLocks), k.HasScope(ScopeAdmin))
+	}
+	if k.Revoked() {
+		t.Errorf("Revoked() = true for a key without RevokedAt")
+	}
+}
+
+func TestValidTenant(t *testing.T) {
+	t.Parallel()
+	for _, ok := range []string{"acme", "a.b-c_d:e", strings.Repeat("t", 200)} {
+		if reason := ValidTenant(ok); reason != "" {
+			t.Errorf("ValidTenant(%q) = %q; want \"\"", ok, reason)
+		}
+	}
+	for _, bad := range []string{"", "a/b", "..", strings.Repeat("t", 201), "a b"} {
+		if ValidTenant(bad) == "" {
+			t.Errorf("ValidTenant(%q) = \"\"; want a reason", bad)
+		}
+	}
+}
