@@ -97,9 +97,11 @@ var binaries struct {
 func build(t *testing.T) (redfenceBin, clientBin string) {
 	t.Helper()
 	binaries.once.Do(func() {
+		// go test puts its own GOROOT/bin first in the PATH of the tests.
 		goBin, err := exec.LookPath("go")
 		if err != nil {
-			goBin = filepath.Join(runtime.GOROOT(), "bin", "go")
+			binaries.err = err
+			return
 		}
 		mod, err := exec.Command(goBin, "env", "GOMOD").Output()
 		if err != nil {
