@@ -41,7 +41,9 @@ same.`, stdout)
 		return err
 	}
 	cfg.ListenAddr = *addr
-	log := cfg.logger(stderr)
+	logw := newAsyncWriter(stderr)
+	defer logw.Close()
+	log := cfg.logger(logw)
 	quietRedis(log)
 
 	if len(cfg.RedisAddrs) == 0 || cfg.DatabaseURL == "" {

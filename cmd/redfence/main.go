@@ -172,7 +172,9 @@ func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	log := cfg.logger(stderr)
+	logw := newAsyncWriter(stderr)
+	defer logw.Close()
+	log := cfg.logger(logw)
 	quietRedis(log)
 	s, err := Open(ctx, cfg, log, ServerOptions{})
 	if err != nil {

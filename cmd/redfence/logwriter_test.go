@@ -1,0 +1,134 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+)
+
+// gatedWriter collects what is written; while gate is set, each Write waits
+// for a value on it first.
+type gatedWriter struct {
+	gate    chan struct{}
+	entered chan struct{} // a Write has started (buffered)
+
+	mu     sync.Mutex
+	buf    bytes.Buffer
+	writes int
+	max    int // the longest single write
+}
+
+func (g *gatedWriter) Write(p []byte) (int, error) {
+	if g.entered != nil {
+		select {
+		case g.entered <- struct{}{}:
+		default:
+		}
+	}
+	if g.gate != nil {
+		<-g.gate
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.writes++
+	g.max = max(g.max, len(p))
+	return g.buf.Write(p)
+}
+
+func (g *gatedWriter) String() string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.buf.String()
+}
+
+// TestAsyncWriter_OrderAndCompleteness writes from many goroutines and
+// checks that after Close every line is there, whole, and each goroutine's
+// lines in order.
+func TestAsyncWriter_OrderAndCompleteness(t *testing.T) {
+	t.Parallel()
+	dst := &gatedWriter{}
+	a := newAsyncWriter(dst)
+	a.limit = 512 // force the backpressure path too
+	const writers, lines = 8, 500
+	var wg sync.WaitGroup
+	for w := range writers {
+		wg.Go(func() {
+			for i := range lines {
+				line := fmt.Sprintf("w%d line %04d %s\n", w, i, strings.Repeat("x", i%50))
+				if n, err := a.Write([]byte(line)); n != len(line) || err != nil {
+					t.Errorf("Write = %d, %v; want %d, nil", n, err, len(line))
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if err := a.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	next := make([]int, writers)
+	got := strings.Split(strings.TrimSuffix(dst.String(), "\n"), "\n")
+	if len(got) != writers*lines {
+		t.Fatalf("%d lines written; want %d", len(got), writers*lines)
+	}
+	for _, l := range got {
+		var w, i int
+		if _, err := fmt.Sscanf(l, "w%d line %d", &w, &i); err != nil || w < 0 || w >= writers {
+			t.Fatalf("line %q is not whole: %v", l, err)
+		}
+		if want := fmt.Sprintf("w%d line %04d %s", w, i, strings.Repeat("x", i%50)); l != want {
+			t.Fatalf("line %q; want %q", l, want)
+		}
+		if i != next[w] {
+			t.Fatalf("writer %d: line %d after line %d", w, i, next[w]-1)
+		}
+		next[w]++
+	}
+	// A write carries at most the pending limit plus the line that crossed it.
+	if limit := a.limit + 100; dst.max > limit {
+		t.Errorf("a write of %d bytes; the buffer is bounded by %d", dst.max, limit)
+	}
+}
+
+// TestAsyncWriter_DoesNotWaitForTheDestination: while the destination is
+// stuck in a write, Write still returns, and the lines written meanwhile go
+// out together in the next write.
+func TestAsyncWriter_DoesNotWaitForTheDestination(t *testing.T) {
+	t.Parallel()
+	dst := &gatedWriter{gate: make(chan struct{}), entered: make(chan struct{}, 1)}
+	a := newAsyncWriter(dst)
+	if _, err := a.Write([]byte("first\n")); err != nil {
+		t.Fatal(err)
+	}
+	<-dst.entered // the goroutine is stuck writing "first"
+	for i := range 10 {
+		if _, err := fmt.Fprintf(a, "line %d\n", i); err != nil { // returns: nothing waits for the gate
+			t.Fatal(err)
+		}
+	}
+	close(dst.gate)
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	want := "first\n"
+	for i := range 10 {
+		want += fmt.Sprintf("line %d\n", i)
+	}
+	if got := dst.String(); got != want {
+		t.Errorf("written %q; want %q", got, want)
+	}
+	if dst.writes != 2 {
+		t.Errorf("%d writes; want 2 (the ten lines queued during the first share the second)", dst.writes)
+	}
+	// After Close, writes go straight through.
+	if _, err := a.Write([]byte("late\n")); err != nil {
+		t.Fatal(err)
+	}
+	if got := dst.String(); !strings.HasSuffix(got, "line 9\nlate\n") {
+		t.Errorf("after Close, written %q; want it to end with the late line", got)
+	}
+	if err := a.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+}
