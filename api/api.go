@@ -18,6 +18,8 @@ import (
 	"mime"
 	"net/http"
 	"net/url"
+	"reflect"
+	"strconv"
 	"strings"
 	"time"
 	"unicode"
@@ -204,19 +206,19 @@ func (h *Handler) newRouter() *chi.Mux {
 	r.Use(h.front)
 	r.NotFound(func(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
-			Detail: "no route " + r.URL.Path, Instance: r.URL.Path, RequestID: requestID(r.Context())})
+			Detail: "no route " + r.URL.EscapedPath(), Instance: r.URL.EscapedPath(), RequestID: requestID(r.Context())})
 	})
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		var allow []string
 		for _, m := range []string{http.MethodGet, http.MethodPost, http.MethodPut, http.MethodDelete} {
-			if r.Match(chi.NewRouteContext(), m, req.URL.Path) {
+			if r.Match(chi.NewRouteContext(), m, routePath(req)) {
 				allow = append(allow, m)
 			}
 		}
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeProblem(w, &Problem{Type: kMethod.typ, Title: kMethod.title, Status: kMethod.status,
 			Detail:   fmt.Sprintf("%s is not allowed here; use %s", req.Method, strings.Join(allow, ", ")),
-			Instance: req.URL.Path, RequestID: requestID(req.Context())})
+			Instance: req.URL.EscapedPath(), RequestID: requestID(req.Context())})
 	})
 
 	r.Get("/healthz", h.healthz)
@@ -237,17 +239,27 @@ func (h *Handler) newRouter() *chi.Mux {
 	return r
 }
 
+// routePath is the path as the router matches it: the request's spelling
+// when net/http kept it (RawPath), the decoded path otherwise.
+func routePath(r *http.Request) string {
+	if r.URL.RawPath != "" {
+		return r.URL.RawPath
+	}
+	return r.URL.Path
+}
+
 // key validates the {name} path parameter and returns its storage key.
 func (h *Handler) key(r *http.Request) (name, key string, err error) {
-	raw := ""
+	// The path is percent-decoded once, by net/http. The router matches
+	// r.URL.RawPath when the request spelled the path in a way its decoded
+	// form does not give back (an escaped "/", say): only then is the
+	// parameter still encoded.
 	if st := stateFrom(r.Context()); st != nil && st.name != "" {
-		raw = st.name
-	} else {
-		raw = chi.URLParam(r, "name")
-	}
-	name, err = url.PathUnescape(raw)
-	if err != nil {
-		return name, "", invalid("the name in the path is not valid percent-encoding", InvalidParam{Name: "name", Reason: "bad percent-encoding"})
+		name = st.name // fastRoute's, from the decoded path
+	} else if name = chi.URLParam(r, "name"); r.URL.RawPath != "" {
+		if name, err = url.PathUnescape(name); err != nil {
+			return name, "", invalid("the name in the path is not valid percent-encoding", InvalidParam{Name: "name", Reason: "bad percent-encoding"})
+		}
 	}
 	if reason := keyspace.ValidName(name); reason != "" {
 		return name, "", invalid("the name in the path is invalid: "+reason, InvalidParam{Name: "name", Reason: reason})
@@ -338,6 +350,14 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 		}
 		return nil, invalid("a JSON body is required", InvalidParam{Name: "body", Reason: "required"})
 	}
+	if ce := r.Header["Content-Encoding"]; len(ce) > 0 && !(len(ce) == 1 && strings.EqualFold(strings.TrimSpace(ce[0]), "identity")) {
+		// RFC 9110 §15.5.16: 415 for a content coding the server does
+		// not take, and Accept-Encoding names the ones it does.
+		return nil, &requestError{kind: kMediaType, detail: "the body must be sent without Content-Encoding (identity)", identityOnly: true}
+	}
+	if len(r.Header["Content-Type"]) > 1 {
+		return nil, &requestError{kind: kMediaType, detail: "the request has more than one Content-Type header"}
+	}
 	ct := header(r.Header, "Content-Type")
 	if ct != "application/json" { // what ParseMediaType would accept at once
 		mt, params, err := mime.ParseMediaType(ct)
@@ -356,9 +376,12 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 	return body, nil
 }
 
-// decodeJSON decodes body, a JSON object, into v with encoding/json,
-// strictly.
+// decodeJSON decodes body, a JSON object, into v (a pointer to a struct)
+// with encoding/json, strictly: see checkMembers too.
 func decodeJSON(body []byte, v any) error {
+	if err := checkMembers(body, reflect.TypeOf(v).Elem()); err != nil {
+		return err
+	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
@@ -368,6 +391,69 @@ func decodeJSON(body []byte, v any) error {
 		return invalid("the body has data after the JSON object", InvalidParam{Name: "body", Reason: "trailing data"})
 	}
 	return nil
+}
+
+// checkMembers refuses what encoding/json lets through but the contract
+// does not: a member whose name matches a field of t only when case is
+// ignored, a member that appears twice (two parsers could each take a
+// different one), and null for a field that is not free-form JSON
+// (json.RawMessage). It leaves malformed JSON to the decoder, which says
+// where.
+func checkMembers(body []byte, t reflect.Type) error {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return nil
+	}
+	var seen uint64 // bit i: field i appeared
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return nil
+		}
+		name, _ := tok.(string)
+		i, known := jsonField(t, name)
+		if !known {
+			return invalid("the body is not valid: "+unknownField(strconv.Quote(name)), InvalidParam{Name: "body", Reason: unknownField(strconv.Quote(name))})
+		}
+		if seen&(1<<i) != 0 {
+			return invalid(fmt.Sprintf("the body is not valid: field %q appears more than once", name),
+				InvalidParam{Name: name, Reason: "must appear at most once"})
+		}
+		seen |= 1 << i
+		var raw json.RawMessage
+		if err := dec.Decode(&raw); err != nil {
+			return nil
+		}
+		if string(raw) == "null" && t.Field(i).Type != rawMessageType {
+			return invalid(fmt.Sprintf("the body is not valid: field %q must not be null (leave it out for the default)", name),
+				InvalidParam{Name: name, Reason: "must not be null"})
+		}
+	}
+	return nil
+}
+
+var rawMessageType = reflect.TypeFor[json.RawMessage]()
+
+// jsonField returns the index of the field of struct t (of at most 64
+// fields) that encoding/json names name, matching case exactly.
+func jsonField(t reflect.Type, name string) (int, bool) {
+	for i := range min(t.NumField(), 64) {
+		f := t.Field(i)
+		tag, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		if tag == name && tag != "-" && f.IsExported() {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
+// unknownField is the reason given for an unknown member, its quoted name
+// cut short: it goes into the answer and the log.
+func unknownField(quoted string) string {
+	if len(quoted) > maxQuotedField {
+		quoted = strings.ToValidUTF8(quoted[:maxQuotedField], "") + `…"`
+	}
+	return "unknown field " + quoted
 }
 
 // readBody appends body to buf, reading at most limit bytes: past that it
@@ -400,8 +486,13 @@ func jsonReason(err error) string {
 	var te *json.UnmarshalTypeError
 	switch {
 	case errors.As(err, &se):
-		return fmt.Sprintf("malformed JSON at byte %d", se.Offset)
+		// The message names a character of the body at most, or the nesting
+		// limit: "invalid character 'x' after object key".
+		return fmt.Sprintf("malformed JSON at byte %d: %s", se.Offset, strings.TrimPrefix(se.Error(), "json: "))
 	case errors.As(err, &te):
+		if te.Field != "" && isIntegerLiteral(strings.TrimPrefix(te.Value, "number ")) && te.Type.Kind() == reflect.Int64 {
+			return fmt.Sprintf("field %q is out of range for a 64-bit integer", te.Field)
+		}
 		if te.Field != "" {
 			return fmt.Sprintf("field %q must be %s, got %s", te.Field, jsonType(te.Type.Kind().String()), te.Value)
 		}
@@ -411,13 +502,24 @@ func jsonReason(err error) string {
 	case strings.HasPrefix(err.Error(), "json: unknown field "):
 		// The name is the client's (quoted by encoding/json): cut it short,
 		// as it goes into the answer and the log.
-		field := strings.TrimPrefix(err.Error(), "json: unknown field ")
-		if len(field) > maxQuotedField {
-			field = strings.ToValidUTF8(field[:maxQuotedField], "") + `…"`
-		}
-		return "unknown field " + field
+		return unknownField(strings.TrimPrefix(err.Error(), "json: unknown field "))
 	}
 	return err.Error()
+}
+
+// isIntegerLiteral reports whether s is a JSON number without fraction or
+// exponent.
+func isIntegerLiteral(s string) bool {
+	s = strings.TrimPrefix(s, "-")
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // maxQuotedField bounds how much of an unknown field's name an error quotes.
@@ -440,8 +542,11 @@ func millis(name string, v *int64, def time.Duration) (time.Duration, error) {
 	if v == nil {
 		return def, nil
 	}
-	if *v < 0 || *v > int64(24*time.Hour/time.Millisecond) {
-		return 0, invalid(name+" is out of range", InvalidParam{Name: name, Reason: "must be a non-negative number of milliseconds"})
+	if *v < 0 {
+		return 0, invalid(name+" is out of range", InvalidParam{Name: name, Reason: "must not be negative"})
+	}
+	if limit := int64(24 * time.Hour / time.Millisecond); *v > limit {
+		return 0, invalid(name+" is out of range", InvalidParam{Name: name, Reason: fmt.Sprintf("must be at most %d (24 hours)", limit)})
 	}
 	return time.Duration(*v) * time.Millisecond, nil
 }
@@ -528,7 +633,7 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 		loc = lockPrefix + name
 	}
 	setHeader(w, "Location", loc)
-	h.writeLock(w, http.StatusCreated, name, g, true)
+	h.writeLock(w, http.StatusCreated, name, g, true, h.arrival(r))
 	return nil
 }
 
@@ -580,12 +685,16 @@ func validOwner(s string) string {
 	return ""
 }
 
-func (h *Handler) lockResponse(name string, g *service.Grant, withToken bool) *LockResponse {
+// lockResponse is the LockResponse of g for a request that arrived at
+// arrived. Its validity_ms counts from then, not from now: the client counts
+// it from its send time, which came before, so its deadline falls before the
+// lease's end however long the request took (a wait included).
+func (h *Handler) lockResponse(name string, g *service.Grant, withToken bool, arrived time.Time) *LockResponse {
 	resp := &LockResponse{
 		Name:         name,
 		FencingToken: int64(g.Fencing),
 		TTLMS:        g.TTL.Milliseconds(),
-		ValidityMS:   max(g.Validity(h.opts.Now()).Milliseconds(), 0),
+		ValidityMS:   max(g.Validity(arrived).Milliseconds(), 0),
 		ExpiresAt:    g.Expires.UTC().Format(time.RFC3339Nano),
 		Owner:        g.Owner,
 	}
@@ -596,7 +705,7 @@ func (h *Handler) lockResponse(name string, g *service.Grant, withToken bool) *L
 }
 
 // writeLock writes the LockResponse of g (lockResponse), encoded by hand.
-func (h *Handler) writeLock(w http.ResponseWriter, status int, name string, g *service.Grant, withToken bool) {
+func (h *Handler) writeLock(w http.ResponseWriter, status int, name string, g *service.Grant, withToken bool, arrived time.Time) {
 	buf := getBuf()
 	defer putBuf(buf)
 	var expires [40]byte
@@ -604,7 +713,7 @@ func (h *Handler) writeLock(w http.ResponseWriter, status int, name string, g *s
 		Name:         name,
 		FencingToken: int64(g.Fencing),
 		TTLMS:        g.TTL.Milliseconds(),
-		ValidityMS:   max(g.Validity(h.opts.Now()).Milliseconds(), 0),
+		ValidityMS:   max(g.Validity(arrived).Milliseconds(), 0),
 		Owner:        g.Owner,
 	}
 	if withToken {
@@ -653,7 +762,7 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	h.m.extended("extended")
 	h.remember(r, key, g)
 	h.audit(r, slog.LevelDebug, "lock extended", name, g.Owner, g.Fencing, "extended", ttl.Milliseconds())
-	h.writeLock(w, http.StatusOK, name, g, false)
+	h.writeLock(w, http.StatusOK, name, g, false, h.arrival(r))
 	return nil
 }
 

@@ -116,7 +116,7 @@ func (e *authError) describe(w http.ResponseWriter, p *Problem) {
 		w.Header().Set("WWW-Authenticate", e.challenge)
 	}
 	if e.kind == kRateLimited {
-		ms := e.retryAfter.Milliseconds()
+		ms := max(retryAfterMS(e.retryAfter), 1) // known: the limiter says when
 		p.RetryAfterMS = &ms
 		retryAfterHeader(w, e.retryAfter)
 	}

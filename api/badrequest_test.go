@@ -39,6 +39,11 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"NameWithEncodedSlash", "POST", "/v1/locks/a%2Fb", "", "", nil, 400, "invalid-request"},
 		{"NameNonASCII", "POST", "/v1/locks/%C3%A9t%C3%A9", "", "", nil, 400, "invalid-request"},
 		{"NameWithPercent", "GET", "/v1/locks/100%25", "", "", nil, 400, "invalid-request"},
+		// decoded once: "a%41", not "aA"
+		{"NameDoubleEncoded", "POST", "/v1/locks/a%2541", "", "", nil, 400, "invalid-request"},
+		{"NameDoubleEncodedGet", "GET", "/v1/locks/a%253Ab", "", "", nil, 400, "invalid-request"},
+		{"NameDoubleEncodedRelease", "DELETE", "/v1/locks/held%2541", "", "", []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"ResourceNameDoubleEncoded", "PUT", "/v1/resources/a%2541", `{"fencing_token":1,"data":1}`, json, nil, 400, "invalid-request"},
 		{"ResourceNameBang", "GET", "/v1/resources/bad!name", "", "", nil, 400, "invalid-request"},
 		{"ResourceNameTooLong", "PUT", "/v1/resources/" + long, `{"fencing_token":1,"data":1}`, json, nil, 400, "invalid-request"},
 		// acquire bodies
@@ -48,6 +53,11 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"ArrayBody", "POST", "/v1/locks/x", `[1,2]`, json, nil, 400, "invalid-request"},
 		{"UnknownField", "POST", "/v1/locks/x", `{"ttl_ms":1000,"bogus":1}`, json, nil, 400, "invalid-request"},
 		{"TrailingData", "POST", "/v1/locks/x", `{"ttl_ms":1000} {"ttl_ms":2000}`, json, nil, 400, "invalid-request"},
+		{"FieldCaseFolded", "POST", "/v1/locks/x", `{"TTL_MS":1000}`, json, nil, 400, "invalid-request"},
+		{"OwnerCaseFolded", "POST", "/v1/locks/x", `{"Owner":"x"}`, json, nil, 400, "invalid-request"},
+		{"FieldTwice", "POST", "/v1/locks/x", `{"ttl_ms":-1,"ttl_ms":1000}`, json, nil, 400, "invalid-request"},
+		{"TTLNull", "POST", "/v1/locks/x", `{"ttl_ms":null}`, json, nil, 400, "invalid-request"},
+		{"OwnerNull", "POST", "/v1/locks/x", `{"owner":null}`, json, nil, 400, "invalid-request"},
 		{"TTLString", "POST", "/v1/locks/x", `{"ttl_ms":"1000"}`, json, nil, 400, "invalid-request"},
 		{"TTLFraction", "POST", "/v1/locks/x", `{"ttl_ms":1.5}`, json, nil, 400, "invalid-request"},
 		{"TTLNegative", "POST", "/v1/locks/x", `{"ttl_ms":-1}`, json, nil, 400, "invalid-request"},
@@ -63,6 +73,9 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"WrongContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/plain", nil, 415, "unsupported-media-type"},
 		{"NoContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "", nil, 415, "unsupported-media-type"},
 		{"ContentTypeLatin1", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "application/json; charset=latin1", nil, 415, "unsupported-media-type"},
+		{"TwoContentTypes", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, json, []string{"Content-Type", "text/plain"}, 415, "unsupported-media-type"},
+		{"ContentEncodingGzip", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, json, []string{"Content-Encoding", "gzip"}, 415, "unsupported-media-type"},
+		{"ContentEncodingPut", "PUT", "/v1/resources/held", `{"fencing_token":1,"data":1}`, json, []string{"Content-Encoding", "br"}, 415, "unsupported-media-type"},
 		{"BodyTooLarge", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("x", 2<<20) + `"}`, json, nil, 413, "request-too-large"},
 		// lock tokens
 		{"ExtendNoToken", "POST", "/v1/locks/held/extend", "", "", nil, 400, "invalid-request"},
@@ -84,6 +97,10 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"PutTokenString", "PUT", "/v1/resources/held", `{"fencing_token":"1","data":1}`, json, nil, 400, "invalid-request"},
 		{"PutNoData", "PUT", "/v1/resources/held", `{"fencing_token":1}`, json, nil, 400, "invalid-request"},
 		{"PutUnknownField", "PUT", "/v1/resources/held", `{"fencing_token":1,"data":1,"version":3}`, json, nil, 400, "invalid-request"},
+		{"PutFieldCaseFolded", "PUT", "/v1/resources/held", `{"Fencing_Token":1,"data":1}`, json, nil, 400, "invalid-request"},
+		{"PutTokenTwice", "PUT", "/v1/resources/held", `{"fencing_token":999,"fencing_token":1,"data":1}`, json, nil, 400, "invalid-request"},
+		{"PutTokenNull", "PUT", "/v1/resources/held", `{"fencing_token":null,"data":1}`, json, nil, 400, "invalid-request"},
+		{"ExtendFieldCaseFolded", "POST", "/v1/locks/held/extend", `{"Ttl_Ms":1000}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
 		{"PutUnissuedToken", "PUT", "/v1/resources/held", `{"fencing_token":999,"data":1}`, json, nil, 409, "stale-token"},
 		{"PutNeverLocked", "PUT", "/v1/resources/never", `{"fencing_token":1,"data":1}`, json, nil, 409, "stale-token"},
 		// routes and methods
@@ -125,11 +142,17 @@ func TestAPI_BadRequests(t *testing.T) {
 			if r.status != tt.status || p.Type != api.ProblemTypePrefix+tt.slug || p.Status != tt.status {
 				t.Errorf("%s %s = %d %s; want %d %s", tt.method, tt.path, r.status, p.Type, tt.status, tt.slug)
 			}
+			if p.Instance != tt.path {
+				t.Errorf("instance %q; want the path as sent, %q", p.Instance, tt.path)
+			}
 			if p.Title == "" || p.Detail == "" && tt.status != 405 && tt.status != 404 {
 				t.Errorf("problem %+v lacks title or detail", p)
 			}
 			if tt.slug == "invalid-request" && len(p.InvalidParams) == 0 {
 				t.Errorf("invalid-request without invalid_params: %s", r.body)
+			}
+			if strings.HasPrefix(tt.name, "ContentEncoding") && resp.Header.Get("Accept-Encoding") != "identity" {
+				t.Errorf("Accept-Encoding %q; want identity", resp.Header.Get("Accept-Encoding"))
 			}
 			if tt.status == 405 && resp.Header.Get("Allow") == "" {
 				t.Error("405 without Allow")

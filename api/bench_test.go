@@ -57,7 +57,7 @@ func BenchmarkEncodeLockResponse(b *testing.B) {
 	g := benchGrant()
 	b.ReportAllocs()
 	for b.Loop() {
-		h.writeLock(httptest.NewRecorder(), http.StatusCreated, "orders", g, true)
+		h.writeLock(httptest.NewRecorder(), http.StatusCreated, "orders", g, true, g.Start)
 	}
 }
 
@@ -70,6 +70,6 @@ func BenchmarkEncodeLockResponseOnly(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		w.reset()
-		h.writeLock(w, http.StatusCreated, "orders", g, true)
+		h.writeLock(w, http.StatusCreated, "orders", g, true, g.Start)
 	}
 }

@@ -203,12 +203,12 @@ func writeBody(w http.ResponseWriter, status int, contentType string, b []byte) 
 // request: one JSON object, no trailing data but JSON whitespace, keys
 // spelt exactly ttl_ms, wait_ms or owner, integers without fraction or
 // exponent of at most 18 digits, owners of plain valid UTF-8 (no escapes),
-// and null. It reports false, leaving out alone, for anything else, which
-// the encoding/json path then decides: whatever this accepts, that path
-// accepts with the same value (the differential fuzz test checks it).
-// Duplicate keys behave as there: the last one wins.
+// each member at most once. It reports false, leaving out alone, for
+// anything else (null and repeated members included), which the
+// encoding/json path then decides: whatever this accepts, that path accepts
+// with the same value (the differential fuzz test checks it).
 func fastAcquireRequest(body []byte, out *AcquireRequest) bool {
-	// The values, in one allocation: absent or null leave a nil pointer.
+	// The values, in one allocation: an absent member leaves a nil pointer.
 	var ttl, wait int64
 	var owner []byte // aliases body, which is pooled: copied below
 	var hasTTL, hasWait, hasOwner bool
@@ -240,14 +240,26 @@ func fastAcquireRequest(body []byte, out *AcquireRequest) bool {
 				return false
 			}
 			i = skipJSONSpace(body, i+1)
+			// A repeated member and null are refused: by the slow path,
+			// which says why (checkMembers).
+			var seen *bool
 			ok := false
 			switch string(key) {
 			case "ttl_ms":
-				i, hasTTL, ok = fastInt(body, i, &ttl)
+				seen = &hasTTL
+				i, ok = fastInt(body, i, &ttl)
 			case "wait_ms":
-				i, hasWait, ok = fastInt(body, i, &wait)
+				seen = &hasWait
+				i, ok = fastInt(body, i, &wait)
 			case "owner":
-				i, hasOwner, ok = fastString(body, i, &owner)
+				seen = &hasOwner
+				i, ok = fastString(body, i, &owner)
+			}
+			if ok && *seen {
+				return false
+			}
+			if ok {
+				*seen = true
 			}
 			if !ok {
 				return false
@@ -303,19 +315,11 @@ func skipJSONSpace(b []byte, i int) int {
 	return i
 }
 
-// isNull reports whether b[i:] starts with the literal null.
-func isNull(b []byte, i int) bool {
-	return len(b)-i >= 4 && string(b[i:i+4]) == "null"
-}
-
-// fastInt reads a JSON integer, or null (set false), at b[i:] into *v. It
-// reports !ok for fractions, exponents, leading zeros and more than 18
-// digits (which always fit in an int64): the caller falls back on
-// encoding/json. What follows the number is the caller's to check.
-func fastInt(b []byte, i int, v *int64) (next int, set, ok bool) {
-	if isNull(b, i) {
-		return i + 4, false, true
-	}
+// fastInt reads a JSON integer at b[i:] into *v. It reports !ok for null, fractions, exponents,
+// leading zeros and more than 18 digits (which always fit in an int64): the
+// caller falls back on encoding/json. What follows the number is the
+// caller's to check.
+func fastInt(b []byte, i int, v *int64) (next int, ok bool) {
 	neg := false
 	if i < len(b) && b[i] == '-' {
 		neg = true
@@ -325,36 +329,34 @@ func fastInt(b []byte, i int, v *int64) (next int, set, ok bool) {
 	var n int64
 	for i < len(b) && b[i] >= '0' && b[i] <= '9' {
 		if i-start == 18 {
-			return i, false, false
+			return i, false
 		}
 		n = n*10 + int64(b[i]-'0')
 		i++
 	}
 	if i == start || (b[start] == '0' && i-start > 1) {
-		return i, false, false
+		return i, false
 	}
 	if neg {
 		n = -n
 	}
 	*v = n
-	return i, true, true
+	return i, true
 }
 
-// fastString reads a JSON string without escapes, of valid UTF-8, or null
-// (set false), at b[i:] into *v, which aliases b.
-func fastString(b []byte, i int, v *[]byte) (next int, set, ok bool) {
-	if isNull(b, i) {
-		return i + 4, false, true
-	}
+// fastString reads a JSON string without escapes, of valid UTF-8, at b[i:]
+// into *v, which aliases b. It reports !ok for anything else (null
+// included).
+func fastString(b []byte, i int, v *[]byte) (next int, ok bool) {
 	if i >= len(b) || b[i] != '"' {
-		return i, false, false
+		return i, false
 	}
 	j := i + 1
 	ascii := true
 	for j < len(b) && b[j] != '"' {
 		c := b[j]
 		if c == '\\' || c < 0x20 {
-			return i, false, false
+			return i, false
 		}
 		if c >= utf8.RuneSelf {
 			ascii = false
@@ -362,12 +364,12 @@ func fastString(b []byte, i int, v *[]byte) (next int, set, ok bool) {
 		j++
 	}
 	if j >= len(b) {
-		return i, false, false
+		return i, false
 	}
 	raw := b[i+1 : j]
 	if !ascii && !utf8.Valid(raw) {
-		return i, false, false
+		return i, false
 	}
 	*v = raw
-	return j + 1, true, true
+	return j + 1, true
 }

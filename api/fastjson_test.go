@@ -182,8 +182,8 @@ func TestWriteLock(t *testing.T) {
 				g.Expires = now.Add(-time.Second) // validity clamps to 0
 			}
 			w := httptest.NewRecorder()
-			h.writeLock(w, http.StatusCreated, "orders:"+owner, g, withToken)
-			want := stdJSON(t, h.lockResponse("orders:"+owner, g, withToken))
+			h.writeLock(w, http.StatusCreated, "orders:"+owner, g, withToken, now)
+			want := stdJSON(t, h.lockResponse("orders:"+owner, g, withToken, now))
 			if w.Code != http.StatusCreated || !bytes.Equal(w.Body.Bytes(), want) {
 				t.Fatalf("writeLock = %d %s; want 201 %s", w.Code, w.Body.Bytes(), want)
 			}
@@ -225,8 +225,10 @@ func TestFastAcquireRequest(t *testing.T) {
 		{`{"ttl_ms":-5}`, true, AcquireRequest{TTLMS: i64(-5)}},
 		{`{"ttl_ms":-0}`, true, AcquireRequest{TTLMS: i64(0)}},
 		{`{"ttl_ms":999999999999999999}`, true, AcquireRequest{TTLMS: i64(999999999999999999)}},
-		{`{"ttl_ms":1,"ttl_ms":2}`, true, AcquireRequest{TTLMS: i64(2)}},
-		{`{"owner":"a","owner":null}`, true, AcquireRequest{}},
+		{`{"ttl_ms":1,"ttl_ms":2}`, false, AcquireRequest{}}, // repeated: encoding/json's path refuses it
+		{`{"owner":"a","owner":null}`, false, AcquireRequest{}},
+		{`{"ttl_ms":null}`, false, AcquireRequest{}}, // null: the same
+		{`{"owner":null}`, false, AcquireRequest{}},
 		{`{"owner":""}`, true, AcquireRequest{Owner: str("")}},
 		{`{"ttl_ms":1000000000000000000}`, false, AcquireRequest{}}, // 19 digits: encoding/json decides
 		{`{"ttl_ms":1.5}`, false, AcquireRequest{}},

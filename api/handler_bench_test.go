@@ -38,6 +38,9 @@ type benchFakeLocker struct {
 	n         uint64
 	last      map[string]fencing.Record // what benchFakeStore.Last answers
 	lastCalls int                       // how many times it was asked
+	// taking, if set, runs first in Acquire and Extend: a test's way to
+	// let time pass in them (a wait).
+	taking func()
 }
 
 func newBenchFakeLocker() *benchFakeLocker {
@@ -45,6 +48,9 @@ func newBenchFakeLocker() *benchFakeLocker {
 }
 
 func (l *benchFakeLocker) Acquire(_ context.Context, key string, req service.Request) (*service.Grant, error) {
+	if l.taking != nil {
+		l.taking()
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, ok := l.held[key]; ok {
@@ -65,6 +71,9 @@ func (l *benchFakeLocker) Acquire(_ context.Context, key string, req service.Req
 }
 
 func (l *benchFakeLocker) Extend(_ context.Context, key, token string, ttl time.Duration) (*service.Grant, error) {
+	if l.taking != nil {
+		l.taking()
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.held[key] != token {

@@ -372,7 +372,7 @@ func TestRefusedInputNotLogged(t *testing.T) {
 func TestFastRoute(t *testing.T) {
 	paths := []string{
 		"/v1/locks/x", "/v1/locks/orders:invoice-7", "/v1/locks/", "/v1/locks", "/v1/locks/x/", "/v1/locks/x/extend",
-		"/v1/locks//x", "/v1/locks/a%2Fb", "/v1/locks/100%25", "/v1/locks/%C3%A9t%C3%A9", "/v1/locks/a%20b", "/v1/locks/%41",
+		"/v1/locks//x", "/v1/locks/a%2Fb", "/v1/locks/100%25", "/v1/locks/%C3%A9t%C3%A9", "/v1/locks/a%20b", "/v1/locks/%41", "/v1/locks/a%2541",
 		"/v1/locks/..", "/v1/locks/.", "/v1/lockss/x", "/V1/locks/x", "/v1/locks/x?ttl=1", "/v1/locks/" + strings.Repeat("n", 201),
 		"/v1/locks/bad!name", "/v1/resources/x", "/healthz", "/nope", "/v1/locks/x#f",
 	}
@@ -567,4 +567,28 @@ func TestPanic(t *testing.T) {
 	}()
 	h.ServeHTTP(httptest.NewRecorder(), httptest.NewRequest(http.MethodPost, "/v1/locks/x", nil))
 	t.Error("http.ErrAbortHandler did not go through")
+}
+
+// TestValidity_CountsFromArrival: a grant that took long to come (a wait)
+// reports its lease as the client counts it, from its send time: validity_ms
+// runs from when the request arrived, not from when the answer left, so a
+// client following the contract does not find the lease already over.
+func TestValidity_CountsFromArrival(t *testing.T) {
+	t.Parallel()
+	e := newFakeEnv(t, false)
+	const took = 5 * time.Second
+	e.l.taking = func() { e.now = e.now.Add(took) }
+	g := e.acquire(t, e.h, "slow", `{"ttl_ms":10000,"wait_ms":30000}`)
+	// The fake's lease: from the end of the wait, ttl minus 2 ms of drift.
+	if want := (took + 10*time.Second - 2*time.Millisecond).Milliseconds(); g.ValidityMS != want {
+		t.Errorf("acquire after a %v wait: validity_ms %d; want %d (counted from the request's arrival)", took, g.ValidityMS, want)
+	}
+	w := e.do(e.h, http.MethodPost, "/v1/locks/slow/extend", `{"ttl_ms":10000}`, LockTokenHeader, g.LockToken)
+	var x LockResponse
+	if err := json.Unmarshal(w.Body.Bytes(), &x); err != nil || w.Code != http.StatusOK {
+		t.Fatalf("extend = %d %s", w.Code, w.Body)
+	}
+	if want := (took + 10*time.Second - 2*time.Millisecond).Milliseconds(); x.ValidityMS != want {
+		t.Errorf("extend that took %v: validity_ms %d; want %d", took, x.ValidityMS, want)
+	}
 }

@@ -369,8 +369,12 @@ func TestAPI_PostgresDown(t *testing.T) {
 	// A refused extend changes no lease: it would have shortened this one
 	// to 1 s while its client still counts on the old deadline.
 	r := e.do(e.client, http.MethodPost, "/v1/locks/held/extend", map[string]any{"ttl_ms": 1000}, api.LockTokenHeader, held.LockToken)
-	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" {
-		t.Errorf("extend with Postgres down = %d %s; want 503 fencing-unavailable", r.status, r.body)
+	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" || !strings.Contains(p.Detail, "not extended") {
+		t.Errorf("extend with Postgres down = %d %s; want 503 fencing-unavailable saying the lease was not extended", r.status, r.body)
+	}
+	r = e.do(e.client, http.MethodGet, "/v1/locks/held", nil)
+	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" || strings.Contains(p.Detail, "granted") {
+		t.Errorf("lock status with Postgres down = %d %s; want 503 fencing-unavailable, not about a grant", r.status, r.body)
 	}
 	for i, c := range e.rdb {
 		keys, err := c.Keys(ctx, "redfence:lock:*held").Result()
@@ -385,6 +389,9 @@ func TestAPI_PostgresDown(t *testing.T) {
 		if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"store-unavailable" || r.header.Get("Retry-After") == "" {
 			t.Errorf("reference store with Postgres down = %d %s; want 503 store-unavailable", r.status, r.body)
 		}
+	}
+	if r := e.do(e.client, http.MethodGet, "/v1/resources/pg", nil); strings.Contains(r.problem(t).Detail, "written") {
+		t.Errorf("a read with Postgres down says %q; it wrote nothing, it read nothing", r.problem(t).Detail)
 	}
 	r = e.do(e.client, http.MethodPost, "/v1/locks/pg", nil)
 	if p := r.problem(t); r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" {

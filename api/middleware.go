@@ -37,6 +37,8 @@ type reqState struct {
 	name string
 	// route is the route pattern when the request bypassed the router.
 	route string
+	// arrived is when the request reached the handler (Options.Now).
+	arrived time.Time
 
 	rw respWriter
 
@@ -66,6 +68,15 @@ func stateFrom(ctx context.Context) *reqState {
 	}
 	s, _ := ctx.Value(stateKey{}).(*reqState)
 	return s
+}
+
+// arrival returns when r reached the handler; now for a request that did
+// not come through it (tests calling a handler directly).
+func (h *Handler) arrival(r *http.Request) time.Time {
+	if st := stateFrom(r.Context()); st != nil && !st.arrived.IsZero() {
+		return st.arrived
+	}
+	return h.opts.Now()
 }
 
 func requestID(ctx context.Context) string {
@@ -196,7 +207,7 @@ func (h *Handler) front(next http.Handler) http.Handler {
 // serve runs front's steps and then next. name and route are set for a
 // request that bypasses the router (see Handler.ServeHTTP).
 func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route string, next http.Handler) {
-	st := &reqState{Context: r.Context(), name: name, route: route}
+	st := &reqState{Context: r.Context(), name: name, route: route, arrived: h.opts.Now()}
 	st.rw = respWriter{ResponseWriter: w, st: st}
 	id := header(r.Header, RequestIDHeader)
 	if !validRequestID(id) {
@@ -235,7 +246,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 	h.logRecord(r.Context(), end, nil, slog.LevelInfo, "http request",
 		slog.String("request_id", id),
 		slog.String("method", r.Method),
-		slog.String("path", r.URL.Path),
+		slog.String("path", r.URL.EscapedPath()),
 		slog.String("route", route),
 		slog.Int("status", status),
 		slog.Int("bytes", st.rw.bytes),
@@ -259,7 +270,7 @@ func (h *Handler) recoverPanic(w http.ResponseWriter, r *http.Request) {
 			slog.Any("panic", v), slog.String("stack", string(debug.Stack())))
 	}
 	writeProblem(w, &Problem{Type: kInternal.typ, Title: kInternal.title,
-		Status: kInternal.status, Instance: r.URL.Path, RequestID: id})
+		Status: kInternal.status, Instance: r.URL.EscapedPath(), RequestID: id})
 }
 
 // headerBytes is the size of the request line and headers as the header

@@ -109,6 +109,9 @@ type requestError struct {
 	kind   kind
 	detail string
 	params []InvalidParam
+	// identityOnly: the body had a content coding; the answer says only
+	// identity is accepted (Accept-Encoding).
+	identityOnly bool
 }
 
 func (e *requestError) Error() string { return e.detail }
@@ -231,6 +234,15 @@ func (t errTree) classify() kind {
 	return kInternal
 }
 
+// retryAfterMS is d in whole milliseconds, rounded up: a wait that is due
+// in less than one is 1, since 0 means "unknown".
+func retryAfterMS(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64((d + time.Millisecond - 1) / time.Millisecond)
+}
+
 func retryAfterHeader(w http.ResponseWriter, d time.Duration) {
 	secs := max(int64(math.Ceil(d.Seconds())), 1)
 	v := ""
@@ -259,13 +271,16 @@ func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) 
 // writeErrorTree is writeError with err's tree flattened by the caller.
 func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err error, tree errTree) {
 	k := tree.classify()
-	p := &Problem{Type: k.typ, Title: k.title, Status: k.status, Instance: r.URL.Path, RequestID: requestID(r.Context())}
+	p := &Problem{Type: k.typ, Title: k.title, Status: k.status, Instance: r.URL.EscapedPath(), RequestID: requestID(r.Context())}
 	re, isRE := asErr[*requestError](tree)
 	ae, isAE := asErr[*authError](tree)
 	stale, isStale := asErr[*fencing.StaleError](tree)
 	switch {
 	case isRE:
 		p.Detail, p.InvalidParams = re.detail, re.params
+		if re.identityOnly {
+			setHeader(w, "Accept-Encoding", "identity")
+		}
 	case isAE:
 		ae.describe(w, p)
 	case isStale:
@@ -283,6 +298,8 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 	case tree.is(refstore.ErrInvalidData):
 		p.Detail = "Postgres cannot store this data (for example a string holding \\u0000)"
 		p.InvalidParams = []InvalidParam{{Name: "data", Reason: "not storable as jsonb"}}
+	case k == kStore && r.Method == http.MethodGet:
+		p.Detail = "Postgres did not answer; the document could not be read"
 	case k == kStore:
 		p.Detail = "Postgres did not answer; nothing was written"
 	case tree.is(service.ErrInvalid):
@@ -306,7 +323,7 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		}
 		switch k {
 		case kHeld, kWaitTimeout:
-			ms := se.RetryAfter.Milliseconds()
+			ms := retryAfterMS(se.RetryAfter)
 			p.RetryAfterMS = &ms
 			retryAfterHeader(w, se.RetryAfter)
 			p.Detail = "the lock is held on a majority of nodes; retry after retry_after_ms or pass wait_ms"
@@ -316,7 +333,14 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		case kQuorum:
 			p.Detail = "fewer Redis nodes than a majority answered; see nodes"
 		case kFencing:
-			p.Detail = "Postgres did not issue a fencing token, so nothing was granted"
+			switch se.Op {
+			case "extend":
+				p.Detail = "Postgres could not confirm that this grant is the newest, so the lease was not extended; your deadline stands"
+			case "status":
+				p.Detail = "Postgres did not answer, so the lock's fencing token is unknown"
+			default:
+				p.Detail = "Postgres did not issue a fencing token, so nothing was granted"
+			}
 		case kExpired:
 			p.Detail = "a majority was won but the lease ran out before the fencing token was issued; nothing was granted"
 		case kLost:

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/internal/refstore"
@@ -113,4 +114,19 @@ func oldClassify(err error) kind {
 		return kCancelled
 	}
 	return kInternal
+}
+
+func TestRetryAfterMS(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		d    time.Duration
+		want int64
+	}{
+		{0, 0}, {-time.Second, 0}, {time.Nanosecond, 1}, {999 * time.Microsecond, 1},
+		{time.Millisecond, 1}, {time.Millisecond + 1, 2}, {2417 * time.Millisecond, 2417},
+	} {
+		if got := retryAfterMS(tc.d); got != tc.want {
+			t.Errorf("retryAfterMS(%v) = %d; want %d", tc.d, got, tc.want)
+		}
+	}
 }

@@ -27,7 +27,8 @@ type LockResponse struct {
 	LockToken    string `json:"lock_token,omitempty"`
 	FencingToken int64  `json:"fencing_token"`
 	TTLMS        int64  `json:"ttl_ms"`
-	// ValidityMS is how long the lease lasts from the client's send time.
+	// ValidityMS is how long the lease lasts from the client's send time (the
+	// server counts it from the request's arrival, which comes after).
 	ValidityMS int64  `json:"validity_ms"`
 	ExpiresAt  string `json:"expires_at"`
 	Owner      string `json:"owner"`

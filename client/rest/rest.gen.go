@@ -135,10 +135,13 @@ type AcquireResponse struct {
 	TtlMs int64 `json:"ttl_ms"`
 
 	// ValidityMs How long the lease lasts, in milliseconds, counted from the time the
-	// **client sent** the request (TTL minus the time the grant took minus a
-	// clock-drift allowance; for extend, the lease a majority of nodes kept,
-	// which may be longer than `ttl_ms`). Deadline = your send time +
-	// validity_ms.
+	// **client sent** the request: Deadline = your send time + validity_ms.
+	// The server counts it from when the request arrived, which is after
+	// your send time, so the deadline falls before the lease ends however
+	// long the request took: TTL, minus a clock-drift allowance, plus any
+	// time spent waiting before the winning attempt began (so after a
+	// `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease a
+	// majority of nodes kept, which may also be longer).
 	//
 	//
 	// Example: 9886
@@ -220,10 +223,13 @@ type LockResponse struct {
 	TtlMs int64 `json:"ttl_ms"`
 
 	// ValidityMs How long the lease lasts, in milliseconds, counted from the time the
-	// **client sent** the request (TTL minus the time the grant took minus a
-	// clock-drift allowance; for extend, the lease a majority of nodes kept,
-	// which may be longer than `ttl_ms`). Deadline = your send time +
-	// validity_ms.
+	// **client sent** the request: Deadline = your send time + validity_ms.
+	// The server counts it from when the request arrived, which is after
+	// your send time, so the deadline falls before the lease ends however
+	// long the request took: TTL, minus a clock-drift allowance, plus any
+	// time spent waiting before the winning attempt began (so after a
+	// `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease a
+	// majority of nodes kept, which may also be longer).
 	//
 	//
 	// Example: 9886

@@ -21,6 +21,9 @@ export type { components, paths } from "./schema.js";
 /** The problem document of an error answer (RFC 9457). */
 export type Problem = components["schemas"]["Problem"];
 
+/** A document of the reference store: any JSON value (object, array, string, number, boolean or null). */
+export type JsonValue = components["schemas"]["PutResourceRequest"]["data"];
+
 /** What kind of failure a RedfenceError is; stable across problem types. */
 export type ErrorKind =
   | "held" // lock-held, wait-timeout
@@ -336,7 +339,7 @@ export class Redfence {
   }
 
   /** Writes data to the reference store with a fencing token; rejects with kind "stale" when a newer token exists. */
-  async putResource(name: string, fencingToken: number, data: unknown): Promise<components["schemas"]["Resource"]> {
+  async putResource(name: string, fencingToken: number, data: JsonValue): Promise<components["schemas"]["Resource"]> {
     const { data: res, error, response } = await this.api
       .PUT("/v1/resources/{name}", { params: { path: { name } }, body: { fencing_token: fencingToken, data } })
       .catch((cause: unknown) => {

@@ -393,10 +393,13 @@ export interface components {
             /**
              * Format: int64
              * @description How long the lease lasts, in milliseconds, counted from the time the
-             *     **client sent** the request (TTL minus the time the grant took minus a
-             *     clock-drift allowance; for extend, the lease a majority of nodes kept,
-             *     which may be longer than `ttl_ms`). Deadline = your send time +
-             *     validity_ms.
+             *     **client sent** the request: Deadline = your send time + validity_ms.
+             *     The server counts it from when the request arrived, which is after
+             *     your send time, so the deadline falls before the lease ends however
+             *     long the request took: TTL, minus a clock-drift allowance, plus any
+             *     time spent waiting before the winning attempt began (so after a
+             *     `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease a
+             *     majority of nodes kept, which may also be longer).
              * @example 9886
              */
             validity_ms: number;
@@ -461,7 +464,9 @@ export interface components {
              *       "amount_cents": 129900
              *     }
              */
-            data: unknown;
+            data: ({
+                [key: string]: unknown;
+            } | null) | unknown[] | string | number | boolean;
         };
         /** @description A document of the reference store. */
         Resource: {
@@ -476,7 +481,9 @@ export interface components {
              *       "status": "paid"
              *     }
              */
-            data: unknown;
+            data: ({
+                [key: string]: unknown;
+            } | null) | unknown[] | string | number | boolean;
             /**
              * Format: int64
              * @description The token of the last accepted write.
