@@ -210,7 +210,7 @@ func (h *Handler) newRouter() *chi.Mux {
 	})
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		var allow []string
-		for _, m := range []string{http.MethodGet, http.MethodPost, http.MethodPut, http.MethodDelete} {
+		for _, m := range []string{http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodDelete} {
 			if r.Match(chi.NewRouteContext(), m, routePath(req)) {
 				allow = append(allow, m)
 			}
@@ -221,20 +221,26 @@ func (h *Handler) newRouter() *chi.Mux {
 			Instance: req.URL.EscapedPath(), RequestID: requestID(req.Context())})
 	})
 
-	r.Get("/healthz", h.healthz)
-	r.Get("/readyz", h.readyz)
-	r.With(h.authorize(apikey.ScopeAdmin)).Method(http.MethodGet, "/metrics", promhttp.HandlerFor(h.opts.Registry, promhttp.HandlerOpts{}))
-	r.Get("/openapi.yaml", h.openapi)
+	// get routes GET, and HEAD to the same handler: net/http sends no body
+	// for HEAD (RFC 9110 §9.3.2: HEAD wherever GET).
+	get := func(r chi.Router, pattern string, hf http.Handler) {
+		r.Method(http.MethodGet, pattern, hf)
+		r.Method(http.MethodHead, pattern, hf)
+	}
+	get(r, "/healthz", http.HandlerFunc(h.healthz))
+	get(r, "/readyz", http.HandlerFunc(h.readyz))
+	get(r.With(h.authorize(apikey.ScopeAdmin)), "/metrics", promhttp.HandlerFor(h.opts.Registry, promhttp.HandlerOpts{}))
+	get(r, "/openapi.yaml", http.HandlerFunc(h.openapi))
 
 	r.Route("/v1", func(r chi.Router) {
 		locks, resources, admin := r.With(h.authorize(apikey.ScopeLocks)), r.With(h.authorize(apikey.ScopeResources)), r.With(h.authorize(apikey.ScopeAdmin))
 		locks.Post("/locks/{name}", h.acquire)
-		locks.Get("/locks/{name}", h.status)
+		get(locks, "/locks/{name}", http.HandlerFunc(h.status))
 		locks.Delete("/locks/{name}", h.release)
 		locks.Post("/locks/{name}/extend", h.extend)
 		resources.Put("/resources/{name}", h.putResource)
-		resources.Get("/resources/{name}", h.getResource)
-		admin.Get("/nodes", h.nodes)
+		get(resources, "/resources/{name}", http.HandlerFunc(h.getResource))
+		get(admin, "/nodes", http.HandlerFunc(h.nodes))
 	})
 	return r
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
 	"github.com/redfence/redfence/internal/openapitest"
+	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
 	"github.com/redfence/redfence/store"
 )
@@ -218,6 +219,23 @@ func (e *env) lockKeys() [][]string {
 		out[i] = keys
 	}
 	return out
+}
+
+// waitReleased waits until no running node holds a lock key that keep
+// does not keep (nil: any key): a release answers once a majority deleted
+// the key, and the other nodes' deletions finish in the background.
+func (e *env) waitReleased(what string, keep func(key string) bool) {
+	e.t.Helper()
+	testutil.WaitFor(e.t, 30*time.Second, what, func() (bool, error) {
+		for _, keys := range e.lockKeys() {
+			for _, k := range keys {
+				if keep == nil || !keep(k) {
+					return false, nil
+				}
+			}
+		}
+		return true, nil
+	})
 }
 
 // snapshot renders everything Redfence stores (keys with values on every

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -590,5 +591,40 @@ func TestValidity_CountsFromArrival(t *testing.T) {
 	}
 	if want := (took + 10*time.Second - 2*time.Millisecond).Milliseconds(); x.ValidityMS != want {
 		t.Errorf("extend that took %v: validity_ms %d; want %d", took, x.ValidityMS, want)
+	}
+}
+
+// TestHead: HEAD is answered wherever GET is, with GET's status and
+// headers and no body (RFC 9110 §9.3.2); elsewhere it is 405.
+func TestHead(t *testing.T) {
+	t.Parallel()
+	e := newFakeEnv(t, false)
+	e.acquire(t, e.h, "x", `{"ttl_ms":30000}`)
+	for _, p := range []string{"/healthz", "/readyz", "/openapi.yaml", "/metrics", "/v1/locks/x", "/v1/locks/bad!", "/v1/resources/x", "/v1/nodes"} {
+		// Through a real server: net/http drops a HEAD answer's body there.
+		srv := httptest.NewServer(e.h)
+		get, err := http.Get(srv.URL + p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		get.Body.Close()
+		head, err := http.Head(srv.URL + p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(head.Body)
+		head.Body.Close()
+		srv.Close()
+		if head.StatusCode != get.StatusCode || len(body) != 0 || head.Header.Get("Content-Type") != get.Header.Get("Content-Type") {
+			t.Errorf("HEAD %s = %d %q (%d body bytes); GET = %d %q; want the same, without a body",
+				p, head.StatusCode, head.Header.Get("Content-Type"), len(body), get.StatusCode, get.Header.Get("Content-Type"))
+		}
+	}
+	w := e.do(e.h, http.MethodHead, "/v1/locks/x/extend", "")
+	if w.Code != http.StatusMethodNotAllowed || w.Header().Get("Allow") != "POST" {
+		t.Errorf("HEAD /v1/locks/x/extend = %d, Allow %q; want 405, Allow POST", w.Code, w.Header().Get("Allow"))
+	}
+	if w := e.do(e.h, http.MethodPut, "/v1/locks/x", ""); w.Header().Get("Allow") != "GET, HEAD, POST, DELETE" {
+		t.Errorf("PUT /v1/locks/x: Allow %q; want GET, HEAD, POST, DELETE", w.Header().Get("Allow"))
 	}
 }

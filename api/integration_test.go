@@ -83,11 +83,7 @@ func TestAPI_RoundTrip(t *testing.T) {
 	if st.Held || st.Owner != "" || st.LastFencingToken != 1 {
 		t.Errorf("GET after release = %+v; want free, last token 1, no owner", st)
 	}
-	for i, keys := range e.lockKeys() {
-		if len(keys) != 0 {
-			t.Errorf("node %d keys after release = %v; want none", i, keys)
-		}
-	}
+	e.waitReleased("every node to drop the released lock", nil)
 	if r := e.do(e.client, http.MethodGet, "/v1/resources/nothing-here", nil); r.status != 404 || r.problem(t).Type != api.ProblemTypePrefix+"resource-not-found" {
 		t.Errorf("GET missing resource = %d %s; want 404 resource-not-found", r.status, r.body)
 	}

@@ -34,6 +34,10 @@ var (
 	// ErrWaitTimeout reports that a blocking acquire's wait ran out; the error
 	// also matches the reason of its last attempt (usually ErrHeld).
 	ErrWaitTimeout = errors.New("service: wait timed out")
+	// ErrSameServer reports two configured nodes that reach one Redis
+	// server: it would vote twice, and a majority of votes would no longer
+	// be a majority of servers.
+	ErrSameServer = errors.New("service: two nodes are one Redis server")
 )
 
 // Outcome is what one node answered in one round.

@@ -316,6 +316,14 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		return nil, errors.New("service: no fencing-token issuer")
 	}
 	opts.setDefaults()
+	seen := make(map[string]bool, len(nodes))
+	for _, n := range nodes {
+		a := strings.ToLower(n.Addr())
+		if seen[a] {
+			return nil, fmt.Errorf("service: node %s is listed twice: %w", n.Addr(), ErrSameServer)
+		}
+		seen[a] = true
+	}
 	if opts.MinTTL > opts.MaxTTL {
 		return nil, fmt.Errorf("service: min TTL %v above max TTL %v", opts.MinTTL, opts.MaxTTL)
 	}
@@ -371,6 +379,9 @@ func (l *Locker) Close() {
 // acquire that reaches it finds the marker missing. Then it starts this
 // server's heartbeat (see startHeartbeat).
 func (l *Locker) Init(ctx context.Context) error {
+	if err := l.checkDistinct(ctx); err != nil {
+		return err
+	}
 	if l.opts.Registry == nil {
 		return nil
 	}
@@ -404,6 +415,45 @@ func (l *Locker) Init(ctx context.Context) error {
 		}
 	}
 	return l.startHeartbeat(ctx)
+}
+
+// serverIdentifier is a Node that can name the server process behind it
+// (RedisNode: the run_id of INFO server).
+type serverIdentifier interface {
+	ServerID(ctx context.Context) (string, error)
+}
+
+// checkDistinct returns an error matching ErrSameServer when two nodes
+// answer as one server (an address spelt two ways, or a proxy in front of
+// one server): that server would vote twice. Nodes that do not answer
+// within NodeTimeout are not checked.
+func (l *Locker) checkDistinct(ctx context.Context) error {
+	ids := make([]string, len(l.nodes))
+	var wg sync.WaitGroup
+	for i, n := range l.nodes {
+		si, ok := n.(serverIdentifier)
+		if !ok {
+			continue
+		}
+		wg.Go(func() {
+			nctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+			defer cancel()
+			ids[i], _ = si.ServerID(nctx)
+		})
+	}
+	wg.Wait()
+	first := make(map[string]int, len(ids))
+	for i, id := range ids {
+		if id == "" {
+			continue
+		}
+		if j, ok := first[id]; ok {
+			return fmt.Errorf("service: nodes %s and %s answer as one Redis server (run_id %s); list each server once: %w",
+				l.nodes[j].Addr(), l.nodes[i].Addr(), id, ErrSameServer)
+		}
+		first[id] = i
+	}
+	return nil
 }
 
 // startHeartbeat makes the Locker's first Heartbeat, then renews it every

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -414,6 +415,21 @@ func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
 		return "", fmt.Errorf("epoch: %w", err)
 	}
 	return v, nil
+}
+
+// ServerID returns the run_id of the Redis server behind the node (INFO
+// server): it names one run of one server process.
+func (n *RedisNode) ServerID(ctx context.Context) (string, error) {
+	info, err := n.client.Info(ctx, "server").Result()
+	if err != nil {
+		return "", fmt.Errorf("info server: %w", err)
+	}
+	for line := range strings.Lines(info) {
+		if id, ok := strings.CutPrefix(strings.TrimSpace(line), "run_id:"); ok && id != "" {
+			return id, nil
+		}
+	}
+	return "", errors.New("info server: no run_id")
 }
 
 // Ping implements Node.

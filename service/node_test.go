@@ -3,9 +3,13 @@ package service
 import (
 	"errors"
 	"net"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
 )
 
 // TestRedisNode_ExtendNeverShortens: on a real node, a renewal lengthens a
@@ -84,5 +88,40 @@ func TestDialer_ResetsOnClose(t *testing.T) {
 	_, err = srv.Read(make([]byte, 1))
 	if !errors.Is(err, syscall.ECONNRESET) {
 		t.Errorf("the peer's read after close = %v; want ECONNRESET (an orderly close would be io.EOF)", err)
+	}
+}
+
+// TestLocker_SameServerTwice: a Redis server listed twice, under one
+// address or two, would vote twice; New and Init refuse it.
+func TestLocker_SameServerTwice(t *testing.T) {
+	t.Parallel()
+	if _, err := New([]Node{newMem("a:1"), newMem("b:1"), newMem("A:1")}, &memIssuer{}, Options{}); !errors.Is(err, ErrSameServer) {
+		t.Errorf("New with a:1 and A:1 = %v; want ErrSameServer", err)
+	}
+	rs := clustertest.Redis(t, 3, cluster.RedisOptions{})
+	_, port, err := net.SplitHostPort(rs[0].Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	locker := func(addrs ...string) *Locker {
+		nodes := make([]Node, len(addrs))
+		for i, a := range addrs {
+			n := NewRedisNode(a, RedisOptions{})
+			t.Cleanup(func() { _ = n.Close() })
+			nodes[i] = n
+		}
+		l, err := New(nodes, &memIssuer{}, Options{NodeTimeout: 5 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(l.Close)
+		return l
+	}
+	if err := locker(rs[0].Addr(), rs[1].Addr(), rs[2].Addr()).Init(t.Context()); err != nil {
+		t.Fatalf("Init over three servers: %v", err)
+	}
+	err = locker(rs[0].Addr(), rs[1].Addr(), "localhost:"+port).Init(t.Context())
+	if !errors.Is(err, ErrSameServer) || !strings.Contains(err.Error(), "localhost:"+port) {
+		t.Fatalf("Init with %s and localhost:%s = %v; want ErrSameServer naming both", rs[0].Addr(), port, err)
 	}
 }

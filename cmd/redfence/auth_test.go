@@ -315,6 +315,10 @@ func TestConfig_Security(t *testing.T) {
 		{"ClientCAWithoutCert", func(c *Config) { c.TLSClientCAFile = "ca.pem" }, "REDFENCE_TLS_CLIENT_CA_FILE"},
 		{"RedisCAWithoutTLS", func(c *Config) { c.RedisTLSCAFile = "ca.pem" }, "REDFENCE_REDIS_TLS=true"},
 		{"RedisCertWithoutKey", func(c *Config) { c.RedisTLS, c.RedisTLSCertFile = true, "c.pem" }, "REDFENCE_REDIS_TLS_KEY_FILE"},
+		{"RedisAddrs", func(c *Config) { c.RedisAddrs = []string{" 10.0.0.1:6379", "redis-2:6380", "[::1]:6379"} }, ""},
+		{"RedisAddrEmpty", func(c *Config) { c.RedisAddrs = []string{"10.0.0.1:6379", ""} }, "REDFENCE_REDIS_ADDRS"},
+		{"RedisAddrNoPort", func(c *Config) { c.RedisAddrs = []string{"redis-1"} }, "REDFENCE_REDIS_ADDRS"},
+		{"RedisAddrBadPort", func(c *Config) { c.RedisAddrs = []string{"redis-1:http"} }, "REDFENCE_REDIS_ADDRS"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := testConfig(t, nil, "")

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -95,6 +96,9 @@ func (c *Config) validate() error {
 	}
 	for i, a := range c.RedisAddrs {
 		c.RedisAddrs[i] = strings.TrimSpace(a)
+		if _, port, err := net.SplitHostPort(c.RedisAddrs[i]); err != nil || port == "" || strings.Trim(port, "0123456789") != "" {
+			errs = append(errs, fmt.Errorf("REDFENCE_REDIS_ADDRS: %q is not host:port", c.RedisAddrs[i]))
+		}
 	}
 	errs = append(errs, c.validateSecurity()...)
 	return errors.Join(errs...)
