@@ -150,10 +150,12 @@ const (
 )
 
 // WatchKeys listens on KeysChannel on a connection of its own and calls
-// changed for every change to an API key, from one goroutine, in order. It
-// connects before returning (so a bad setup fails at once) and then calls
-// changed(KeyChange{}) as it does after every reconnection: notifications
-// sent while it was not listening are lost, so everything cached must go.
+// changed for every change to an API key, one call at a time, in order. It
+// connects and calls changed(KeyChange{}) before returning (so a bad setup
+// fails at once, and whatever was cached before it listened is dropped
+// before anything is cached under the watch), and calls it again after
+// every reconnection: notifications sent while it was not listening are
+// lost, so everything cached must go.
 // When the connection fails it logs a warning and reconnects with backoff
 // until Close. ctx bounds the first connection only.
 func (db *DB) WatchKeys(ctx context.Context, changed func(KeyChange)) (*KeyWatcher, error) {
@@ -161,6 +163,7 @@ func (db *DB) WatchKeys(ctx context.Context, changed func(KeyChange)) (*KeyWatch
 	if err != nil {
 		return nil, err
 	}
+	changed(KeyChange{})
 	wctx, cancel := context.WithCancel(context.Background())
 	w := &KeyWatcher{cancel: cancel, done: make(chan struct{})}
 	go func() {
@@ -192,7 +195,6 @@ func (db *DB) watch(ctx context.Context, conn *pgx.Conn, changed func(KeyChange)
 		defer cancel()
 		_ = conn.Close(cctx)
 	}
-	changed(KeyChange{})
 	for {
 		err := db.wait(ctx, conn, changed)
 		closeConn()
