@@ -700,7 +700,7 @@ func (h *Handler) lockResponse(name string, g *service.Grant, withToken bool, ar
 		Name:         name,
 		FencingToken: int64(g.Fencing),
 		TTLMS:        g.TTL.Milliseconds(),
-		ValidityMS:   max(g.Validity(arrived).Milliseconds(), 0),
+		ValidityMS:   max(g.ValidityFrom(arrived).Milliseconds(), 0),
 		ExpiresAt:    g.Expires.UTC().Format(time.RFC3339Nano),
 		Owner:        g.Owner,
 	}
@@ -719,7 +719,7 @@ func (h *Handler) writeLock(w http.ResponseWriter, status int, name string, g *s
 		Name:         name,
 		FencingToken: int64(g.Fencing),
 		TTLMS:        g.TTL.Milliseconds(),
-		ValidityMS:   max(g.Validity(arrived).Milliseconds(), 0),
+		ValidityMS:   max(g.ValidityFrom(arrived).Milliseconds(), 0),
 		Owner:        g.Owner,
 	}
 	if withToken {

@@ -24,6 +24,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	mathrand "math/rand/v2"
 	"net"
 	"slices"
@@ -677,10 +678,27 @@ type Grant struct {
 	Expires time.Time
 	// Owner is the label given at acquire.
 	Owner string
+	// DriftFactor is the clock-drift allowance Expires makes over the TTL
+	// (Options.DriftFactor).
+	DriftFactor float64
 }
 
 // Validity returns how much of the lease is left at now.
 func (g *Grant) Validity(now time.Time) time.Duration { return g.Expires.Sub(now) }
+
+// ValidityFrom returns how much of the lease a client may count from t, an
+// instant before the winning round began (when its request arrived, say):
+// the time from t to Expires, less the drift allowance on the part before
+// Start. Expires allows for drift over the TTL only; with this, a client
+// whose clock runs slow by up to DriftFactor still stops in time when it
+// counts from any instant before t, however long it waited.
+func (g *Grant) ValidityFrom(t time.Time) time.Duration {
+	d := g.Expires.Sub(t)
+	if w := g.Start.Sub(t); w > 0 {
+		d -= time.Duration(math.Ceil(float64(w) * g.DriftFactor))
+	}
+	return d
+}
 
 // HolderID returns the non-secret digest of a lock token that is recorded
 // with its fencing token.
@@ -1238,7 +1256,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	}
 	decide(false)
 	l.remember(key, recentGrant{lock: token, fencing: ft})
-	return &Grant{Key: key, Token: token, Fencing: ft, TTL: req.TTL, Start: start, Expires: expires, Owner: req.Owner}, nil
+	return &Grant{Key: key, Token: token, Fencing: ft, TTL: req.TTL, Start: start, Expires: expires, Owner: req.Owner, DriftFactor: l.opts.DriftFactor}, nil
 }
 
 // undo deletes token's key on node i in the background, counted in wg,
@@ -1347,7 +1365,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	if !l.opts.Now().Before(expires) {
 		return lost(errors.New("renewal took longer than the lease"))
 	}
-	return &Grant{Key: key, Token: token, Fencing: rec.Token, TTL: ttl, Start: start, Expires: expires, Owner: rec.Owner}, nil
+	return &Grant{Key: key, Token: token, Fencing: rec.Token, TTL: ttl, Start: start, Expires: expires, Owner: rec.Owner, DriftFactor: l.opts.DriftFactor}, nil
 }
 
 // markReleased tells the granting round of token, if nodes of it are still

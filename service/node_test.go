@@ -125,3 +125,38 @@ func TestLocker_SameServerTwice(t *testing.T) {
 		t.Fatalf("Init with %s and localhost:%s = %v; want ErrSameServer naming both", rs[0].Addr(), port, err)
 	}
 }
+
+// TestGrant_ValidityFrom: counted from an instant before the round (the
+// request's arrival), the validity covers the wait too, less the drift
+// allowance on it, so a client whose clock runs slow by the drift factor
+// still stops before the keys expire.
+func TestGrant_ValidityFrom(t *testing.T) {
+	t.Parallel()
+	t0 := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	const f = 0.01
+	for _, tc := range []struct {
+		wait, ttl time.Duration
+	}{
+		{0, 10 * time.Second}, {5 * time.Second, 10 * time.Second}, {30 * time.Second, 100 * time.Millisecond},
+		{time.Hour, time.Second}, {time.Millisecond, time.Minute},
+	} {
+		start := t0.Add(tc.wait)
+		drift := time.Duration(float64(tc.ttl)*f) + 2*time.Millisecond
+		g := &Grant{TTL: tc.ttl, Start: start, Expires: start.Add(tc.ttl - drift), DriftFactor: f}
+		v := g.ValidityFrom(t0)
+		// Counted from t0 by a clock up to f slow, it must end before the
+		// keys do: at start + ttl.
+		if end := t0.Add(time.Duration(float64(v) * (1 + f))); end.After(start.Add(tc.ttl)) {
+			t.Errorf("wait %v, ttl %v: ValidityFrom = %v; a clock %v slow counts past the keys' expiry by %v",
+				tc.wait, tc.ttl, v, f, end.Sub(start.Add(tc.ttl)))
+		}
+		// And it counts the wait: more than the validity at the grant.
+		if tc.wait >= time.Second && v <= g.Validity(start) {
+			t.Errorf("wait %v, ttl %v: ValidityFrom = %v; want more than the %v left at the grant", tc.wait, tc.ttl, v, g.Validity(start))
+		}
+		// From the round's own start it is the plain validity.
+		if got := g.ValidityFrom(start); got != g.Validity(start) {
+			t.Errorf("ValidityFrom(start) = %v; want %v", got, g.Validity(start))
+		}
+	}
+}

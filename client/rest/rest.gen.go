@@ -138,10 +138,10 @@ type AcquireResponse struct {
 	// **client sent** the request: Deadline = your send time + validity_ms.
 	// The server counts it from when the request arrived, which is after
 	// your send time, so the deadline falls before the lease ends however
-	// long the request took: TTL, minus a clock-drift allowance, plus any
-	// time spent waiting before the winning attempt began (so after a
-	// `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease a
-	// majority of nodes kept, which may also be longer).
+	// long the request took: TTL, plus any time spent waiting before the
+	// winning attempt began, minus a clock-drift allowance on both (so
+	// after a `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease
+	// a majority of nodes kept, which may also be longer).
 	//
 	//
 	// Example: 9886
@@ -226,10 +226,10 @@ type LockResponse struct {
 	// **client sent** the request: Deadline = your send time + validity_ms.
 	// The server counts it from when the request arrived, which is after
 	// your send time, so the deadline falls before the lease ends however
-	// long the request took: TTL, minus a clock-drift allowance, plus any
-	// time spent waiting before the winning attempt began (so after a
-	// `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease a
-	// majority of nodes kept, which may also be longer).
+	// long the request took: TTL, plus any time spent waiting before the
+	// winning attempt began, minus a clock-drift allowance on both (so
+	// after a `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease
+	// a majority of nodes kept, which may also be longer).
 	//
 	//
 	// Example: 9886
