@@ -419,7 +419,8 @@ func checkMembers(body []byte, t reflect.Type) error {
 		name, _ := tok.(string)
 		i, known := jsonField(t, name)
 		if !known {
-			return invalid("the body is not valid: "+unknownField(strconv.Quote(name)), InvalidParam{Name: "body", Reason: unknownField(strconv.Quote(name))})
+			reason := unknownField(strconv.Quote(name))
+			return invalid("the body is not valid: "+reason, InvalidParam{Name: "body", Reason: reason})
 		}
 		if seen&(1<<i) != 0 {
 			return invalid(fmt.Sprintf("the body is not valid: field %q appears more than once", name),
