@@ -281,6 +281,29 @@ func TestRequestIDs(t *testing.T) {
 			t.Errorf("X-Request-Id %q answered with %q", tc.sent, got)
 		}
 	}
+	// A secret of the request inside its ID, whole or in part, is not
+	// echoed (nor logged): the ID is replaced.
+	token := "XO-BHVUBfJCMQRnPhNlbb6nNeSU"
+	secret := benchAPIKey[len(benchAPIKey)-43:]
+	for _, tc := range []struct {
+		sent string
+		hdr  []string
+	}{
+		{"x" + token, []string{LockTokenHeader, token}},
+		{"req-" + token[3:12], []string{LockTokenHeader, token}},
+		{"x" + secret, []string{"Authorization", "Bearer " + benchAPIKey}},
+		{"id." + secret[20:30], []string{"Authorization", "Bearer " + benchAPIKey}},
+	} {
+		w := e.do(e.h, http.MethodDelete, "/v1/locks/rid", "", append([]string{RequestIDHeader, tc.sent}, tc.hdr...)...)
+		if got := w.Header().Get(RequestIDHeader); !hex16.MatchString(got) {
+			t.Errorf("X-Request-Id %q with %s %q answered with %q; want a generated ID", tc.sent, tc.hdr[0], tc.hdr[1], got)
+		}
+	}
+	// Seven characters in common are chance, not a leak.
+	w := e.do(e.h, http.MethodDelete, "/v1/locks/rid", "", RequestIDHeader, "rid-"+token[:7], LockTokenHeader, token)
+	if got := w.Header().Get(RequestIDHeader); got != "rid-"+token[:7] {
+		t.Errorf("X-Request-Id sharing 7 characters with the lock token answered with %q; want it kept", got)
+	}
 }
 
 // TestAccessLog checks the access line: one per request, with exactly the

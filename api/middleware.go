@@ -172,6 +172,36 @@ func (g *requestIDs) next() string {
 	return string(b[:])
 }
 
+// clientRequestID returns the client's X-Request-Id when it is acceptable
+// (validRequestID) and shares no 8 characters in a row with a secret the
+// request carries (its Lock-Token or Authorization header), so that a
+// secret pasted into it, whole or in part, is never logged or echoed; ""
+// otherwise.
+func clientRequestID(r *http.Request) string {
+	id := header(r.Header, RequestIDHeader)
+	if !validRequestID(id) {
+		return ""
+	}
+	for _, name := range [...]string{LockTokenHeader, "Authorization"} {
+		for _, secret := range r.Header[name] {
+			if sharesRun(id, secret, 8) {
+				return ""
+			}
+		}
+	}
+	return id
+}
+
+// sharesRun reports whether s contains n characters in a row of secret.
+func sharesRun(s, secret string, n int) bool {
+	for i := 0; i+n <= len(secret); i++ {
+		if strings.Contains(s, secret[i:i+n]) {
+			return true
+		}
+	}
+	return false
+}
+
 // validRequestID accepts a client's ID only if it is short and plain, so it
 // is safe to log and echo, and cannot be a secret pasted by mistake: not an
 // API key (rf_...) and not of a lock token's shape (27 characters of
@@ -209,8 +239,8 @@ func (h *Handler) front(next http.Handler) http.Handler {
 func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route string, next http.Handler) {
 	st := &reqState{Context: r.Context(), name: name, route: route, arrived: h.opts.Now()}
 	st.rw = respWriter{ResponseWriter: w, st: st}
-	id := header(r.Header, RequestIDHeader)
-	if !validRequestID(id) {
+	id := clientRequestID(r)
+	if id == "" {
 		id = h.ids.next()
 	}
 	st.id = id

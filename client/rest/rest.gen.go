@@ -546,9 +546,10 @@ type UnsupportedMediaType = Problem
 type HealthzParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -556,9 +557,10 @@ type HealthzParams struct {
 type MetricsParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -566,9 +568,10 @@ type MetricsParams struct {
 type OpenapiParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -576,9 +579,10 @@ type OpenapiParams struct {
 type ReadyzParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -590,9 +594,10 @@ type ReleaseLockParams struct {
 
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -600,9 +605,10 @@ type ReleaseLockParams struct {
 type GetLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -610,9 +616,10 @@ type GetLockParams struct {
 type AcquireLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -624,9 +631,10 @@ type ExtendLockParams struct {
 
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -634,9 +642,10 @@ type ExtendLockParams struct {
 type ListNodesParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -644,9 +653,10 @@ type ListNodesParams struct {
 type GetResourceParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 
@@ -654,9 +664,10 @@ type GetResourceParams struct {
 type PutResourceParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, or 27
-	// characters of base64url like a lock token), is not refused: it is
-	// replaced by a generated ID.
+	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// characters of base64url like a lock token, or sharing 8 characters in
+	// a row with the request's `Lock-Token` or `Authorization` header), is
+	// not refused: it is replaced by a generated ID.
 	XRequestId *RequestId `json:"X-Request-Id,omitempty"`
 }
 

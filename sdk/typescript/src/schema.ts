@@ -11,9 +11,10 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -80,9 +81,10 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -130,9 +132,10 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -177,9 +180,10 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -208,9 +212,10 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -238,9 +243,10 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -270,9 +276,10 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -302,9 +309,10 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1065,9 +1073,10 @@ export interface components {
         /**
          * @description Your ID for this request, echoed in the `X-Request-Id` response header,
          *     in error bodies and in the server's logs. A value that does not match the
-         *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-         *     characters of base64url like a lock token), is not refused: it is
-         *     replaced by a generated ID.
+         *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+         *     characters of base64url like a lock token, or sharing 8 characters in
+         *     a row with the request's `Lock-Token` or `Authorization` header), is
+         *     not refused: it is replaced by a generated ID.
          * @example checkout-7f3a9c
          */
         RequestId: string;
@@ -1130,9 +1139,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1191,9 +1201,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1281,9 +1292,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1346,9 +1358,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1437,9 +1450,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1517,9 +1531,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1593,9 +1608,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1664,9 +1680,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1702,9 +1719,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1776,9 +1794,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
@@ -1819,9 +1838,10 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, or 27
-                 *     characters of base64url like a lock token), is not refused: it is
-                 *     replaced by a generated ID.
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     characters of base64url like a lock token, or sharing 8 characters in
+                 *     a row with the request's `Lock-Token` or `Authorization` header), is
+                 *     not refused: it is replaced by a generated ID.
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
