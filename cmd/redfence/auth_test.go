@@ -218,12 +218,17 @@ func TestRun_Keys(t *testing.T) {
 	if !strings.Contains(errOut, acmeID) || strings.Contains(errOut, acme) {
 		t.Errorf("keys create stderr = %q; want the key's id and not the key", errOut)
 	}
-	out, _, err = keys("create", "--tenant", "beta")
+	out, _, err = keys("create", "--tenant", "beta", "--scope", "admin", "--scope", "resources") // repeated: they add up
 	if err != nil {
 		t.Fatal(err)
 	}
 	beta := strings.TrimSpace(out)
 	betaID, _ := apikey.ParseID(beta)
+	out, _, err = keys("create", "--tenant", "gamma") // the default scopes
+	if err != nil {
+		t.Fatal(err)
+	}
+	gammaID, _ := apikey.ParseID(strings.TrimSpace(out))
 
 	list := func() [][]string {
 		t.Helper()
@@ -241,7 +246,7 @@ func TestRun_Keys(t *testing.T) {
 		return rows
 	}
 	rows := list()
-	want := [][]string{{acmeID, "acme", "locks,admin", "", "-"}, {betaID, "beta", "locks,resources", "", "-"}}
+	want := [][]string{{acmeID, "acme", "locks,admin", "", "-"}, {betaID, "beta", "resources,admin", "", "-"}, {gammaID, "gamma", "locks,resources", "", "-"}}
 	if len(rows) != len(want) {
 		t.Fatalf("keys list = %q; want %d lines", rows, len(want))
 	}
@@ -264,7 +269,7 @@ func TestRun_Keys(t *testing.T) {
 	if out, _, err = keys("revoke", beta); err != nil || !strings.HasPrefix(out, "revoked "+betaID) {
 		t.Errorf("keys revoke <key> = %q, %v; want \"revoked %s ...\"", out, err, betaID)
 	}
-	for i, r := range list() {
+	for i, r := range list()[:2] { // acme and beta; gamma stays active
 		if _, err := time.Parse(time.RFC3339, r[len(r)-1]); err != nil {
 			t.Errorf("keys list line %d after revoking = %q; want a revocation time last", i, r)
 		}

@@ -96,17 +96,28 @@ func keysDB(ctx context.Context, stderr io.Writer) (*store.DB, error) {
 func cmdKeysCreate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flags("keys create", "Creates an API key and prints it on stdout, only this once.\n\n"+keysHelp, stdout)
 	tenant := fs.String("tenant", "", "the tenant (namespace) of the key: 1-200 characters of A-Z a-z 0-9 . _ - : (required)")
-	scope := fs.String("scope", strings.Join(apikey.DefaultScopes(), ","), "comma-separated scopes: "+strings.Join(apikey.AllScopes(), ", "))
+	// --scope may be repeated: the scopes add up (--scope locks --scope
+	// admin is locks,admin), as with a comma-separated list.
+	var scopeList []string
+	fs.Func("scope", "comma-separated scopes, or the flag repeated: "+strings.Join(apikey.AllScopes(), ", ")+
+		" (default "+strings.Join(apikey.DefaultScopes(), ",")+")", func(v string) error {
+		scopeList = append(scopeList, v)
+		return nil
+	})
 	if err := parseFlags(fs, args); err != nil {
 		return helpOK(err)
+	}
+	scope := strings.Join(apikey.DefaultScopes(), ",")
+	if scopeList != nil {
+		scope = strings.Join(scopeList, ",")
 	}
 	if reason := apikey.ValidTenant(*tenant); reason != "" {
 		fmt.Fprintf(stderr, "--tenant %q: %s\n", *tenant, reason)
 		return errUsage
 	}
-	scopes, err := apikey.ParseScopes(*scope)
+	scopes, err := apikey.ParseScopes(scope)
 	if err != nil {
-		fmt.Fprintf(stderr, "--scope: %s\n", strings.TrimPrefix(err.Error(), "store: "))
+		fmt.Fprintf(stderr, "--scope: %s\n", strings.TrimPrefix(err.Error(), "apikey: "))
 		return errUsage
 	}
 	db, err := keysDB(ctx, stderr)

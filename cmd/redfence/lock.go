@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -60,6 +61,9 @@ type lockFlags struct {
 	maxHold time.Duration
 	owner   string
 	verbose bool
+	// caFile, certFile and keyFile set up TLS to the server: the CAs to
+	// trust, and the client certificate for a server that asks for one.
+	caFile, certFile, keyFile string
 }
 
 // parseLockArgs parses [flags] NAME [flags] [--] COMMAND [ARGS...].
@@ -82,6 +86,9 @@ func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []strin
 	fs.DurationVar(&f.maxHold, "max-hold", 0, "stop renewing once the lock was held this long (0: no cap); COMMAND is then stopped as on a loss")
 	fs.StringVar(&f.owner, "owner", fmt.Sprintf("%s:%d", host, os.Getpid()), "owner label shown by GET /v1/locks/NAME and in the audit log")
 	fs.BoolVar(&f.verbose, "v", false, "print lease events (acquired, renewed, lost, signals) with timestamps to stderr")
+	fs.StringVar(&f.caFile, "cacert", "", "PEM file of the CAs that sign an https server's certificate (default $REDFENCE_CA_FILE, else the system's)")
+	fs.StringVar(&f.certFile, "cert", "", "PEM client certificate, for a server that requires one (mutual TLS; default $REDFENCE_CLIENT_CERT_FILE)")
+	fs.StringVar(&f.keyFile, "key", "", "PEM private key of --cert (default $REDFENCE_CLIENT_KEY_FILE)")
 
 	before, command, dashes := args, []string(nil), false
 	for i, a := range args {
@@ -116,6 +123,9 @@ func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []strin
 	if f.apiKey == "" {
 		f.apiKey = os.Getenv("REDFENCE_API_KEY")
 	}
+	f.caFile = cmp.Or(f.caFile, os.Getenv("REDFENCE_CA_FILE"))
+	f.certFile = cmp.Or(f.certFile, os.Getenv("REDFENCE_CLIENT_CERT_FILE"))
+	f.keyFile = cmp.Or(f.keyFile, os.Getenv("REDFENCE_CLIENT_KEY_FILE"))
 	switch {
 	case len(positional) != 1:
 		fmt.Fprintf(stdout, "redfence lock: want one lock NAME before the command, got %q\n", positional)
@@ -128,6 +138,21 @@ func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []strin
 		return nil, "", nil, errUsage
 	}
 	return f, positional[0], command, nil
+}
+
+// httpClient is the client's HTTP client: the default one, with the TLS
+// settings of --cacert, --cert and --key when any is given.
+func (f *lockFlags) httpClient() (*http.Client, error) {
+	if f.caFile == "" && f.certFile == "" && f.keyFile == "" {
+		return nil, nil // client.New's default
+	}
+	cfg, err := clientTLS("--cacert", f.caFile, "--cert / --key", f.certFile, f.keyFile)
+	if err != nil {
+		return nil, err
+	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.TLSClientConfig = cfg
+	return &http.Client{Transport: tr}, nil
 }
 
 // lockSafety is how long before the lease's deadline the command must be
@@ -145,8 +170,12 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return errUsage
 	}
 	ev := &lockEvents{w: stderr, verbose: f.verbose}
+	hc, err := f.httpClient()
+	if err != nil {
+		return err
+	}
 	c, err := client.New(f.server, client.Options{
-		APIKey: f.apiKey, Owner: f.owner,
+		APIKey: f.apiKey, Owner: f.owner, HTTPClient: hc,
 		Logger: slog.New(slog.NewTextHandler(ev.debugWriter(), &slog.HandlerOptions{Level: slog.LevelWarn})),
 	})
 	if err != nil {
@@ -166,7 +195,9 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 
 	status, lost := runLocked(ctx, lease, f, command, stdout, stderr, ev)
 
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	// Past the deadline the keys are expiring by themselves: the release
+	// only tidies up, and gets a second at most.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(10*time.Second, max(time.Until(lease.Deadline()), time.Second)))
 	defer cancel()
 	if err := lease.Release(rctx); err != nil && !lost {
 		fmt.Fprintf(stderr, "redfence lock: releasing %q: %v (it expires by itself within %v)\n", name, err, f.ttl)

@@ -85,18 +85,26 @@ func (c *Config) redisTLS() (*tls.Config, error) {
 	if !c.RedisTLS {
 		return nil, nil
 	}
+	return clientTLS("REDFENCE_REDIS_TLS_CA_FILE", c.RedisTLSCAFile, "REDFENCE_REDIS_TLS_CERT_FILE / _KEY_FILE", c.RedisTLSCertFile, c.RedisTLSKeyFile)
+}
+
+// clientTLS is the TLS configuration of a client (TLS 1.2 at least) that
+// trusts the CAs of caFile (the system's when empty) and presents the
+// certificate of certFile and keyFile (none when empty). Errors name the
+// setting that gave the file: caName or certName.
+func clientTLS(caName, caFile, certName, certFile, keyFile string) (*tls.Config, error) {
 	cfg := &tls.Config{MinVersion: tls.VersionTLS12}
-	if c.RedisTLSCAFile != "" {
-		pool, err := certPool("REDFENCE_REDIS_TLS_CA_FILE", c.RedisTLSCAFile)
+	if caFile != "" {
+		pool, err := certPool(caName, caFile)
 		if err != nil {
 			return nil, err
 		}
 		cfg.RootCAs = pool
 	}
-	if c.RedisTLSCertFile != "" {
-		cert, err := tls.LoadX509KeyPair(c.RedisTLSCertFile, c.RedisTLSKeyFile)
+	if certFile != "" || keyFile != "" {
+		cert, err := tls.LoadX509KeyPair(certFile, keyFile)
 		if err != nil {
-			return nil, fmt.Errorf("REDFENCE_REDIS_TLS_CERT_FILE / _KEY_FILE: %w", err)
+			return nil, fmt.Errorf("%s: %w", certName, err)
 		}
 		cfg.Certificates = []tls.Certificate{cert}
 	}

@@ -206,6 +206,19 @@ func TestTLS_Serve(t *testing.T) {
 		if code, err := get(t, tlsClient(t, serverCA, strCert, strKey), s.URL()+"/healthz"); err == nil {
 			t.Errorf("GET with a certificate from another CA = %d; want the handshake refused", code)
 		}
+		// redfence lock, with the CA and a client certificate, and without.
+		r := startLock(t.Context(), "--server", s.URL(), "--cacert", serverCA.file, "--cert", cliCert, "--key", cliKey, "mtls", "--", "true")
+		if code := r.wait(t); code != 0 {
+			t.Errorf("redfence lock over mTLS exited %d; want 0; stderr:\n%s", code, r.stderr.String())
+		}
+		r = startLock(t.Context(), "--server", s.URL(), "--cacert", serverCA.file, "mtls", "--", "true")
+		if code := r.wait(t); code == 0 {
+			t.Error("redfence lock without a client certificate exited 0; want the handshake refused")
+		}
+		r = startLock(t.Context(), "--server", s.URL(), "--cacert", cliKey, "mtls", "--", "true")
+		if code := r.wait(t); code == 0 || r.err == nil || !strings.Contains(r.err.Error(), "--cacert") {
+			t.Errorf("redfence lock with a CA file that is not one exited %d (%v); want an error naming --cacert", code, r.err)
+		}
 	})
 
 	t.Run("HealthcheckWithMutualTLS", func(t *testing.T) {

@@ -97,14 +97,14 @@ func newHandler(st *Store, log *slog.Logger) http.Handler {
 		if v := r.Header.Get("If-Match"); v != "" {
 			n, err := strconv.ParseInt(strings.Trim(v, `"`), 10, 64)
 			if err != nil {
-				http.Error(w, `If-Match must be a version, e.g. "3"`, http.StatusBadRequest)
+				problem(w, r, http.StatusBadRequest, "invalid-request", `If-Match must be a version, e.g. "3"`)
 				return
 			}
 			ifVersion = &n
 		}
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 1<<20))
 		if err != nil || !json.Valid(body) {
-			http.Error(w, "the body must be JSON", http.StatusBadRequest)
+			problem(w, r, http.StatusBadRequest, "invalid-request", "the body must be JSON")
 			return
 		}
 		d, err := st.Put(r.Context(), r.PathValue("id"), body, token, ifVersion)
@@ -114,7 +114,7 @@ func newHandler(st *Store, log *slog.Logger) http.Handler {
 			log.Info("write refused: stale fencing token", "id", r.PathValue("id"), "fencing_token", int64(token), "current", int64(stale.Current))
 			fencing.Refuse(w, r, err, stale.Current)
 		case errors.Is(err, ErrVersion):
-			http.Error(w, err.Error(), http.StatusPreconditionFailed)
+			problem(w, r, http.StatusPreconditionFailed, "version-changed", err.Error())
 		case err != nil:
 			log.Error("write failed", "id", r.PathValue("id"), "error", err.Error())
 			fencing.Refuse(w, r, err, 0)
@@ -126,15 +126,26 @@ func newHandler(st *Store, log *slog.Logger) http.Handler {
 		d, err := st.Get(r.Context(), r.PathValue("id"))
 		switch {
 		case errors.Is(err, ErrNotFound):
-			http.Error(w, "no such document", http.StatusNotFound)
+			problem(w, r, http.StatusNotFound, "not-found", "no such document")
 		case err != nil:
 			log.Error("read failed", "id", r.PathValue("id"), "error", err.Error())
-			http.Error(w, "unavailable", http.StatusServiceUnavailable)
+			problem(w, r, http.StatusServiceUnavailable, "unavailable", "the store did not answer")
 		default:
 			writeDoc(w, d)
 		}
 	})
 	return mux
+}
+
+// problem answers with an RFC 9457 problem+json document, as
+// fencing.Refuse does for the fencing check.
+func problem(w http.ResponseWriter, r *http.Request, status int, slug, detail string) {
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(map[string]any{
+		"type": "urn:fenced-store:problem:" + slug, "title": http.StatusText(status),
+		"status": status, "detail": detail, "instance": r.URL.EscapedPath(),
+	})
 }
 
 func writeDoc(w http.ResponseWriter, d *Document) {

@@ -189,8 +189,8 @@ func TestPausedHolder_ReadModifyWrite(t *testing.T) {
 	}
 	// B writes what it computed from its read, conditional on that version.
 	ifMatch := fmt.Sprintf(`"%v"`, read["version"])
-	if code, v := d.put("account-1", b.FencingToken(), ifMatch, `{"balance":110}`); code != http.StatusPreconditionFailed {
-		t.Fatalf("B's conditional write = %d %v; want 412: A's write is detected, not lost", code, v)
+	if code, v := d.put("account-1", b.FencingToken(), ifMatch, `{"balance":110}`); code != http.StatusPreconditionFailed || v["type"] != "urn:fenced-store:problem:version-changed" {
+		t.Fatalf("B's conditional write = %d %v; want 412 version-changed: A's write is detected, not lost", code, v)
 	}
 	_, read = d.get("account-1") // B reads again (balance 50, version 2) and retries
 	if code, v := d.put("account-1", b.FencingToken(), fmt.Sprintf(`"%v"`, read["version"]), `{"balance":60}`); code != 200 {
