@@ -1,11 +1,12 @@
 package main
 
 import (
-	"bytes"
 	"fmt"
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // gatedWriter collects what is written; while gate is set, each Write waits
@@ -13,9 +14,9 @@ import (
 type gatedWriter struct {
 	gate    chan struct{}
 	entered chan struct{} // a Write has started (buffered)
+	testutil.Buffer
 
-	mu     sync.Mutex
-	buf    bytes.Buffer
+	// Written by the asyncWriter's goroutine, read after its Close.
 	writes int
 	max    int // the longest single write
 }
@@ -30,17 +31,9 @@ func (g *gatedWriter) Write(p []byte) (int, error) {
 	if g.gate != nil {
 		<-g.gate
 	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
 	g.writes++
 	g.max = max(g.max, len(p))
-	return g.buf.Write(p)
-}
-
-func (g *gatedWriter) String() string {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.buf.String()
+	return g.Buffer.Write(p)
 }
 
 // TestAsyncWriter_OrderAndCompleteness writes from many goroutines and
