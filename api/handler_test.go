@@ -643,6 +643,9 @@ func TestHead(t *testing.T) {
 				p, head.StatusCode, head.Header.Get("Content-Type"), len(body), get.StatusCode, get.Header.Get("Content-Type"))
 		}
 	}
+	if !strings.Contains(e.logs.String(), `"method":"HEAD","path":"/healthz","route":"/healthz","status":200,"bytes":0,`) {
+		t.Errorf("no access line for HEAD /healthz with bytes 0 in:\n%s", e.logs.String())
+	}
 	w := e.do(e.h, http.MethodHead, "/v1/locks/x/extend", "")
 	if w.Code != http.StatusMethodNotAllowed || w.Header().Get("Allow") != "POST" {
 		t.Errorf("HEAD /v1/locks/x/extend = %d, Allow %q; want 405, Allow POST", w.Code, w.Header().Get("Allow"))

@@ -273,13 +273,17 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 	if !h.raw.Enabled(r.Context(), slog.LevelInfo) {
 		return
 	}
+	sent := st.rw.bytes
+	if r.Method == http.MethodHead {
+		sent = 0 // net/http drops a HEAD answer's body
+	}
 	h.logRecord(r.Context(), end, nil, slog.LevelInfo, "http request",
 		slog.String("request_id", id),
 		slog.String("method", r.Method),
 		slog.String("path", r.URL.EscapedPath()),
 		slog.String("route", route),
 		slog.Int("status", status),
-		slog.Int("bytes", st.rw.bytes),
+		slog.Int("bytes", sent),
 		slog.Float64("duration_ms", float64(d.Microseconds())/1000),
 		slog.String("remote", r.RemoteAddr))
 }
