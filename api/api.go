@@ -388,8 +388,7 @@ func decodeJSON(body []byte, v any) error {
 	if err := checkMembers(body, reflect.TypeOf(v).Elem()); err != nil {
 		return err
 	}
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.DisallowUnknownFields()
+	dec := json.NewDecoder(bytes.NewReader(body)) // checkMembers refused unknown members
 	if err := dec.Decode(v); err != nil {
 		return invalid("the body is not valid: "+jsonReason(err), InvalidParam{Name: "body", Reason: jsonReason(err)})
 	}
@@ -455,7 +454,7 @@ func jsonField(t reflect.Type, name string) (int, bool) {
 }
 
 // unknownField is the reason given for an unknown member, its quoted name
-// cut short: it goes into the answer and the log.
+// (the client's) cut short: it goes into the answer and the log.
 func unknownField(quoted string) string {
 	if len(quoted) > maxQuotedField {
 		quoted = strings.ToValidUTF8(quoted[:maxQuotedField], "") + `…"`
@@ -506,10 +505,6 @@ func jsonReason(err error) string {
 		return fmt.Sprintf("must be a JSON object, got %s", te.Value)
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return "truncated JSON"
-	case strings.HasPrefix(err.Error(), "json: unknown field "):
-		// The name is the client's (quoted by encoding/json): cut it short,
-		// as it goes into the answer and the log.
-		return unknownField(strings.TrimPrefix(err.Error(), "json: unknown field "))
 	}
 	return err.Error()
 }
