@@ -43,24 +43,19 @@ func newAuthEnv(t *testing.T, o envOptions, opts api.Options) (*env, keys) {
 	e := newEnv(t, o)
 	ctx := t.Context()
 	auth := api.NewKeyAuth(e.db, o.auth)
-	// The notifications of the keys made below reach auth some time after
-	// they commit, and each drops the key's cached entry: a test that
-	// relies on what auth cached (Postgres down) must not have it dropped
-	// behind its back. Postgres delivers them in commit order, so one about
-	// the last key made says those about every earlier key were delivered.
-	var (
-		lastMu     sync.Mutex
-		lastID     string
-		lastSeen   = make(chan struct{})
-		lastClosed bool
-	)
+	// The notifications of the key changes made below reach auth some time
+	// after they commit, and each one makes auth drop the key's cached
+	// entry, and not cache what a lookup running meanwhile reads: a test
+	// that relies on what auth cached (Postgres down) must not have that
+	// happen behind its back. So the set-up waits for all of them.
+	notified := make(chan struct{}, 64)
 	w, err := e.db.WatchKeys(ctx, func(c apikey.Change) {
 		auth.Changed(c)
-		lastMu.Lock()
-		defer lastMu.Unlock()
-		if c.ID != "" && c.ID == lastID && !lastClosed {
-			lastClosed = true
-			close(lastSeen)
+		if c.ID != "" {
+			select {
+			case notified <- struct{}{}:
+			default: // later changes, made by the tests, are not counted
+			}
 		}
 	})
 	if err != nil {
@@ -85,16 +80,16 @@ func newAuthEnv(t *testing.T, o envOptions, opts api.Options) (*env, keys) {
 	k.aResources = create("a", apikey.ScopeResources)
 	k.revoked = create("a", apikey.AllScopes()...)
 	id, _ := apikey.ParseID(k.revoked)
-	lastMu.Lock()
-	lastID = id
-	lastMu.Unlock()
 	if _, err := e.db.RevokeKey(ctx, id); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-lastSeen:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the notification of the last key change never came")
+	const changes = 6 // 5 keys made, 1 revoked
+	for i := range changes {
+		select {
+		case <-notified:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%d of the %d key change notifications came in 30s", i, changes)
+		}
 	}
 	k.unknown = apikey.Prefix + "0123456789abcdef_" + strings.Repeat("x", 43)
 	k.wrong = k.a[:len(k.a)-43] + strings.Repeat("y", 43)
