@@ -58,6 +58,9 @@ func TestPipeline_AsyncBatches(t *testing.T) {
 	if b := h.batches(); len(b) != 2 || b[1] != calls {
 		t.Errorf("pipeline sizes = %v; want [1 %d]", b, calls)
 	}
+	if b := h.commands(); len(b) != 2 || b[1] != 1 {
+		t.Errorf("commands per pipeline = %v; want [1 1]: the %d acquires merged into one EVALSHA", b, calls)
+	}
 	select {
 	case a := <-answers:
 		t.Errorf("call %d answered twice", a.i)

@@ -46,10 +46,46 @@ type Node interface {
 type luaScript struct {
 	src string
 	sha any // the SHA-1 as a string, boxed once
+	// batch, when set, runs the script once for each of many calls in one
+	// EVALSHA (see batchSource): the pipeline merges the calls of one
+	// batch that run the script into one command.
+	batch *luaScript
 }
 
-func newLuaScript(src string) luaScript {
-	return luaScript{src: src, sha: redis.NewScript(src).Hash()}
+func newLuaScript(src string) *luaScript {
+	return &luaScript{src: src, sha: redis.NewScript(src).Hash(),
+		batch: &luaScript{src: batchSource(src), sha: redis.NewScript(batchSource(src)).Hash()}}
+}
+
+// batchSource is the Lua source of a script that runs the script src for
+// each of n calls, in order, and returns their answers as an array. ARGV[1]
+// is n, ARGV[2] and ARGV[3] the number of keys and of arguments of each
+// call; call i's keys and arguments follow, in KEYS and in ARGV after those
+// three. Each call runs in a protected call: one call's error is its own
+// answer (an error reply in the array) and does not stop the others.
+//
+// One EVALSHA of many calls costs a node far less than as many EVALSHAs:
+// each command costs its parsing, its dispatch and its reply, and each
+// script call also sets up the script's KEYS and ARGV.
+func batchSource(src string) string {
+	return `local n, nk, na = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local function call(KEYS, ARGV)
+` + src + `
+end
+local out = {}
+for i = 0, n - 1 do
+  local k, a = {}, {}
+  for j = 1, nk do k[j] = KEYS[i * nk + j] end
+  for j = 1, na do a[j] = ARGV[3 + i * na + j] end
+  local ok, r = pcall(call, k, a)
+  if not ok then
+    r = redis.error_reply(type(r) == 'table' and r.err or tostring(r))
+  elseif type(r) ~= 'number' then
+    r = redis.error_reply('ERR redfence batch: the script answered a ' .. type(r) .. ', not a number')
+  end
+  out[i + 1] = r
+end
+return out`
 }
 
 // Lua scripts. Each runs atomically on one node.
@@ -196,38 +232,39 @@ func (n *RedisNode) Close() error {
 
 // do runs cmd through the node's pipeline, or on its own round trip when
 // the node is unpipelined. It returns the command that answered.
-func (n *RedisNode) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.Cmd, error) {
+func (n *RedisNode) do(ctx context.Context, cmd *redis.Cmd, s *luaScript) (*redis.Cmd, error) {
 	if n.pipe != nil {
-		return n.pipe.do(ctx, cmd, src)
+		return n.pipe.do(ctx, cmd, s)
 	}
 	_ = n.client.Process(ctx, cmd)
-	if noScript(cmd, src) {
-		cmd = evalOf(ctx, cmd, src)
+	if noScript(cmd, s) {
+		cmd = evalOf(ctx, cmd, s)
 		_ = n.client.Process(ctx, cmd)
 	}
 	return cmd, cmd.Err()
 }
 
-// noScript reports whether cmd, an EVALSHA of the script src, failed
-// because the node does not know the script (it restarted, or its script
-// cache was flushed).
-func noScript(cmd *redis.Cmd, src string) bool {
+// noScript reports whether cmd, an EVALSHA of the script s (nil: cmd is
+// not one), failed because the node does not know the script (it
+// restarted, or its script cache was flushed).
+func noScript(cmd *redis.Cmd, s *luaScript) bool {
 	err := cmd.Err()
-	return err != nil && src != "" && redis.HasErrorPrefix(err, "NOSCRIPT")
+	return err != nil && s != nil && redis.HasErrorPrefix(err, "NOSCRIPT")
 }
 
-// evalOf returns cmd, an EVALSHA, as the EVAL of src with the same keys and
-// arguments: it runs the script and loads it for later EVALSHAs.
-func evalOf(ctx context.Context, cmd *redis.Cmd, src string) *redis.Cmd {
+// evalOf returns cmd, an EVALSHA of s, as the EVAL of its source with the
+// same keys and arguments: it runs the script and loads it for later
+// EVALSHAs.
+func evalOf(ctx context.Context, cmd *redis.Cmd, s *luaScript) *redis.Cmd {
 	args := slices.Clone(cmd.Args())
-	args[0], args[1] = "eval", src
+	args[0], args[1] = "eval", s.src
 	return redis.NewCmd(ctx, args...)
 }
 
 // eval runs script with a's keys and arguments (and last, when not nil,
 // after them) through the node's pipeline and returns its integer answer.
-func (n *RedisNode) eval(ctx context.Context, s luaScript, a *scriptArgs, last any) (int64, error) {
-	cmd, err := n.do(ctx, evalCmd(ctx, s, a, n.epochKey, last), s.src)
+func (n *RedisNode) eval(ctx context.Context, s *luaScript, a *scriptArgs, last any) (int64, error) {
+	cmd, err := n.do(ctx, evalCmd(ctx, s, a, n.epochKey, last), s)
 	if err != nil {
 		return 0, err
 	}
@@ -237,7 +274,7 @@ func (n *RedisNode) eval(ctx context.Context, s luaScript, a *scriptArgs, last a
 // evalCmd is the EVALSHA of script s with a's keys (then marker, the node's
 // epoch marker key, if a.marker) and arguments, and last after them when it
 // is not nil.
-func evalCmd(ctx context.Context, s luaScript, a *scriptArgs, marker, last any) *redis.Cmd {
+func evalCmd(ctx context.Context, s *luaScript, a *scriptArgs, marker, last any) *redis.Cmd {
 	cmdArgs := make([]any, 0, 5+len(a.keys)+len(a.argv))
 	nkeys := len(a.keys)
 	if a.marker {
@@ -298,8 +335,8 @@ func (n *RedisNode) async() bool { return n.pipe != nil }
 // evalAsync runs script with a's keys and arguments (and last, when not
 // nil, after them) through the node's pipeline and calls done with its
 // integer answer. The node must be pipelined.
-func (n *RedisNode) evalAsync(ctx context.Context, s luaScript, a *scriptArgs, last any, done func(int64, error)) {
-	n.pipe.doAsync(ctx, evalCmd(ctx, s, a, n.epochKey, last), s.src, func(cmd *redis.Cmd, err error) {
+func (n *RedisNode) evalAsync(ctx context.Context, s *luaScript, a *scriptArgs, last any, done func(int64, error)) {
+	n.pipe.doAsync(ctx, evalCmd(ctx, s, a, n.epochKey, last), s, func(cmd *redis.Cmd, err error) {
 		if err != nil {
 			done(0, err)
 			return
@@ -376,7 +413,7 @@ func (n *RedisNode) Release(ctx context.Context, key, token string) (bool, error
 
 // TTL implements Node.
 func (n *RedisNode) TTL(ctx context.Context, key string) (time.Duration, error) {
-	cmd, err := n.do(ctx, redis.NewCmd(ctx, "pttl", key), "")
+	cmd, err := n.do(ctx, redis.NewCmd(ctx, "pttl", key), nil)
 	var d int64
 	if err == nil {
 		d, err = cmd.Int64()

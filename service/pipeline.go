@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -21,10 +22,10 @@ const maxBatch = 512
 type call struct {
 	ctx context.Context
 	cmd *redis.Cmd
-	// src, when set, is the Lua source of an EVALSHA cmd: the writer
+	// script, when set, is the script cmd runs by EVALSHA: the writer
 	// resends it as EVAL after NOSCRIPT (the node restarted or its script
-	// cache was flushed).
-	src string
+	// cache was flushed), and merges it with other calls of the script.
+	script *luaScript
 	// done receives once when cmd has its answer (buffered: the writer
 	// never blocks, even for a caller that gave up).
 	done chan struct{}
@@ -64,6 +65,8 @@ type pipeliner struct {
 	sending sync.Mutex
 	buf     []*call
 	pipe    redis.Pipeliner
+	// units is the reused list of a batch's commands (see send).
+	units []unit
 	// calls recycles the calls whose callers saw the answer.
 	calls sync.Pool
 	// queued counts the calls handed to the writer goroutine (for tests).
@@ -87,7 +90,7 @@ func newPipeliner(client *redis.Client) *pipeliner {
 
 // do sends cmd, or queues it, and waits for its answer or for ctx to end.
 // It returns the command that answered (cmd, or the EVAL that replaced it).
-func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.Cmd, error) {
+func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, s *luaScript) (*redis.Cmd, error) {
 	select {
 	case <-p.closed:
 		return nil, errNodeClosed
@@ -97,7 +100,7 @@ func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.
 	if c == nil {
 		c = &call{done: make(chan struct{}, 1)}
 	}
-	c.ctx, c.cmd, c.src = ctx, cmd, src
+	c.ctx, c.cmd, c.script = ctx, cmd, s
 	if p.sending.TryLock() {
 		// Nothing on the wire: send now, with whatever is queued.
 		p.buf, _ = p.sendLocked(append(p.buf[:0], c))
@@ -132,8 +135,8 @@ func (p *pipeliner) do(ctx context.Context, cmd *redis.Cmd, src string) (*redis.
 //
 // It spares a caller that asks several nodes at once a goroutine per node:
 // the writer delivers the answer.
-func (p *pipeliner) doAsync(ctx context.Context, cmd *redis.Cmd, src string, cb func(*redis.Cmd, error)) {
-	c := &call{ctx: ctx, cmd: cmd, src: src, cb: cb}
+func (p *pipeliner) doAsync(ctx context.Context, cmd *redis.Cmd, s *luaScript, cb func(*redis.Cmd, error)) {
+	c := &call{ctx: ctx, cmd: cmd, script: s, cb: cb}
 	if !p.enqueue(c, false) {
 		// Full: wait for room elsewhere, never here (the caller may be a
 		// writer answering a batch).
@@ -256,11 +259,14 @@ func (p *pipeliner) fail() {
 }
 
 // send writes batch as one pipeline, bounded by the latest of its callers'
-// deadlines, and answers every call.
+// deadlines, and answers every call. The calls of one script that can be
+// batched go out as one EVALSHA of its batch form, in the place of the
+// first of them: the calls of a batch are concurrent (none has its answer
+// yet), so any order of them is one they could have run in.
 func (p *pipeliner) send(batch []*call) {
 	pipe := p.pipe
 	var deadline time.Time
-	live := batch[:0]
+	units := p.units[:0]
 	for _, c := range batch {
 		if err := c.ctx.Err(); err != nil { // its caller is gone: do not send it
 			c.cmd.SetErr(err)
@@ -274,34 +280,132 @@ func (p *pipeliner) send(batch []*call) {
 		if d.After(deadline) {
 			deadline = d
 		}
-		_ = pipe.Process(c.ctx, c.cmd)
-		live = append(live, c)
+		units = p.add(units, c)
 	}
-	if len(live) == 0 {
+	defer func() {
+		clear(units)
+		p.units = units[:0]
+	}()
+	if len(units) == 0 {
 		return
+	}
+	for i := range units {
+		u := &units[i]
+		if len(u.calls) > 1 {
+			u.cmd, u.script = mergedCmd(u.calls), u.calls[0].script.batch
+		} else {
+			u.cmd, u.script = u.calls[0].cmd, u.calls[0].script
+		}
+		_ = pipe.Process(u.calls[0].ctx, u.cmd)
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	_, _ = pipe.Exec(ctx) // each command carries its own error
-	var retry []*call
-	for _, c := range live {
-		if noScript(c.cmd, c.src) {
-			retry = append(retry, c)
-			continue
+	retry := false
+	for i := range units {
+		if u := &units[i]; noScript(u.cmd, u.script) {
+			retry = true
+		} else {
+			u.answer()
 		}
-		c.answer()
 	}
-	if len(retry) == 0 {
+	if !retry {
 		return
 	}
 	// EVAL loads the script again; later batches find it by its hash.
 	pipe = p.client.Pipeline()
-	for _, c := range retry {
-		c.cmd = evalOf(c.ctx, c.cmd, c.src)
-		_ = pipe.Process(c.ctx, c.cmd)
+	for i := range units {
+		if u := &units[i]; noScript(u.cmd, u.script) {
+			u.cmd = evalOf(u.calls[0].ctx, u.cmd, u.script)
+			_ = pipe.Process(u.calls[0].ctx, u.cmd)
+		} else {
+			u.calls = nil // answered
+		}
 	}
 	_, _ = pipe.Exec(ctx)
-	for _, c := range retry {
+	for i := range units {
+		if u := &units[i]; u.calls != nil {
+			u.answer()
+		}
+	}
+}
+
+// unit is what one command of a pipeline answers: one call, or the calls of
+// one script merged into an EVALSHA of its batch form.
+type unit struct {
+	calls  []*call
+	cmd    *redis.Cmd
+	script *luaScript // what cmd runs, if it is an EVALSHA
+	// nk and na are the numbers of keys and of arguments of each of the
+	// merged calls (all the same).
+	nk, na int
+}
+
+// add adds c to units: to the unit of the calls of its script with as many
+// keys and arguments if there is one, else as a unit of its own.
+func (p *pipeliner) add(units []unit, c *call) []unit {
+	if c.script == nil || c.script.batch == nil {
+		return append(units, unit{calls: []*call{c}})
+	}
+	args := c.cmd.Args()
+	nk, ok := args[2].(int)
+	if !ok || len(args) < 3+nk {
+		return append(units, unit{calls: []*call{c}})
+	}
+	na := len(args) - 3 - nk
+	for i := range units {
+		if u := &units[i]; u.calls[0].script == c.script && u.nk == nk && u.na == na {
+			u.calls = append(u.calls, c)
+			return units
+		}
+	}
+	return append(units, unit{calls: []*call{c}, nk: nk, na: na})
+}
+
+// mergedCmd is the EVALSHA of the batch form of the script of calls (see
+// batchSource) that runs each of them.
+func mergedCmd(calls []*call) *redis.Cmd {
+	first := calls[0].cmd.Args()
+	nk := first[2].(int)
+	na := len(first) - 3 - nk
+	args := make([]any, 0, 6+len(calls)*(nk+na))
+	args = append(args, "evalsha", calls[0].script.batch.sha, len(calls)*nk)
+	for _, c := range calls {
+		args = append(args, c.cmd.Args()[3:3+nk]...)
+	}
+	args = append(args, len(calls), nk, na)
+	for _, c := range calls {
+		args = append(args, c.cmd.Args()[3+nk:]...)
+	}
+	return redis.NewCmd(calls[0].ctx, args...)
+}
+
+// answer gives every call of u its answer from u.cmd.
+func (u *unit) answer() {
+	if len(u.calls) == 1 {
+		c := u.calls[0]
+		c.cmd = u.cmd
+		c.answer()
+		return
+	}
+	vals, err := u.cmd.Slice()
+	if err == nil && len(vals) != len(u.calls) {
+		err = fmt.Errorf("redfence batch: %d answers to %d calls", len(vals), len(u.calls))
+	}
+	for i, c := range u.calls {
+		if err != nil {
+			c.cmd.SetErr(err)
+			c.answer()
+			continue
+		}
+		switch v := vals[i].(type) {
+		case int64:
+			c.cmd.SetVal(v)
+		case error:
+			c.cmd.SetErr(v)
+		default:
+			c.cmd.SetErr(fmt.Errorf("redfence batch: answer %T, not an integer", v))
+		}
 		c.answer()
 	}
 }

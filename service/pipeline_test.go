@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -20,7 +22,8 @@ import (
 // first one until released.
 type pipeHook struct {
 	mu      sync.Mutex
-	sizes   []int
+	sizes   []int         // calls per pipeline (each call of a merged EVALSHA counts)
+	cmds    []int         // commands per pipeline
 	hold    chan struct{} // closed to let the held pipeline go
 	holding chan struct{} // closed once the first pipeline is held
 }
@@ -32,8 +35,13 @@ func (h *pipeHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 
 func (h *pipeHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return func(ctx context.Context, cmds []redis.Cmder) error {
+		calls := 0
+		for _, c := range cmds {
+			calls += callsIn(c)
+		}
 		h.mu.Lock()
-		h.sizes = append(h.sizes, len(cmds))
+		h.sizes = append(h.sizes, calls)
+		h.cmds = append(h.cmds, len(cmds))
 		first := len(h.sizes) == 1
 		h.mu.Unlock()
 		if first && h.hold != nil {
@@ -44,10 +52,49 @@ func (h *pipeHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.Pro
 	}
 }
 
+// callsIn is the number of calls cmd carries: n for the EVALSHA (or EVAL)
+// of a script's batch form, else 1.
+func callsIn(cmd redis.Cmder) int {
+	args := cmd.Args()
+	if len(args) < 3 {
+		return 1
+	}
+	for _, s := range scripts {
+		if args[1] == s.batch.sha || args[1] == s.batch.src {
+			return args[3+args[2].(int)].(int)
+		}
+	}
+	return 1
+}
+
+// scripts are the node's scripts, for callsIn and loadScripts.
+var scripts = []*luaScript{acquireScript, extendScript, adoptScript, markScript, releaseScript}
+
+// loadScripts loads every script and its batch form into the node at
+// admin's address, so no EVALSHA is answered NOSCRIPT and resent.
+func loadScripts(t *testing.T, admin *redis.Client) {
+	t.Helper()
+	for _, s := range scripts {
+		for _, src := range []string{s.src, s.batch.src} {
+			if err := admin.ScriptLoad(t.Context(), src).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
+
+// batches returns the number of calls each pipeline carried.
 func (h *pipeHook) batches() []int {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return append([]int(nil), h.sizes...)
+}
+
+// commands returns the number of commands each pipeline carried.
+func (h *pipeHook) commands() []int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return append([]int(nil), h.cmds...)
 }
 
 func realNode(t *testing.T, opts RedisOptions) (*RedisNode, *pipeHook, *redis.Client) {
@@ -55,15 +102,16 @@ func realNode(t *testing.T, opts RedisOptions) (*RedisNode, *pipeHook, *redis.Cl
 	r := clustertest.Redis(t, 1, cluster.RedisOptions{})[0]
 	n := NewRedisNode(r.Addr(), opts)
 	t.Cleanup(func() { _ = n.Close() })
-	// Connected, and the node knows the acquire script (a first EVALSHA
-	// would be answered NOSCRIPT and resent as EVAL).
+	// Connected, and the node knows every script (a first EVALSHA would
+	// be answered NOSCRIPT and resent as EVAL).
 	if _, _, err := n.Acquire(t.Context(), "warm-up", "w", time.Second, ""); err != nil {
 		t.Fatal(err)
 	}
-	h := &pipeHook{}
-	n.client.AddHook(h)
 	admin := redis.NewClient(&redis.Options{Addr: r.Addr()})
 	t.Cleanup(func() { _ = admin.Close() })
+	loadScripts(t, admin)
+	h := &pipeHook{}
+	n.client.AddHook(h)
 	return n, h, admin
 }
 
@@ -126,6 +174,9 @@ func TestPipeline_Batches(t *testing.T) {
 	if got := h.batches(); len(got) != 2 || got[0] != 1 || got[1] != callers {
 		t.Fatalf("pipeline sizes = %v; want [1 %d]", got, callers)
 	}
+	if got := h.commands(); len(got) != 2 || got[1] != 1 {
+		t.Errorf("commands per pipeline = %v; want [1 1]: the %d acquires merged into one EVALSHA", got, callers)
+	}
 	// Keys k0..k9: each taken once, by the first of its callers in the queue.
 	for k := range 10 {
 		var winners int
@@ -160,6 +211,139 @@ func TestPipeline_ScriptFlushed(t *testing.T) {
 				t.Fatalf("Acquire after SCRIPT FLUSH = %v, %v", ok, err)
 			}
 		})
+	}
+}
+
+// TestPipeline_MergedAnswers: the calls merged into one EVALSHA each get
+// their own answer, in the order they were queued, and one call's error
+// is its own; calls of another script go out as a command of their own in
+// the same pipeline.
+func TestPipeline_MergedAnswers(t *testing.T) {
+	n, h, admin := realNode(t, RedisOptions{})
+	bg := context.Background()
+	for key, token := range map[string]string{"mine": "t1", "theirs": "t2"} {
+		if err := admin.Set(bg, key, token, time.Minute).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := admin.HSet(bg, "hash", "f", "v").Err(); err != nil {
+		t.Fatal(err)
+	}
+	first := holdFirst(n, h)
+	type answer struct {
+		ok  bool
+		err error
+	}
+	released := make([]chan answer, 4)
+	for i, key := range []string{"mine", "theirs", "hash", "none"} {
+		released[i] = make(chan answer, 1)
+		n.releaseAsync(bg, releaseArgs(key, "t1"), func(ok bool, err error) { released[i] <- answer{ok, err} })
+	}
+	acquired := make(chan answer, 1)
+	n.acquireAsync(bg, acquireArgs("fresh", "t3", time.Minute), "", func(ok bool, _ time.Duration, err error) { acquired <- answer{ok, err} })
+	close(h.hold)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range []bool{true, false, false, false} {
+		a := <-released[i]
+		if i == 2 {
+			if a.err == nil || !strings.Contains(a.err.Error(), "WRONGTYPE") {
+				t.Errorf("release of a hash = %v, %v; want its WRONGTYPE error", a.ok, a.err)
+			}
+			continue
+		}
+		if a.err != nil || a.ok != want {
+			t.Errorf("release %d = %v, %v; want %v", i, a.ok, a.err, want)
+		}
+	}
+	if a := <-acquired; a.err != nil || !a.ok {
+		t.Errorf("acquire in the same pipeline = %v, %v; want granted", a.ok, a.err)
+	}
+	if got, want := h.batches(), []int{1, 5}; !slices.Equal(got, want) {
+		t.Errorf("calls per pipeline = %v; want %v", got, want)
+	}
+	if got, want := h.commands(), []int{1, 2}; !slices.Equal(got, want) {
+		t.Errorf("commands per pipeline = %v; want %v (the releases merged, the acquire on its own)", got, want)
+	}
+	for key, want := range map[string]int64{"mine": 0, "theirs": 1, "hash": 1, "fresh": 1} {
+		if got, err := admin.Exists(bg, key).Result(); err != nil || got != want {
+			t.Errorf("EXISTS %s = %d, %v; want %d", key, got, err, want)
+		}
+	}
+}
+
+// TestPipeline_MergedScriptFlushed: merged calls whose batch script the
+// node does not know are resent as one EVAL of it, which loads it.
+func TestPipeline_MergedScriptFlushed(t *testing.T) {
+	n, h, admin := realNode(t, RedisOptions{})
+	bg := context.Background()
+	first := holdFirst(n, h)
+	if err := admin.ScriptFlush(bg).Err(); err != nil {
+		t.Fatal(err)
+	}
+	const calls = 3
+	done := make(chan error, calls)
+	for i := range calls {
+		n.acquireAsync(bg, acquireArgs(fmt.Sprint("k", i), "t", time.Minute), "", func(ok bool, _ time.Duration, err error) {
+			if err == nil && !ok {
+				err = errors.New("not granted")
+			}
+			done <- err
+		})
+	}
+	close(h.hold)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	for range calls {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The held acquire was written after the flush: its EVALSHA and then
+	// its EVAL; then the merged EVALSHA and its EVAL.
+	if got, want := h.batches(), []int{1, 1, calls, calls}; !slices.Equal(got, want) {
+		t.Errorf("calls per pipeline = %v; want %v", got, want)
+	}
+	if got, want := h.commands(), []int{1, 1, 1, 1}; !slices.Equal(got, want) {
+		t.Errorf("commands per pipeline = %v; want %v", got, want)
+	}
+	if got, err := admin.ScriptExists(bg, acquireScript.batch.sha.(string)).Result(); err != nil || !got[0] {
+		t.Errorf("SCRIPT EXISTS of the batch script = %v, %v; want true", got, err)
+	}
+}
+
+// TestBatchSource: the batch form of a script answers each call in order,
+// and turns a call's Lua error or a non-number answer into that call's
+// error reply.
+func TestBatchSource(t *testing.T) {
+	r := clustertest.Redis(t, 1, cluster.RedisOptions{})[0]
+	c := redis.NewClient(&redis.Options{Addr: r.Addr()})
+	t.Cleanup(func() { _ = c.Close() })
+	src := batchSource(`
+if ARGV[1] == 'lua' then error('boom') end
+if ARGV[1] == 'str' then return 'a string' end
+if ARGV[1] == 'redis' then return redis.call('INCR', KEYS[1]) end
+return tonumber(ARGV[1]) + #KEYS + 10 * #ARGV`)
+	if err := c.Set(t.Context(), "text", "x", 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	keys := []string{"a", "b", "c", "text", "e"}
+	vals, err := c.Eval(t.Context(), src, keys, len(keys), 1, 1, "7", "lua", "str", "redis", "0").Slice()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(vals) != 5 {
+		t.Fatalf("answers = %v; want 5", vals)
+	}
+	if vals[0] != int64(18) || vals[4] != int64(11) {
+		t.Errorf("answers 0 and 4 = %v, %v; want 18 and 11 (each call sees its own 1 key and 1 argument)", vals[0], vals[4])
+	}
+	for i, want := range map[int]string{1: "boom", 2: "not a number", 3: "not an integer"} {
+		if e, ok := vals[i].(error); !ok || !strings.Contains(e.Error(), want) {
+			t.Errorf("answer %d = %v; want an error with %q", i, vals[i], want)
+		}
 	}
 }
 
