@@ -81,19 +81,7 @@ func TestPipeline_YieldOnlyWhenBusy(t *testing.T) {
 	// sends them together without yielding first.
 	first := holdFirst(n, h)
 	const calls = 5
-	done := make(chan error, calls)
-	for i := range calls {
-		n.acquireAsync(bg, acquireArgs(fmt.Sprint("busy", i), "t", time.Minute), "", func(_ bool, _ time.Duration, err error) { done <- err })
-	}
-	close(h.hold)
-	if err := <-first; err != nil {
-		t.Fatal(err)
-	}
-	for range calls {
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
-	}
+	acquireBehind(t, n, h, first, "busy", calls)
 	if b := h.batches(); len(b) != 2 || b[1] != calls {
 		t.Fatalf("pipeline sizes = %v; want [1 %d]", b, calls)
 	}

@@ -283,9 +283,28 @@ func TestPipeline_MergedScriptFlushed(t *testing.T) {
 		t.Fatal(err)
 	}
 	const calls = 3
+	acquireBehind(t, n, h, first, "k", calls)
+	// The held acquire was written after the flush: its EVALSHA and then
+	// its EVAL; then the merged EVALSHA and its EVAL.
+	if got, want := h.batches(), []int{1, 1, calls, calls}; !slices.Equal(got, want) {
+		t.Errorf("calls per pipeline = %v; want %v", got, want)
+	}
+	if got, want := h.commands(), []int{1, 1, 1, 1}; !slices.Equal(got, want) {
+		t.Errorf("commands per pipeline = %v; want %v", got, want)
+	}
+	if got, err := admin.ScriptExists(bg, acquireScript.batch.sha.(string)).Result(); err != nil || !got[0] {
+		t.Errorf("SCRIPT EXISTS of the batch script = %v, %v; want true", got, err)
+	}
+}
+
+// acquireBehind queues asynchronous acquires of calls fresh keys (prefix
+// and a number) behind the held pipeline whose acquire answers on first,
+// lets it go, and waits until every acquire is granted.
+func acquireBehind(t *testing.T, n *RedisNode, h *pipeHook, first <-chan error, prefix string, calls int) {
+	t.Helper()
 	done := make(chan error, calls)
 	for i := range calls {
-		n.acquireAsync(bg, acquireArgs(fmt.Sprint("k", i), "t", time.Minute), "", func(ok bool, _ time.Duration, err error) {
+		n.acquireAsync(context.Background(), acquireArgs(fmt.Sprint(prefix, i), "t", time.Minute), "", func(ok bool, _ time.Duration, err error) {
 			if err == nil && !ok {
 				err = errors.New("not granted")
 			}
@@ -300,17 +319,6 @@ func TestPipeline_MergedScriptFlushed(t *testing.T) {
 		if err := <-done; err != nil {
 			t.Fatal(err)
 		}
-	}
-	// The held acquire was written after the flush: its EVALSHA and then
-	// its EVAL; then the merged EVALSHA and its EVAL.
-	if got, want := h.batches(), []int{1, 1, calls, calls}; !slices.Equal(got, want) {
-		t.Errorf("calls per pipeline = %v; want %v", got, want)
-	}
-	if got, want := h.commands(), []int{1, 1, 1, 1}; !slices.Equal(got, want) {
-		t.Errorf("commands per pipeline = %v; want %v", got, want)
-	}
-	if got, err := admin.ScriptExists(bg, acquireScript.batch.sha.(string)).Result(); err != nil || !got[0] {
-		t.Errorf("SCRIPT EXISTS of the batch script = %v, %v; want true", got, err)
 	}
 }
 
