@@ -137,11 +137,6 @@ func checkDecode(t *testing.T, h *Handler, body, ctype string) {
 	}
 }
 
-func quoteJSON(s string) string {
-	b, _ := json.Marshal(s)
-	return string(b)
-}
-
 // sameRequestError reports whether a and b are the same answer to the
 // client: both nil, or problems of the same kind, detail and parameters.
 func sameRequestError(a, b error) bool {
