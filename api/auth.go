@@ -251,11 +251,14 @@ type KeyAuth struct {
 	opts KeyAuthOptions
 
 	mu sync.Mutex
-	// gen counts invalidations: a lookup that started before one must not
-	// cache what it read, which may predate the change.
-	gen   uint64
-	cache map[string]cached
-	group singleflight.Group
+	// gen counts invalidations. A lookup that started before one of its id
+	// must not cache what it read, which may predate the change; one of
+	// another key does not concern it. flushed is the last invalidation of
+	// every key, changed[id] the last one of id since.
+	gen, flushed uint64
+	changed      map[string]uint64
+	cache        map[string]cached
+	group        singleflight.Group
 }
 
 type cached struct {
@@ -286,7 +289,14 @@ func NewKeyAuth(ks KeyStore, opts KeyAuthOptions) *KeyAuth {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &KeyAuth{ks: ks, opts: opts, cache: make(map[string]cached)}
+	return &KeyAuth{ks: ks, opts: opts, cache: make(map[string]cached), changed: make(map[string]uint64)}
+}
+
+// version is the last invalidation of id: a lookup of id may cache what it
+// read only if it started after it, and may share the query of another
+// lookup that started after it. a.mu is held.
+func (a *KeyAuth) version(id string) uint64 {
+	return max(a.flushed, a.changed[id])
 }
 
 // Changed drops what is cached about the key that changed. A KeyChange with
@@ -297,6 +307,12 @@ func (a *KeyAuth) Changed(c apikey.Change) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.gen++
+	if c.ID == "" || len(a.changed) >= a.opts.MaxCached {
+		// Every key's lookups, also when too many keys changed to track
+		// them one by one.
+		a.flushed = a.gen
+		clear(a.changed)
+	}
 	if c.ID == "" {
 		for id, e := range a.cache {
 			if e.key == nil {
@@ -308,6 +324,7 @@ func (a *KeyAuth) Changed(c apikey.Change) {
 		}
 		return
 	}
+	a.changed[c.ID] = a.gen
 	delete(a.cache, c.ID)
 }
 
@@ -334,13 +351,13 @@ func (a *KeyAuth) Authenticate(ctx context.Context, key string) (*Principal, err
 
 // lookup returns the key with id (nil if there is none) from the cache, or
 // from the store. Concurrent lookups of one id share one query, unless an
-// invalidation came between them: a lookup that started before it may have
-// read what it invalidated.
+// invalidation of id came between them: a lookup that started before it
+// may have read what it invalidated.
 func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 	now := a.opts.Now()
 	a.mu.Lock()
 	e, ok := a.cache[id]
-	gen := a.gen
+	gen := a.version(id)
 	a.mu.Unlock()
 	if ok && !now.Before(e.at) && now.Sub(e.at) < a.opts.CacheTTL {
 		return e, nil
@@ -405,13 +422,14 @@ func (a *KeyAuth) markDown(id string) (cached, bool) {
 	return e, true
 }
 
-// store caches e under id unless an invalidation happened since gen. Then
-// it drops id's entry if it is down: Postgres answers again, and the next
-// request must wait for its answer rather than be served the old one.
+// store caches e under id unless id was invalidated since gen (see
+// version). Then it drops id's entry if it is down: Postgres answers again,
+// and the next request must wait for its answer rather than be served the
+// old one.
 func (a *KeyAuth) store(id string, e cached, gen uint64) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.gen != gen {
+	if a.version(id) != gen {
 		if old, ok := a.cache[id]; ok && old.down {
 			delete(a.cache, id)
 		}

@@ -423,6 +423,103 @@ func TestKeyAuth_Cache(t *testing.T) {
 	})
 }
 
+// gatedStore is a KeyStore over a real one that counts its lookups and,
+// while armed, holds each one (after it read the key) until it is let go.
+type gatedStore struct {
+	api.KeyStore
+	mu      sync.Mutex
+	lookups int
+	entered chan struct{} // nil: not armed
+	letGo   chan struct{}
+}
+
+// arm makes the next lookup signal entered and wait for letGo to close.
+func (g *gatedStore) arm() (entered, letGo chan struct{}) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.entered, g.letGo = make(chan struct{}, 1), make(chan struct{})
+	return g.entered, g.letGo
+}
+
+func (g *gatedStore) count() int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.lookups
+}
+
+func (g *gatedStore) Key(ctx context.Context, id string) (*apikey.Key, error) {
+	k, err := g.KeyStore.Key(ctx, id)
+	g.mu.Lock()
+	g.lookups++
+	entered, letGo := g.entered, g.letGo
+	g.entered = nil
+	g.mu.Unlock()
+	if entered != nil {
+		entered <- struct{}{}
+		<-letGo
+	}
+	return k, err
+}
+
+// TestKeyAuth_ChangedDuringLookup: a lookup that read a key before the
+// key's change was notified does not cache what it read; one that ran
+// while another key changed does.
+func TestKeyAuth_ChangedDuringLookup(t *testing.T) {
+	t.Parallel()
+	db := testKeyStore(t)
+	ctx := t.Context()
+	gs := &gatedStore{KeyStore: db}
+	a := api.NewKeyAuth(gs, api.KeyAuthOptions{CacheTTL: time.Hour})
+	newKey := func() (string, string) {
+		key, k, err := db.CreateKey(ctx, "acme", apikey.DefaultScopes())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return key, k.ID
+	}
+	// authenticateWhile authenticates key with its lookup held while during
+	// runs, and reports whether a second Authenticate then asked the store.
+	authenticateWhile := func(key string, during func()) (looked bool) {
+		t.Helper()
+		entered, letGo := gs.arm()
+		done := make(chan error, 1)
+		go func() { _, err := a.Authenticate(ctx, key); done <- err }()
+		<-entered
+		during()
+		close(letGo)
+		if err := <-done; err != nil {
+			t.Fatalf("Authenticate during the change: %v", err)
+		}
+		before := gs.count()
+		_, _ = a.Authenticate(ctx, key)
+		return gs.count() > before
+	}
+
+	key, _ := newKey()
+	_, other := newKey()
+	if looked := authenticateWhile(key, func() { a.Changed(apikey.Change{ID: other}) }); looked {
+		t.Error("another key's change during the lookup: the key was not cached")
+	}
+
+	key, id := newKey()
+	if looked := authenticateWhile(key, func() {
+		if _, err := db.RevokeKey(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		a.Changed(apikey.Change{ID: id})
+	}); !looked {
+		t.Error("the key's own change during the lookup: what the lookup read was cached")
+	}
+	if _, err := a.Authenticate(ctx, key); !errors.Is(err, api.ErrUnauthorized) {
+		t.Errorf("the key revoked during its lookup = %v; want ErrUnauthorized", err)
+	}
+
+	key, _ = newKey()
+	if looked := authenticateWhile(key, func() { a.Changed(apikey.Change{}) }); !looked {
+		t.Error("every key's change during the lookup: what the lookup read was cached")
+	}
+}
+
 // outage is a KeyStore over a real one that can be made to fail at once, as
 // when Postgres refuses connections, or to hang, as when it is stopped, until
 // the mode changes (the connection is then reset) or the lookup times out.
