@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -191,6 +192,25 @@ func (e *env) mustAcquire(name string, body map[string]any) *api.LockResponse {
 		e.t.Fatalf("acquire %s = %d %s; want 201", name, r.status, r.body)
 	}
 	return g
+}
+
+// mustAcquireShort is mustAcquire for a lease short enough that, on a
+// loaded machine, it can run out before its grant is made: that attempt is
+// refused with 503 lease-expired and grants nothing, and it tries again,
+// as a client would, waiting for the keys of the refused try to go.
+func (e *env) mustAcquireShort(name string, body map[string]any) *api.LockResponse {
+	e.t.Helper()
+	for try := 1; ; try++ {
+		g, r := e.acquire(name, body)
+		if g != nil {
+			return g
+		}
+		body = maps.Clone(body)
+		body["wait_ms"] = 10000
+		if p := r.problem(e.t); r.status != http.StatusServiceUnavailable || p.Type != api.ProblemTypePrefix+"lease-expired" || try == 20 {
+			e.t.Fatalf("acquire %s, try %d = %d %s; want 201 (or 503 lease-expired, tried again)", name, try, r.status, r.body)
+		}
+	}
 }
 
 func (e *env) put(name string, token int64, data any) *response {

@@ -212,7 +212,7 @@ func TestAPI_Contention(t *testing.T) {
 func TestAPI_GCPause(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
-	a := e.mustAcquire("account", map[string]any{"ttl_ms": 300, "owner": "A"})
+	a := e.mustAcquireShort("account", map[string]any{"ttl_ms": 300, "owner": "A"})
 	// B waits for A's lease to run out (A is "paused" and never releases).
 	b := e.mustAcquire("account", map[string]any{"ttl_ms": 10000, "wait_ms": 10000, "owner": "B"})
 	if b.FencingToken != a.FencingToken+1 {
