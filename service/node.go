@@ -53,8 +53,9 @@ type luaScript struct {
 }
 
 func newLuaScript(src string) *luaScript {
+	batch := batchSource(src)
 	return &luaScript{src: src, sha: redis.NewScript(src).Hash(),
-		batch: &luaScript{src: batchSource(src), sha: redis.NewScript(batchSource(src)).Hash()}}
+		batch: &luaScript{src: batch, sha: redis.NewScript(batch).Hash()}}
 }
 
 // batchSource is the Lua source of a script that runs the script src for

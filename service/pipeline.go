@@ -280,7 +280,7 @@ func (p *pipeliner) send(batch []*call) {
 		if d.After(deadline) {
 			deadline = d
 		}
-		units = p.add(units, c)
+		units = addCall(units, c)
 	}
 	defer func() {
 		clear(units)
@@ -292,7 +292,7 @@ func (p *pipeliner) send(batch []*call) {
 	for i := range units {
 		u := &units[i]
 		if len(u.calls) > 1 {
-			u.cmd, u.script = mergedCmd(u.calls), u.calls[0].script.batch
+			u.cmd, u.script = u.mergedCmd(), u.calls[0].script.batch
 		} else {
 			u.cmd, u.script = u.calls[0].cmd, u.calls[0].script
 		}
@@ -307,6 +307,7 @@ func (p *pipeliner) send(batch []*call) {
 			retry = true
 		} else {
 			u.answer()
+			u.calls = nil // answered: its calls may be reused already
 		}
 	}
 	if !retry {
@@ -315,11 +316,9 @@ func (p *pipeliner) send(batch []*call) {
 	// EVAL loads the script again; later batches find it by its hash.
 	pipe = p.client.Pipeline()
 	for i := range units {
-		if u := &units[i]; noScript(u.cmd, u.script) {
+		if u := &units[i]; u.calls != nil {
 			u.cmd = evalOf(u.calls[0].ctx, u.cmd, u.script)
 			_ = pipe.Process(u.calls[0].ctx, u.cmd)
-		} else {
-			u.calls = nil // answered
 		}
 	}
 	_, _ = pipe.Exec(ctx)
@@ -341,9 +340,9 @@ type unit struct {
 	nk, na int
 }
 
-// add adds c to units: to the unit of the calls of its script with as many
-// keys and arguments if there is one, else as a unit of its own.
-func (p *pipeliner) add(units []unit, c *call) []unit {
+// addCall adds c to units: to the unit of the calls of its script with as
+// many keys and arguments if there is one, else as a unit of its own.
+func addCall(units []unit, c *call) []unit {
 	if c.script == nil || c.script.batch == nil {
 		return append(units, unit{calls: []*call{c}})
 	}
@@ -362,22 +361,20 @@ func (p *pipeliner) add(units []unit, c *call) []unit {
 	return append(units, unit{calls: []*call{c}, nk: nk, na: na})
 }
 
-// mergedCmd is the EVALSHA of the batch form of the script of calls (see
-// batchSource) that runs each of them.
-func mergedCmd(calls []*call) *redis.Cmd {
-	first := calls[0].cmd.Args()
-	nk := first[2].(int)
-	na := len(first) - 3 - nk
-	args := make([]any, 0, 6+len(calls)*(nk+na))
-	args = append(args, "evalsha", calls[0].script.batch.sha, len(calls)*nk)
-	for _, c := range calls {
+// mergedCmd is the EVALSHA of the batch form of the script of u's calls
+// (see batchSource) that runs each of them.
+func (u *unit) mergedCmd() *redis.Cmd {
+	nk, na := u.nk, u.na
+	args := make([]any, 0, 6+len(u.calls)*(nk+na))
+	args = append(args, "evalsha", u.calls[0].script.batch.sha, len(u.calls)*nk)
+	for _, c := range u.calls {
 		args = append(args, c.cmd.Args()[3:3+nk]...)
 	}
-	args = append(args, len(calls), nk, na)
-	for _, c := range calls {
+	args = append(args, len(u.calls), nk, na)
+	for _, c := range u.calls {
 		args = append(args, c.cmd.Args()[3+nk:]...)
 	}
-	return redis.NewCmd(calls[0].ctx, args...)
+	return redis.NewCmd(u.calls[0].ctx, args...)
 }
 
 // answer gives every call of u its answer from u.cmd.
