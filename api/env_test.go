@@ -205,11 +205,11 @@ func (e *env) mustAcquireShort(name string, body map[string]any) *api.LockRespon
 		if g != nil {
 			return g
 		}
-		body = maps.Clone(body)
-		body["wait_ms"] = 10000
 		if p := r.problem(e.t); r.status != http.StatusServiceUnavailable || p.Type != api.ProblemTypePrefix+"lease-expired" || try == 20 {
 			e.t.Fatalf("acquire %s, try %d = %d %s; want 201 (or 503 lease-expired, tried again)", name, try, r.status, r.body)
 		}
+		body = maps.Clone(body)
+		body["wait_ms"] = 10000
 	}
 }
 

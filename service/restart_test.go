@@ -133,6 +133,9 @@ func scriptCalls(t *testing.T, c *redis.Client) int64 {
 					stats[k] = i
 				}
 			}
+			if _, ok := stats["calls"]; !ok {
+				t.Fatalf("commandstats %q: no calls count", line)
+			}
 			n += stats["calls"] - stats["failed_calls"] - stats["rejected_calls"]
 		}
 	}
