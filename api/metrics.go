@@ -180,25 +180,29 @@ func newMetrics(reg *prometheus.Registry) *metrics {
 	return m
 }
 
-// standardMethod reports whether the request series of method are cached:
-// any other method (a client can send anything) is resolved each time, so
-// the cache stays bounded by the route table.
-func standardMethod(method string) bool {
+// methodOther is the method label of requests whose method is not one of
+// HTTP's standard ones: a client can send any token as a method, and each
+// would otherwise become a new series, unbounded and without a key.
+const methodOther = "other"
+
+// methodLabel is the method label of method: itself when standard, else
+// methodOther.
+func methodLabel(method string) string {
 	switch method {
 	case http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete,
 		http.MethodConnect, http.MethodOptions, http.MethodTrace:
-		return true
+		return method
 	}
-	return false
+	return methodOther
 }
 
 // request counts and times one request.
 func (m *metrics) request(route, method string, code int, d time.Duration) {
-	k := httpKey{route, method, code}
+	k := httpKey{route, methodLabel(method), code}
 	s, ok := m.http.load(k)
 	if !ok {
 		s = m.resolveHTTP(k)
-		if standardMethod(method) && code >= 100 && code <= 999 {
+		if code >= 100 && code <= 999 {
 			m.http.store(k, s)
 		}
 	}
