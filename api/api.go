@@ -390,7 +390,12 @@ func decodeJSON(body []byte, v any) error {
 	}
 	dec := json.NewDecoder(bytes.NewReader(body)) // checkMembers refused unknown members
 	if err := dec.Decode(v); err != nil {
-		return invalid("the body is not valid: "+jsonReason(err), InvalidParam{Name: "body", Reason: jsonReason(err)})
+		reason, param := jsonReason(err), "body"
+		var te *json.UnmarshalTypeError
+		if errors.As(err, &te) && te.Field != "" {
+			param = te.Field // a member of the wrong type: name it, as other field errors do
+		}
+		return invalid("the body is not valid: "+reason, InvalidParam{Name: param, Reason: reason})
 	}
 	if _, err := dec.Token(); err != io.EOF {
 		return invalid("the body has data after the JSON object", InvalidParam{Name: "body", Reason: "trailing data"})

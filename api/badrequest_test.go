@@ -111,6 +111,13 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"UnknownRoute", "GET", "/v1/nope", "", "", nil, 404, "not-found"},
 		{"EmptyName", "POST", "/v1/locks/", "", "", nil, 404, "not-found"},
 	}
+	// The invalid_params name of some refusals: the field at fault, "body"
+	// only for the body as a whole.
+	wantParam := map[string]string{
+		"TTLString": "ttl_ms", "TTLFraction": "ttl_ms", "TTLOverflow": "ttl_ms", "TTLNull": "ttl_ms",
+		"FieldTwice": "ttl_ms", "TTLNegative": "ttl_ms", "OwnerNotString": "owner", "PutTokenString": "fencing_token",
+		"NotJSON": "body", "UnknownField": "body", "ArrayBody": "body",
+	}
 	if len(tests) < 30 {
 		t.Fatalf("only %d cases; want at least 30", len(tests))
 	}
@@ -150,6 +157,9 @@ func TestAPI_BadRequests(t *testing.T) {
 			}
 			if tt.slug == "invalid-request" && len(p.InvalidParams) == 0 {
 				t.Errorf("invalid-request without invalid_params: %s", r.body)
+			}
+			if want, ok := wantParam[tt.name]; ok && (len(p.InvalidParams) == 0 || p.InvalidParams[0].Name != want) {
+				t.Errorf("invalid_params = %+v; want the first named %q", p.InvalidParams, want)
 			}
 			if strings.HasPrefix(tt.name, "ContentEncoding") && resp.Header.Get("Accept-Encoding") != "identity" {
 				t.Errorf("Accept-Encoding %q; want identity", resp.Header.Get("Accept-Encoding"))
