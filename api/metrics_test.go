@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"encoding/json"
 	"errors"
-	"io"
 	"log/slog"
 	"net/http"
 	"os"
@@ -243,49 +242,4 @@ func lockTokenOf(t *testing.T, url string) string {
 		t.Fatalf("acquire other = %d %v", resp.StatusCode, err)
 	}
 	return g.LockToken
-}
-
-// TestMetrics_NonstandardMethods checks that made-up methods, which anyone
-// can send without a key, share one "other" label value instead of adding
-// series without bound.
-func TestMetrics_NonstandardMethods(t *testing.T) {
-	t.Parallel()
-	s := clienttest.Start(t, clienttest.Options{})
-	for _, m := range []string{"XQZ1", "XQZ2", "XQZ3"} {
-		resp, err := http.DefaultClient.Do(mustRequest(t, m, s.URL+"/healthz"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusMethodNotAllowed {
-			t.Fatalf("%s /healthz = %d; want 405", m, resp.StatusCode)
-		}
-	}
-	resp, err := http.Get(s.URL + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if strings.Contains(string(b), "XQZ") {
-		t.Errorf("/metrics has a label value of a made-up method:\n%s", grepLines(string(b), "XQZ"))
-	}
-	want := api.MetricHTTPRequests + `{code="405",method="other",route="unmatched"} 3`
-	if !strings.Contains(string(b), want) {
-		t.Errorf("/metrics lacks %q:\n%s", want, grepLines(string(b), api.MetricHTTPRequests))
-	}
-}
-
-// grepLines returns the lines of s that contain sub.
-func grepLines(s, sub string) string {
-	var out []string
-	for l := range strings.Lines(s) {
-		if strings.Contains(l, sub) {
-			out = append(out, l)
-		}
-	}
-	return strings.Join(out, "")
 }
