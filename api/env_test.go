@@ -50,6 +50,9 @@ type envOptions struct {
 	service     service.Options
 	// auth tunes the KeyAuth of newAuthEnv.
 	auth api.KeyAuthOptions
+	// registry records the nodes' epochs in the env's store, as a server
+	// does, so that a node that loses its memory is found out.
+	registry bool
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -90,11 +93,19 @@ func newEnv(t *testing.T, o envOptions) *env {
 		t.Cleanup(func() { c.Close() })
 		e.rdb = append(e.rdb, c)
 	}
+	if o.registry {
+		o.service.Registry = db
+	}
 	e.locker, err = service.New(ns, db, o.service)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(e.locker.Close)
+	if o.registry {
+		if err := e.locker.Init(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
 	h := api.NewHandler(e.locker, db, api.Options{OpenAPI: redfence.OpenAPI, Logger: slog.New(slog.DiscardHandler)})
 	e.srv = httptest.NewServer(h)
 	t.Cleanup(e.srv.Close)

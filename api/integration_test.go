@@ -107,8 +107,22 @@ func TestAPI_EncodedNames(t *testing.T) {
 	if !st.Held {
 		t.Error("the lock taken through the encoded name is not held under the plain one")
 	}
-	if r := e.put("orders:invoice-7", g.FencingToken, "nul \u0000 inside"); r.status != 400 || r.problem(t).Type != api.ProblemTypePrefix+"invalid-request" {
-		t.Errorf("PUT data Postgres cannot store = %d %s; want 400 invalid-request", r.status, r.body)
+	// Data Postgres's jsonb cannot store is refused with the reason, and
+	// the field, named.
+	for _, tc := range []struct{ body, reason string }{
+		{fmt.Sprintf(`{"fencing_token":%d,"data":"nul \u0000 inside"}`, g.FencingToken), `\u0000`},
+		{fmt.Sprintf("{\"fencing_token\":%d,\"data\":\"\xff\xfe\"}", g.FencingToken), "UTF-8"},
+		{fmt.Sprintf(`{"fencing_token":%d,"data":["\ud800"]}`, g.FencingToken), "surrogate"},
+	} {
+		r := e.do(e.loose, http.MethodPut, "/v1/resources/orders:invoice-7", tc.body)
+		p := r.problem(t)
+		if r.status != 400 || p.Type != api.ProblemTypePrefix+"invalid-request" || !strings.Contains(p.Detail, tc.reason) ||
+			len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "data" {
+			t.Errorf("PUT %q = %d %s; want 400 invalid-request naming data and %q", tc.body, r.status, r.body, tc.reason)
+		}
+	}
+	if r := e.do(e.client, http.MethodGet, "/v1/resources/orders:invoice-7", nil); r.status != 404 {
+		t.Errorf("GET after the refused writes = %d %s; want 404", r.status, r.body)
 	}
 }
 
@@ -336,6 +350,30 @@ func TestAPI_NodeFailures(t *testing.T) {
 	g = e.mustAcquire("n2", map[string]any{"wait_ms": 5000})
 	if g.FencingToken != 1 {
 		t.Errorf("first grant of n2 after recovery has token %d; want 1 (nothing was issued while down)", g.FencingToken)
+	}
+}
+
+// TestAPI_NodeLostMemory checks the outcome a problem reports for a node
+// found without its data: quarantined, with a reason fit for a client.
+func TestAPI_NodeLostMemory(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{registry: true})
+	e.mustAcquire("qr", map[string]any{"ttl_ms": 60000})
+	if err := e.rdb[0].FlushAll(context.Background()).Err(); err != nil { // as a restart without persistence would
+		t.Fatal(err)
+	}
+	r := e.do(e.client, http.MethodPost, "/v1/locks/qr", nil)
+	p := r.problem(t)
+	if r.status != 409 || p.Type != api.ProblemTypePrefix+"lock-held" || len(p.Nodes) != 5 {
+		t.Fatalf("acquire of a held lock = %d %s; want 409 lock-held with 5 nodes", r.status, r.body)
+	}
+	if n := p.Nodes[0]; n.Outcome != "quarantined" || !strings.Contains(n.Error, "restarted without its data") || strings.Contains(n.Error, "service:") {
+		t.Errorf("the flushed node's outcome = %+v; want quarantined, with the reason and no Go package prefix", n)
+	}
+	for _, n := range p.Nodes[1:] {
+		if n.Outcome != "no" || n.Error != "" {
+			t.Errorf("a node holding the lock: %+v; want outcome no without an error", n)
+		}
 	}
 }
 

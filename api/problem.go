@@ -19,6 +19,9 @@ import (
 // slug (lock-held, quorum-unavailable, ...).
 const ProblemTypePrefix = "urn:redfence:problem:"
 
+// memoryLost is the error of a node this round found without its data.
+const memoryLost = "the node restarted without its data (its epoch marker is gone), so it is quarantined"
+
 // Problem is an RFC 9457 problem details object, with Redfence's extension
 // members.
 type Problem struct {
@@ -296,7 +299,12 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 	case k == kNoResource:
 		p.Detail = "no document has been written under this name"
 	case tree.is(refstore.ErrInvalidData):
-		p.Detail = "Postgres cannot store this data (for example a string holding \\u0000)"
+		if de, ok := asErr[*refstore.DataError](tree); ok {
+			p.Detail = "data " + de.Reason
+			p.InvalidParams = []InvalidParam{{Name: "data", Reason: de.Reason}}
+			break
+		}
+		p.Detail = "Postgres cannot store this data (for example a number beyond its numeric type's range)"
 		p.InvalidParams = []InvalidParam{{Name: "data", Reason: "not storable as jsonb"}}
 	case k == kStore && r.Method == http.MethodGet:
 		p.Detail = "Postgres did not answer; the document could not be read"
@@ -313,7 +321,9 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 			o := NodeOutcome{Address: n.Addr, Outcome: n.Outcome.String()}
 			if n.Err != nil {
 				var ne *service.NodeError
-				if errors.As(n.Err, &ne) {
+				if errors.Is(n.Err, service.ErrMemoryLost) {
+					o.Error = memoryLost
+				} else if errors.As(n.Err, &ne) {
 					o.Error = ne.Err.Error()
 				} else {
 					o.Error = n.Err.Error()

@@ -1324,7 +1324,7 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	}
 	if rec.Holder != HolderID(token) {
 		l.releaseAll(ctx, rkey, token, true)
-		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Cause: errors.New("a newer grant exists")}
+		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Cause: errors.New("the lock token is not that of the newest grant (a newer grant exists, or this token never held the name)")}
 	}
 	// A majority renewed by compare-and-pexpire after the read proves no
 	// newer grant since: one would have needed the key gone from a

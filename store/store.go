@@ -271,6 +271,9 @@ RETURNING data, fencing_token, version, updated_at`
 // PutResource writes data under key if token is the newest token issued for
 // key. Otherwise it changes nothing and returns a *fencing.StaleError.
 func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*Resource, error) {
+	if err := refstore.CheckJSON(data); err != nil {
+		return nil, fmt.Errorf("store: put %q: %w", key, err)
+	}
 	q := putSQL
 	if db.opts.Unfenced {
 		q = putUnfencedSQL

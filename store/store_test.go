@@ -20,6 +20,7 @@ import (
 	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/migrations"
 )
@@ -382,18 +383,36 @@ func TestDB_PutResource(t *testing.T) {
 
 	t.Run("InvalidData", func(t *testing.T) {
 		t.Parallel()
-		key := t.Name()
-		tok := issue(t, db, key)
-		// Valid JSON that jsonb cannot store.
-		_, err := db.PutResource(t.Context(), key, tok, json.RawMessage(`"nul \u0000 inside"`))
-		if !errors.Is(err, ErrInvalidData) {
-			t.Errorf("PutResource(JSON with \\u0000) = %v; want ErrInvalidData", err)
-		}
-		if errors.Is(err, ErrUnavailable) {
-			t.Errorf("PutResource(JSON with \\u0000) = %v; want it not to match ErrUnavailable", err)
-		}
-		if _, err := db.GetResource(t.Context(), key); !errors.Is(err, ErrNotFound) {
-			t.Errorf("GetResource after the refused write: %v; want ErrNotFound", err)
+		// Valid JSON (for encoding/json) that jsonb cannot store: the first
+		// ones are refused before Postgres is asked (a *refstore.DataError),
+		// the last by Postgres itself.
+		for _, tc := range []struct {
+			name, data string
+			checked    bool
+		}{
+			{"Nul", `"nul \u0000 inside"`, true},
+			{"NotUTF8", "\"\xff\xfe\"", true},
+			{"LoneHigh", `["\ud800"]`, true},
+			{"HighThenOther", `"\ud800\u0041"`, true},
+			{"LoneLow", `{"k":"\udc00"}`, true},
+			{"NumberOverflow", `1e1000000`, false},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				t.Parallel()
+				key := t.Name()
+				tok := issue(t, db, key)
+				_, err := db.PutResource(t.Context(), key, tok, json.RawMessage(tc.data))
+				if !errors.Is(err, ErrInvalidData) || errors.Is(err, ErrUnavailable) {
+					t.Errorf("PutResource(%q) = %v; want ErrInvalidData only", tc.data, err)
+				}
+				var de *refstore.DataError
+				if errors.As(err, &de) != tc.checked {
+					t.Errorf("PutResource(%q) = %v; want a *refstore.DataError: %v", tc.data, err, tc.checked)
+				}
+				if _, err := db.GetResource(t.Context(), key); !errors.Is(err, ErrNotFound) {
+					t.Errorf("GetResource after the refused write: %v; want ErrNotFound", err)
+				}
+			})
 		}
 	})
 
@@ -404,6 +423,8 @@ func TestDB_PutResource(t *testing.T) {
 			{"EmptyObject", `{}`},
 			{"Array", `[1,"two",{"three":3},[],null]`},
 			{"String", `"hello, \"world\""`},
+			{"SurrogatePair", `"\ud83d\ude00"`},
+			{"EscapedBackslash", `"\\u0000 is text here"`},
 			{"Number", `-12.5e3`},
 			{"Integer", `42`},
 			{"True", `true`},

@@ -183,6 +183,17 @@ type InvalidParam struct {
 	Reason string `json:"reason"`
 }
 
+// JsonValue A document of the reference store: any JSON value (object, array,
+// string, number, boolean or null), stored as Postgres `jsonb`, so it
+// reads back with object keys possibly reordered, whitespace and
+// duplicate keys dropped. `jsonb` cannot store the escape `\u0000`, an
+// unpaired UTF-16 surrogate escape (`\ud800` alone), text that is not
+// UTF-8, or a number beyond its numeric range: such a write gets 400
+// `invalid-request` naming `data`.
+//
+// Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
+type JsonValue = interface{}
+
 // LockResponse A grant: 201 from acquire (with `lock_token`), 200 from extend (without).
 type LockResponse struct {
 	// ExpiresAt The end of the lease on the server's clock (UTC, RFC 3339). For
@@ -310,7 +321,10 @@ type NodeOutcome struct {
 	// Address Example: redis-1:6379
 	Address string `json:"address"`
 
-	// Error The node's error (`error`, `timeout`).
+	// Error What went wrong, for humans: the node's error (`error`, `timeout`),
+	// or why it is quarantined when this round found it without its data
+	// (`quarantined`; absent when it already was).
+	//
 	//
 	// Example: context deadline exceeded
 	Error *string `json:"error,omitempty"`
@@ -342,6 +356,7 @@ type PostgresHealth struct {
 }
 
 // Problem An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type Problem struct {
 	// CurrentFencingToken The newest token issued for the name, 0 if none (`stale-token`).
 	//
@@ -361,7 +376,10 @@ type Problem struct {
 
 	// Nodes Each node's answer in the last round, in node order
 	// (`quorum-unavailable`, `lock-held`, `wait-timeout`, `lock-lost`,
-	// `not-holder`, ...).
+	// `not-holder`, ...). Present only when the nodes' answers decided
+	// the outcome: a `lock-lost` decided from the fencing record in
+	// Postgres (the lock token is not the newest grant's, or never held
+	// the name) has none.
 	Nodes *[]NodeOutcome `json:"nodes,omitempty"`
 
 	// RequestId The request's `X-Request-Id`; quote it when reporting an error.
@@ -440,10 +458,17 @@ type Problem struct {
 
 // PutResourceRequest defines model for PutResourceRequest.
 type PutResourceRequest struct {
-	// Data The document, any JSON value (object, array, string, number, boolean or null).
+	// Data A document of the reference store: any JSON value (object, array,
+	// string, number, boolean or null), stored as Postgres `jsonb`, so it
+	// reads back with object keys possibly reordered, whitespace and
+	// duplicate keys dropped. `jsonb` cannot store the escape `\u0000`, an
+	// unpaired UTF-16 surrogate escape (`\ud800` alone), text that is not
+	// UTF-8, or a number beyond its numeric range: such a write gets 400
+	// `invalid-request` naming `data`.
+	//
 	//
 	// Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
-	Data interface{} `json:"data"`
+	Data JsonValue `json:"data"`
 
 	// FencingToken The fencing token of the grant you hold; must be the newest issued.
 	//
@@ -468,12 +493,17 @@ type RedisHealth struct {
 
 // Resource A document of the reference store.
 type Resource struct {
-	// Data The document, any JSON value, as stored by Postgres `jsonb` (object
-	// keys may be reordered, whitespace and duplicate keys dropped).
+	// Data A document of the reference store: any JSON value (object, array,
+	// string, number, boolean or null), stored as Postgres `jsonb`, so it
+	// reads back with object keys possibly reordered, whitespace and
+	// duplicate keys dropped. `jsonb` cannot store the escape `\u0000`, an
+	// unpaired UTF-16 surrogate escape (`\ud800` alone), text that is not
+	// UTF-8, or a number beyond its numeric range: such a write gets 400
+	// `invalid-request` naming `data`.
 	//
 	//
 	// Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
-	Data interface{} `json:"data"`
+	Data JsonValue `json:"data"`
 
 	// FencingToken The token of the last accepted write.
 	//
@@ -504,42 +534,55 @@ type Name = string
 type RequestId = string
 
 // AuthUnavailable An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type AuthUnavailable = Problem
 
 // Forbidden An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type Forbidden = Problem
 
 // InvalidRequest An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type InvalidRequest = Problem
 
 // LockHeld An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type LockHeld = Problem
 
 // LockLost An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type LockLost = Problem
 
 // NotHolder An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type NotHolder = Problem
 
 // RateLimited An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type RateLimited = Problem
 
 // RequestTooLarge An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type RequestTooLarge = Problem
 
 // StaleToken An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type StaleToken = Problem
 
 // StoreUnavailable An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type StoreUnavailable = Problem
 
 // Unauthorized An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type Unauthorized = Problem
 
 // Unexpected An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type Unexpected = Problem
 
 // UnsupportedMediaType An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
 type UnsupportedMediaType = Problem
 
 // HealthzParams defines parameters for Healthz.

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"errors"
 	"time"
+	"unicode/utf8"
 
 	"github.com/redfence/redfence/fencing"
 )
@@ -31,4 +32,74 @@ type Resource struct {
 	// Version counts accepted writes, starting at 1.
 	Version   int64
 	UpdatedAt time.Time
+}
+
+// DataError says why a document cannot be stored. It matches ErrInvalidData
+// with errors.Is.
+type DataError struct {
+	// Reason completes "data ...": "must be valid UTF-8".
+	Reason string
+}
+
+func (e *DataError) Error() string { return "store: data rejected: data " + e.Reason }
+
+// Is reports whether target is ErrInvalidData.
+func (e *DataError) Is(target error) bool { return target == ErrInvalidData }
+
+// CheckJSON returns a *DataError when data, syntactically valid JSON text,
+// holds what Postgres's jsonb refuses: bytes that are not UTF-8, the escape
+// \u0000, or a \uD800-\uDFFF escape that is not half of a surrogate pair.
+// encoding/json lets all three through, so a store checks before it writes.
+func CheckJSON(data []byte) error {
+	if !utf8.Valid(data) {
+		return &DataError{Reason: "must be valid UTF-8"}
+	}
+	// In valid JSON a backslash only starts an escape inside a string.
+	for i := 0; i < len(data); i++ {
+		if data[i] != '\\' {
+			continue
+		}
+		i++ // the escaped character: \\ and \" are skipped whole
+		r, ok := hex4(data, i)
+		if !ok {
+			continue
+		}
+		i += 4
+		switch {
+		case r == 0:
+			return &DataError{Reason: `must not hold the escape \u0000 (Postgres jsonb cannot store it)`}
+		case r >= 0xDC00 && r <= 0xDFFF:
+			return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a low surrogate without a high one before it)"}
+		case r >= 0xD800 && r <= 0xDBFF:
+			if i+1 >= len(data) || data[i+1] != '\\' {
+				return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a high surrogate without a low one after it)"}
+			}
+			if lo, ok := hex4(data, i+2); !ok || lo < 0xDC00 || lo > 0xDFFF {
+				return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a high surrogate without a low one after it)"}
+			}
+			i += 6
+		}
+	}
+	return nil
+}
+
+// hex4 decodes the escape \uXXXX whose 'u' is data[i].
+func hex4(data []byte, i int) (rune, bool) {
+	if i+4 >= len(data) || data[i] != 'u' {
+		return 0, false
+	}
+	var r rune
+	for _, c := range data[i+1 : i+5] {
+		switch {
+		case c >= '0' && c <= '9':
+			r = r<<4 | rune(c-'0')
+		case c >= 'a' && c <= 'f':
+			r = r<<4 | rune(c-'a'+10)
+		case c >= 'A' && c <= 'F':
+			r = r<<4 | rune(c-'A'+10)
+		default:
+			return 0, false
+		}
+	}
+	return r, true
 }

@@ -464,34 +464,30 @@ export interface components {
              * @example 34
              */
             fencing_token: number;
-            /**
-             * @description The document, any JSON value (object, array, string, number, boolean or null).
-             * @example {
-             *       "invoice": 7,
-             *       "status": "paid",
-             *       "amount_cents": 129900
-             *     }
-             */
-            data: ({
-                [key: string]: unknown;
-            } | null) | unknown[] | string | number | boolean;
+            data: components["schemas"]["JsonValue"];
         };
+        /**
+         * @description A document of the reference store: any JSON value (object, array,
+         *     string, number, boolean or null), stored as Postgres `jsonb`, so it
+         *     reads back with object keys possibly reordered, whitespace and
+         *     duplicate keys dropped. `jsonb` cannot store the escape `\u0000`, an
+         *     unpaired UTF-16 surrogate escape (`\ud800` alone), text that is not
+         *     UTF-8, or a number beyond its numeric range: such a write gets 400
+         *     `invalid-request` naming `data`.
+         * @example {
+         *       "invoice": 7,
+         *       "status": "paid",
+         *       "amount_cents": 129900
+         *     }
+         */
+        JsonValue: ({
+            [key: string]: unknown;
+        } | null) | unknown[] | string | number | boolean;
         /** @description A document of the reference store. */
         Resource: {
             /** @example orders:invoice-7 */
             name: string;
-            /**
-             * @description The document, any JSON value, as stored by Postgres `jsonb` (object
-             *     keys may be reordered, whitespace and duplicate keys dropped).
-             * @example {
-             *       "amount_cents": 129900,
-             *       "invoice": 7,
-             *       "status": "paid"
-             *     }
-             */
-            data: ({
-                [key: string]: unknown;
-            } | null) | unknown[] | string | number | boolean;
+            data: components["schemas"]["JsonValue"];
             /**
              * Format: int64
              * @description The token of the last accepted write.
@@ -582,7 +578,10 @@ export interface components {
              */
             error?: string;
         };
-        /** @description An RFC 9457 problem details document, with Redfence's extension members. */
+        /**
+         * @description An RFC 9457 problem details document, with Redfence's extension members.
+         *     Members may be added; as RFC 9457 says, ignore those you do not know.
+         */
         Problem: {
             /**
              * @description A stable URI `urn:redfence:problem:<slug>` identifying the error.
@@ -666,7 +665,10 @@ export interface components {
             /**
              * @description Each node's answer in the last round, in node order
              *     (`quorum-unavailable`, `lock-held`, `wait-timeout`, `lock-lost`,
-             *     `not-holder`, ...).
+             *     `not-holder`, ...). Present only when the nodes' answers decided
+             *     the outcome: a `lock-lost` decided from the fencing record in
+             *     Postgres (the lock token is not the newest grant's, or never held
+             *     the name) has none.
              */
             nodes?: components["schemas"]["NodeOutcome"][];
             /**
@@ -693,7 +695,9 @@ export interface components {
              */
             outcome: "yes" | "no" | "error" | "timeout" | "quarantined";
             /**
-             * @description The node's error (`error`, `timeout`).
+             * @description What went wrong, for humans: the node's error (`error`, `timeout`),
+             *     or why it is quarantined when this round found it without its data
+             *     (`quarantined`; absent when it already was).
              * @example context deadline exceeded
              */
             error?: string;

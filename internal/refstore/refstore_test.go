@@ -1,0 +1,44 @@
+package refstore
+
+import (
+	"encoding/json"
+	"errors"
+	"testing"
+)
+
+// TestCheckJSON checks what CheckJSON refuses against what jsonb refuses
+// (store's TestDB_PutResource/InvalidData asks Postgres).
+func TestCheckJSON(t *testing.T) {
+	for _, tc := range []struct {
+		data string
+		ok   bool
+	}{
+		{`{"a":[1,"two",null,true]}`, true},
+		{`"\u00e9\ud83d\ude00"`, true},
+		{`"\\u0000 is text"`, true},
+		{`"\\\ud83d\ude00"`, true},
+		{`"\u0001"`, true},
+		{`"\u0000"`, false},
+		{`["x", "\u0000"]`, false},
+		{"\"\xff\"", false},
+		{`"\ud800"`, false},
+		{`"\ud800x"`, false},
+		{`"\ud800\n"`, false},
+		{`"\ud800\ud800"`, false},
+		{`"\udc00"`, false},
+		{`"\ude00\ud83d"`, false},
+		{`"\\\ud800"`, false},
+	} {
+		if !json.Valid([]byte(tc.data)) { // encoding/json lets invalid UTF-8 through
+			t.Fatalf("%q is not valid JSON", tc.data)
+		}
+		err := CheckJSON([]byte(tc.data))
+		if (err == nil) != tc.ok {
+			t.Errorf("CheckJSON(%q) = %v; want ok %v", tc.data, err, tc.ok)
+		}
+		var de *DataError
+		if err != nil && (!errors.Is(err, ErrInvalidData) || !errors.As(err, &de) || de.Reason == "") {
+			t.Errorf("CheckJSON(%q) = %v; want a *DataError matching ErrInvalidData", tc.data, err)
+		}
+	}
+}
