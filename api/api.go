@@ -341,6 +341,11 @@ func (h *Handler) decodeAcquire(r *http.Request, req *AcquireRequest) error {
 // sent as JSON: it returns the body, or nil for an empty body when optional
 // is true. The body aliases *buf.
 func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte, error) {
+	if r.ContentLength > h.opts.MaxBodyBytes {
+		// Refused unread: a client that sent Expect: 100-continue is
+		// told before it uploads (net/http sends 100 on the first read).
+		return nil, &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", h.opts.MaxBodyBytes)}
+	}
 	body, err := readBody((*buf)[:0], r.Body, h.opts.MaxBodyBytes)
 	*buf = body
 	if err != nil {

@@ -1,11 +1,14 @@
 package api
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"regexp"
@@ -656,5 +659,51 @@ func TestHead(t *testing.T) {
 	}
 	if w := e.do(e.h, http.MethodPut, "/v1/locks/x", ""); w.Header().Get("Allow") != "GET, HEAD, POST, DELETE" {
 		t.Errorf("PUT /v1/locks/x: Allow %q; want GET, HEAD, POST, DELETE", w.Header().Get("Allow"))
+	}
+}
+
+// TestBodyTooLarge checks both ways a body can exceed the limit: a declared
+// Content-Length is refused before a byte of the body is read (a client
+// that asked Expect: 100-continue is not told to upload), a chunked body
+// once the limit is passed.
+func TestBodyTooLarge(t *testing.T) {
+	const limit = 1 << 20 // the default MaxBodyBytes
+	e := newFakeEnv(t, false)
+	srv := httptest.NewServer(e.h)
+	t.Cleanup(srv.Close)
+
+	conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	fmt.Fprintf(conn, "POST /v1/locks/big HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"+
+		"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n", limit+1)
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestEntityTooLarge {
+		t.Errorf("POST declaring %d bytes with Expect: 100-continue = %d; want 413 at once, before any upload",
+			limit+1, resp.StatusCode)
+	}
+
+	body := `{"owner":"` + strings.Repeat("x", limit) + `"}`
+	req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/locks/big", io.MultiReader(strings.NewReader(body))) // no length: chunked
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err = srv.Client().Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestEntityTooLarge {
+		t.Errorf("chunked POST of %d bytes = %d; want 413", len(body), resp.StatusCode)
+	}
+	if w := e.do(e.h, http.MethodGet, "/v1/locks/big", ""); !strings.Contains(w.Body.String(), `"held":false`) {
+		t.Errorf("GET /v1/locks/big after the refusals = %d %s; want not held", w.Code, w.Body)
 	}
 }
