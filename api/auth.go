@@ -130,21 +130,27 @@ func unauthorized(cause error) *authError {
 		challenge: authRealm + `, error="invalid_token"`}
 }
 
+// noBearer is unauthorized for a request without Bearer credentials: its
+// challenge has no error code (RFC 6750 §3.1).
+func noBearer(cause error) *authError {
+	e := unauthorized(cause)
+	e.challenge = authRealm
+	return e
+}
+
 // bearer returns the credentials of the request's one Authorization: Bearer
 // header.
 func bearer(r *http.Request) (string, error) {
 	v := r.Header["Authorization"] // canonical: Values without canonicalising
 	if len(v) == 0 {
-		return "", &authError{kind: kUnauthorized, challenge: authRealm,
-			detail: "a valid API key is required: send Authorization: Bearer <API key>",
-			cause:  errors.New("no Authorization header")}
+		return "", noBearer(errors.New("no Authorization header"))
 	}
 	if len(v) > 1 {
 		return "", unauthorized(fmt.Errorf("%d Authorization headers", len(v)))
 	}
 	scheme, cred, ok := strings.Cut(v[0], " ")
 	if !ok || !strings.EqualFold(scheme, "Bearer") {
-		return "", unauthorized(errors.New("the Authorization scheme is not Bearer"))
+		return "", noBearer(errors.New("the Authorization scheme is not Bearer"))
 	}
 	return strings.TrimSpace(cred), nil
 }

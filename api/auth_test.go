@@ -100,6 +100,9 @@ func bearerHdr(key string) []string {
 	if key == "" {
 		return nil
 	}
+	if strings.Contains(key, " ") { // a whole Authorization value: "Basic ..."
+		return []string{"Authorization", key}
+	}
 	return []string{"Authorization", "Bearer " + key}
 }
 
@@ -221,6 +224,8 @@ func TestAuth_Matrix(t *testing.T) {
 			const realm = `Bearer realm="redfence"`
 			invalid := realm + `, error="invalid_token"`
 			refused("NoKey", "", 401, "unauthorized", realm)
+			// RFC 6750 §3.1: no error code for a request without Bearer credentials.
+			refused("BasicScheme", "Basic YWxpY2U6c2VjcmV0", 401, "unauthorized", realm)
 			refused("Malformed", "not-a-key", 401, "unauthorized", invalid)
 			refused("Unknown", k.unknown, 401, "unauthorized", invalid)
 			refused("Revoked", k.revoked, 401, "unauthorized", invalid)

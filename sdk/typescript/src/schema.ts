@@ -1121,7 +1121,8 @@ export interface components {
         RetryAfterRateLimited: number;
         /**
          * @description The RFC 6750 challenge: `Bearer realm="redfence"`, followed by
-         *     `error="invalid_token"` when a key was sent but grants nothing, or by
+         *     `error="invalid_token"` when Bearer credentials were sent but grant
+         *     nothing (none for no `Authorization` header or another scheme), or by
          *     `error="insufficient_scope", scope="<scope>"` on a 403.
          * @example Bearer realm="redfence", error="invalid_token"
          */
