@@ -2117,14 +2117,14 @@ type ClientWithResponsesInterface interface {
 
 // HealthzResponse200Headers the declared response headers of an HTTP 200 response for Healthz
 type HealthzResponse200Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // HealthzResponseDefaultHeaders the declared response headers of an HTTP default response for Healthz
 type HealthzResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type HealthzResponse struct {
@@ -2181,41 +2181,41 @@ func (r HealthzResponse) ContentType() string {
 
 // MetricsResponse200Headers the declared response headers of an HTTP 200 response for Metrics
 type MetricsResponse200Headers struct {
-	XRequestId *string
+	XRequestId string
 }
 
 // MetricsResponse401Headers the declared response headers of an HTTP 401 response for Metrics
 type MetricsResponse401Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // MetricsResponse403Headers the declared response headers of an HTTP 403 response for Metrics
 type MetricsResponse403Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // MetricsResponse429Headers the declared response headers of an HTTP 429 response for Metrics
 type MetricsResponse429Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // MetricsResponse503Headers the declared response headers of an HTTP 503 response for Metrics
 type MetricsResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // MetricsResponseDefaultHeaders the declared response headers of an HTTP default response for Metrics
 type MetricsResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type MetricsResponse struct {
@@ -2301,13 +2301,13 @@ func (r MetricsResponse) ContentType() string {
 
 // OpenapiResponse200Headers the declared response headers of an HTTP 200 response for Openapi
 type OpenapiResponse200Headers struct {
-	XRequestId *string
+	XRequestId string
 }
 
 // OpenapiResponseDefaultHeaders the declared response headers of an HTTP default response for Openapi
 type OpenapiResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type OpenapiResponse struct {
@@ -2364,21 +2364,21 @@ func (r OpenapiResponse) ContentType() string {
 
 // ReadyzResponse200Headers the declared response headers of an HTTP 200 response for Readyz
 type ReadyzResponse200Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // ReadyzResponse503Headers the declared response headers of an HTTP 503 response for Readyz
 type ReadyzResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ReadyzResponseDefaultHeaders the declared response headers of an HTTP default response for Readyz
 type ReadyzResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type ReadyzResponse struct {
@@ -2444,54 +2444,54 @@ func (r ReadyzResponse) ContentType() string {
 
 // ReleaseLockResponse204Headers the declared response headers of an HTTP 204 response for ReleaseLock
 type ReleaseLockResponse204Headers struct {
-	XRequestId *string
+	XRequestId string
 }
 
 // ReleaseLockResponse400Headers the declared response headers of an HTTP 400 response for ReleaseLock
 type ReleaseLockResponse400Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // ReleaseLockResponse401Headers the declared response headers of an HTTP 401 response for ReleaseLock
 type ReleaseLockResponse401Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // ReleaseLockResponse403Headers the declared response headers of an HTTP 403 response for ReleaseLock
 type ReleaseLockResponse403Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // ReleaseLockResponse409Headers the declared response headers of an HTTP 409 response for ReleaseLock
 type ReleaseLockResponse409Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   *int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ReleaseLockResponse429Headers the declared response headers of an HTTP 429 response for ReleaseLock
 type ReleaseLockResponse429Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ReleaseLockResponse503Headers the declared response headers of an HTTP 503 response for ReleaseLock
 type ReleaseLockResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ReleaseLockResponseDefaultHeaders the declared response headers of an HTTP default response for ReleaseLock
 type ReleaseLockResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type ReleaseLockResponse struct {
@@ -2595,48 +2595,48 @@ func (r ReleaseLockResponse) ContentType() string {
 
 // GetLockResponse200Headers the declared response headers of an HTTP 200 response for GetLock
 type GetLockResponse200Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // GetLockResponse400Headers the declared response headers of an HTTP 400 response for GetLock
 type GetLockResponse400Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // GetLockResponse401Headers the declared response headers of an HTTP 401 response for GetLock
 type GetLockResponse401Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // GetLockResponse403Headers the declared response headers of an HTTP 403 response for GetLock
 type GetLockResponse403Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // GetLockResponse429Headers the declared response headers of an HTTP 429 response for GetLock
 type GetLockResponse429Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // GetLockResponse503Headers the declared response headers of an HTTP 503 response for GetLock
 type GetLockResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // GetLockResponseDefaultHeaders the declared response headers of an HTTP default response for GetLock
 type GetLockResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type GetLockResponse struct {
@@ -2738,68 +2738,68 @@ func (r GetLockResponse) ContentType() string {
 
 // AcquireLockResponse201Headers the declared response headers of an HTTP 201 response for AcquireLock
 type AcquireLockResponse201Headers struct {
-	CacheControl *string
+	CacheControl string
 	Location     string
-	XRequestId   *string
+	XRequestId   string
 }
 
 // AcquireLockResponse400Headers the declared response headers of an HTTP 400 response for AcquireLock
 type AcquireLockResponse400Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // AcquireLockResponse401Headers the declared response headers of an HTTP 401 response for AcquireLock
 type AcquireLockResponse401Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // AcquireLockResponse403Headers the declared response headers of an HTTP 403 response for AcquireLock
 type AcquireLockResponse403Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // AcquireLockResponse409Headers the declared response headers of an HTTP 409 response for AcquireLock
 type AcquireLockResponse409Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // AcquireLockResponse413Headers the declared response headers of an HTTP 413 response for AcquireLock
 type AcquireLockResponse413Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // AcquireLockResponse415Headers the declared response headers of an HTTP 415 response for AcquireLock
 type AcquireLockResponse415Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // AcquireLockResponse429Headers the declared response headers of an HTTP 429 response for AcquireLock
 type AcquireLockResponse429Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // AcquireLockResponse503Headers the declared response headers of an HTTP 503 response for AcquireLock
 type AcquireLockResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // AcquireLockResponseDefaultHeaders the declared response headers of an HTTP default response for AcquireLock
 type AcquireLockResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type AcquireLockResponse struct {
@@ -2928,67 +2928,67 @@ func (r AcquireLockResponse) ContentType() string {
 
 // ExtendLockResponse200Headers the declared response headers of an HTTP 200 response for ExtendLock
 type ExtendLockResponse200Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // ExtendLockResponse400Headers the declared response headers of an HTTP 400 response for ExtendLock
 type ExtendLockResponse400Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // ExtendLockResponse401Headers the declared response headers of an HTTP 401 response for ExtendLock
 type ExtendLockResponse401Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // ExtendLockResponse403Headers the declared response headers of an HTTP 403 response for ExtendLock
 type ExtendLockResponse403Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // ExtendLockResponse409Headers the declared response headers of an HTTP 409 response for ExtendLock
 type ExtendLockResponse409Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   *int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ExtendLockResponse413Headers the declared response headers of an HTTP 413 response for ExtendLock
 type ExtendLockResponse413Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // ExtendLockResponse415Headers the declared response headers of an HTTP 415 response for ExtendLock
 type ExtendLockResponse415Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // ExtendLockResponse429Headers the declared response headers of an HTTP 429 response for ExtendLock
 type ExtendLockResponse429Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ExtendLockResponse503Headers the declared response headers of an HTTP 503 response for ExtendLock
 type ExtendLockResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ExtendLockResponseDefaultHeaders the declared response headers of an HTTP default response for ExtendLock
 type ExtendLockResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type ExtendLockResponse struct {
@@ -3117,42 +3117,42 @@ func (r ExtendLockResponse) ContentType() string {
 
 // ListNodesResponse200Headers the declared response headers of an HTTP 200 response for ListNodes
 type ListNodesResponse200Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // ListNodesResponse401Headers the declared response headers of an HTTP 401 response for ListNodes
 type ListNodesResponse401Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // ListNodesResponse403Headers the declared response headers of an HTTP 403 response for ListNodes
 type ListNodesResponse403Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // ListNodesResponse429Headers the declared response headers of an HTTP 429 response for ListNodes
 type ListNodesResponse429Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ListNodesResponse503Headers the declared response headers of an HTTP 503 response for ListNodes
 type ListNodesResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // ListNodesResponseDefaultHeaders the declared response headers of an HTTP default response for ListNodes
 type ListNodesResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type ListNodesResponse struct {
@@ -3245,54 +3245,54 @@ func (r ListNodesResponse) ContentType() string {
 
 // GetResourceResponse200Headers the declared response headers of an HTTP 200 response for GetResource
 type GetResourceResponse200Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // GetResourceResponse400Headers the declared response headers of an HTTP 400 response for GetResource
 type GetResourceResponse400Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // GetResourceResponse401Headers the declared response headers of an HTTP 401 response for GetResource
 type GetResourceResponse401Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // GetResourceResponse403Headers the declared response headers of an HTTP 403 response for GetResource
 type GetResourceResponse403Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // GetResourceResponse404Headers the declared response headers of an HTTP 404 response for GetResource
 type GetResourceResponse404Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // GetResourceResponse429Headers the declared response headers of an HTTP 429 response for GetResource
 type GetResourceResponse429Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // GetResourceResponse503Headers the declared response headers of an HTTP 503 response for GetResource
 type GetResourceResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // GetResourceResponseDefaultHeaders the declared response headers of an HTTP default response for GetResource
 type GetResourceResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type GetResourceResponse struct {
@@ -3403,67 +3403,67 @@ func (r GetResourceResponse) ContentType() string {
 
 // PutResourceResponse200Headers the declared response headers of an HTTP 200 response for PutResource
 type PutResourceResponse200Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // PutResourceResponse400Headers the declared response headers of an HTTP 400 response for PutResource
 type PutResourceResponse400Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // PutResourceResponse401Headers the declared response headers of an HTTP 401 response for PutResource
 type PutResourceResponse401Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // PutResourceResponse403Headers the declared response headers of an HTTP 403 response for PutResource
 type PutResourceResponse403Headers struct {
-	CacheControl    *string
+	CacheControl    string
 	WWWAuthenticate string
-	XRequestId      *string
+	XRequestId      string
 }
 
 // PutResourceResponse409Headers the declared response headers of an HTTP 409 response for PutResource
 type PutResourceResponse409Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   *int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // PutResourceResponse413Headers the declared response headers of an HTTP 413 response for PutResource
 type PutResourceResponse413Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // PutResourceResponse415Headers the declared response headers of an HTTP 415 response for PutResource
 type PutResourceResponse415Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 // PutResourceResponse429Headers the declared response headers of an HTTP 429 response for PutResource
 type PutResourceResponse429Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // PutResourceResponse503Headers the declared response headers of an HTTP 503 response for PutResource
 type PutResourceResponse503Headers struct {
-	CacheControl *string
+	CacheControl string
 	RetryAfter   int
-	XRequestId   *string
+	XRequestId   string
 }
 
 // PutResourceResponseDefaultHeaders the declared response headers of an HTTP default response for PutResource
 type PutResourceResponseDefaultHeaders struct {
-	CacheControl *string
-	XRequestId   *string
+	CacheControl string
+	XRequestId   string
 }
 
 type PutResourceResponse struct {
@@ -3910,34 +3910,34 @@ func ParseHealthzResponse(rsp *http.Response) (*HealthzResponse, error) {
 		var headers HealthzResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case true:
 		var headers HealthzResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4001,20 +4001,20 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		var headers MetricsResponse200Headers
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 401:
 		var headers MetricsResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4025,20 +4025,20 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers MetricsResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4049,20 +4049,20 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 429:
 		var headers MetricsResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4073,20 +4073,20 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers MetricsResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4097,27 +4097,27 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers MetricsResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4160,27 +4160,27 @@ func ParseOpenapiResponse(rsp *http.Response) (*OpenapiResponse, error) {
 		var headers OpenapiResponse200Headers
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case true:
 		var headers OpenapiResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4230,27 +4230,27 @@ func ParseReadyzResponse(rsp *http.Response) (*ReadyzResponse, error) {
 		var headers ReadyzResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 503:
 		var headers ReadyzResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4261,27 +4261,27 @@ func ParseReadyzResponse(rsp *http.Response) (*ReadyzResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers ReadyzResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4362,37 +4362,37 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		var headers ReleaseLockResponse204Headers
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers204 = &headers
 	case rsp.StatusCode == 400:
 		var headers ReleaseLockResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers ReleaseLockResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4403,20 +4403,20 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers ReleaseLockResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4427,20 +4427,20 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 409:
 		var headers ReleaseLockResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4451,20 +4451,20 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers409 = &headers
 	case rsp.StatusCode == 429:
 		var headers ReleaseLockResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4475,20 +4475,20 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers ReleaseLockResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4499,27 +4499,27 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers ReleaseLockResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4597,44 +4597,44 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		var headers GetLockResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 400:
 		var headers GetLockResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers GetLockResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4645,20 +4645,20 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers GetLockResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4669,20 +4669,20 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 429:
 		var headers GetLockResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4693,20 +4693,20 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers GetLockResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4717,27 +4717,27 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers GetLockResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4836,10 +4836,10 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		var headers AcquireLockResponse201Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Location"); len(values) > 0 {
 			var value string
@@ -4850,37 +4850,37 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers201 = &headers
 	case rsp.StatusCode == 400:
 		var headers AcquireLockResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers AcquireLockResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4891,20 +4891,20 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers AcquireLockResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4915,20 +4915,20 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 409:
 		var headers AcquireLockResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4939,54 +4939,54 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers409 = &headers
 	case rsp.StatusCode == 413:
 		var headers AcquireLockResponse413Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers AcquireLockResponse415Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers415 = &headers
 	case rsp.StatusCode == 429:
 		var headers AcquireLockResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4997,20 +4997,20 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers AcquireLockResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5021,27 +5021,27 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers AcquireLockResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -5140,44 +5140,44 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		var headers ExtendLockResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 400:
 		var headers ExtendLockResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers ExtendLockResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5188,20 +5188,20 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers ExtendLockResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5212,20 +5212,20 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 409:
 		var headers ExtendLockResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5236,54 +5236,54 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers409 = &headers
 	case rsp.StatusCode == 413:
 		var headers ExtendLockResponse413Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers ExtendLockResponse415Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers415 = &headers
 	case rsp.StatusCode == 429:
 		var headers ExtendLockResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5294,20 +5294,20 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers ExtendLockResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5318,27 +5318,27 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers ExtendLockResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -5409,27 +5409,27 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		var headers ListNodesResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 401:
 		var headers ListNodesResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5440,20 +5440,20 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers ListNodesResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5464,20 +5464,20 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 429:
 		var headers ListNodesResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5488,20 +5488,20 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers ListNodesResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5512,27 +5512,27 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers ListNodesResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -5617,44 +5617,44 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		var headers GetResourceResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 400:
 		var headers GetResourceResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers GetResourceResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5665,20 +5665,20 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers GetResourceResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5689,37 +5689,37 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 404:
 		var headers GetResourceResponse404Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers404 = &headers
 	case rsp.StatusCode == 429:
 		var headers GetResourceResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5730,20 +5730,20 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers GetResourceResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5754,27 +5754,27 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers GetResourceResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -5873,44 +5873,44 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		var headers PutResourceResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 400:
 		var headers PutResourceResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers PutResourceResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5921,20 +5921,20 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers PutResourceResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5945,20 +5945,20 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 409:
 		var headers PutResourceResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5969,54 +5969,54 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers409 = &headers
 	case rsp.StatusCode == 413:
 		var headers PutResourceResponse413Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers PutResourceResponse415Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers415 = &headers
 	case rsp.StatusCode == 429:
 		var headers PutResourceResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -6027,20 +6027,20 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers PutResourceResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -6051,27 +6051,27 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers PutResourceResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = &value
+			headers.CacheControl = value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = &value
+			headers.XRequestId = value
 		}
 		response.HeadersDefault = &headers
 	}
