@@ -21,6 +21,7 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode"
 
@@ -114,6 +115,18 @@ type Handler struct {
 	// acquireH and releaseH serve POST and DELETE /v1/locks/{name} past
 	// the router: authorization and the handler.
 	acquireH, releaseH http.Handler
+	// drain is closed by Drain: blocking acquires stop waiting.
+	drain     chan struct{}
+	drainOnce sync.Once
+}
+
+// Drain ends the wait of every blocking acquire, in flight or to come: each
+// answers 503 shutting-down after its current try (a free lock is still
+// granted). A server calls it as its shutdown begins, so that waiting
+// clients retry elsewhere at once instead of holding the shutdown up. It
+// may be called more than once.
+func (h *Handler) Drain() {
+	h.drainOnce.Do(func() { close(h.drain) })
 }
 
 // NewHandler returns the API over locker and st.
@@ -145,7 +158,7 @@ func NewHandler(locker Locker, st Store, opts Options) *Handler {
 		opts.Now = time.Now
 	}
 	h := &Handler{locker: locker, store: st, opts: opts, log: opts.Logger, raw: raw, m: newMetrics(opts.Registry),
-		ids: newRequestIDs(), grants: newGrantCache()}
+		ids: newRequestIDs(), grants: newGrantCache(), drain: make(chan struct{})}
 	h.limits = newLimiter(rate.Limit(opts.RateLimit), opts.RateBurst)
 	h.router = h.newRouter()
 	h.acquireH = h.authorize(apikey.ScopeLocks)(http.HandlerFunc(h.acquire))
@@ -618,7 +631,7 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 			return invalid("owner is invalid: "+reason, InvalidParam{Name: "owner", Reason: reason})
 		}
 	}
-	sreq := service.Request{TTL: ttl, Wait: wait, Owner: owner}
+	sreq := service.Request{TTL: ttl, Wait: wait, Owner: owner, Stop: h.drain}
 	if wait > 0 && h.opts.Auth != nil {
 		// The key was checked before the wait, which can outlast its
 		// revocation: check it again before every retry (from the cache,

@@ -85,6 +85,7 @@ var (
 	kFencing     = newKind("fencing-unavailable", http.StatusServiceUnavailable, "No fencing token could be issued")
 	kExpired     = newKind("lease-expired", http.StatusServiceUnavailable, "The lease ran out before it could be granted")
 	kStore       = newKind("store-unavailable", http.StatusServiceUnavailable, "The reference store (Postgres) is unavailable")
+	kShutdown    = newKind("shutting-down", http.StatusServiceUnavailable, "The server is shutting down")
 	kCancelled   = newKind("cancelled", 499, "The client closed the request")
 	kInternal    = newKind("internal-error", http.StatusInternalServerError, "Internal server error")
 	// Access control (auth.go).
@@ -100,7 +101,7 @@ var (
 func ProblemTypes() []string {
 	var out []string
 	for _, k := range []kind{kInvalid, kTooLarge, kMediaType, kNotFound, kMethod, kNoResource, kHeld, kWaitTimeout,
-		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kCancelled, kInternal,
+		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kShutdown, kCancelled, kInternal,
 		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge} {
 		out = append(out, k.slug)
 	}
@@ -209,6 +210,8 @@ func (t errTree) classify() kind {
 	switch {
 	case t.is(service.ErrInvalid):
 		return kInvalid
+	case t.is(service.ErrWaitStopped):
+		return kShutdown
 	case t.is(service.ErrWaitTimeout) && t.is(service.ErrHeld):
 		return kWaitTimeout
 	case t.is(service.ErrHeld):
@@ -353,6 +356,8 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 			}
 		case kExpired:
 			p.Detail = "a majority was won but the lease ran out before the fencing token was issued; nothing was granted"
+		case kShutdown:
+			p.Detail = "this server is shutting down, so the wait ended while the lock was still taken; nothing was granted: retry, on another server if there is one"
 		case kLost:
 			p.Detail = "the lease expired or was superseded; acquire again to get a new fencing token"
 		case kNotHolder:

@@ -29,7 +29,8 @@ var (
 	// issued (stale-token).
 	ErrStale = errors.New("client: stale fencing token")
 	// ErrUnavailable: the server could not decide (quorum-unavailable,
-	// fencing-unavailable, lease-expired, store-unavailable, any 5xx or 429)
+	// fencing-unavailable, lease-expired, store-unavailable, shutting-down,
+	// any 5xx or 429)
 	// or could not be reached. Retrying later may succeed.
 	ErrUnavailable = errors.New("client: service unavailable")
 	// ErrInvalid: the server refused the request itself (invalid-request,
@@ -119,6 +120,7 @@ var sentinels = map[string]error{
 	"fencing-unavailable":    ErrUnavailable,
 	"lease-expired":          ErrUnavailable,
 	"store-unavailable":      ErrUnavailable,
+	"shutting-down":          ErrUnavailable,
 	"invalid-request":        ErrInvalid,
 	"request-too-large":      ErrInvalid,
 	"unsupported-media-type": ErrInvalid,

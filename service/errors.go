@@ -10,7 +10,8 @@ import (
 // Sentinel errors. Every error returned by Locker matches exactly one of
 // ErrInvalid, ErrHeld, ErrQuorum, ErrFencing, ErrExpired, ErrLost, ErrNotHolder,
 // or a context error (context.Canceled, context.DeadlineExceeded) with
-// errors.Is; ErrWaitTimeout additionally wraps the last attempt's error.
+// errors.Is; ErrWaitTimeout and ErrWaitStopped additionally wrap the last
+// attempt's error.
 var (
 	// ErrInvalid reports a request outside the configured bounds (TTL, wait).
 	ErrInvalid = errors.New("service: invalid request")
@@ -34,6 +35,10 @@ var (
 	// ErrWaitTimeout reports that a blocking acquire's wait ran out; the error
 	// also matches the reason of its last attempt (usually ErrHeld).
 	ErrWaitTimeout = errors.New("service: wait timed out")
+	// ErrWaitStopped reports that a blocking acquire's wait was ended by
+	// Request.Stop (its server is shutting down); the error also matches the
+	// reason of its last attempt.
+	ErrWaitStopped = errors.New("service: wait stopped")
 	// ErrSameServer reports two configured nodes that reach one Redis
 	// server: it would vote twice, and a majority of votes would no longer
 	// be a majority of servers.

@@ -659,6 +659,11 @@ type Request struct {
 	// granted. The API checks there that the caller's key is still valid,
 	// so a key revoked during a long wait gets nothing afterwards.
 	Continue func(ctx context.Context) error
+	// Stop, if set, ends the wait of a blocking acquire when it is closed
+	// (a server closes it as it shuts down): a try under way finishes, and
+	// instead of waiting for the next one Acquire returns an error matching
+	// ErrWaitStopped and the last try's reason (usually ErrHeld).
+	Stop <-chan struct{}
 }
 
 // Grant is a held lock.
@@ -787,25 +792,37 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 		if w != nil {
 			wake = w.wake
 		}
-		if err := l.pause(ctx, delay, wake); err != nil {
+		stopped, err := l.pause(ctx, delay, wake, req.Stop)
+		if err != nil {
 			return nil, fmt.Errorf("acquire %q: %w", key, err)
+		}
+		if stopped {
+			return nil, &Error{Op: "acquire", Key: key, Err: ErrWaitStopped, Nodes: aerr.Nodes, RetryAfter: aerr.RetryAfter, Cause: aerr}
 		}
 	}
 }
 
-// pause waits for d, a wake-up or the end of ctx, counted as waiting.
-func (l *Locker) pause(ctx context.Context, d time.Duration, wake <-chan struct{}) error {
+// pause waits for d, a wake-up, stop or the end of ctx, counted as waiting.
+// It reports whether stop ended it.
+func (l *Locker) pause(ctx context.Context, d time.Duration, wake, stop <-chan struct{}) (bool, error) {
+	select {
+	case <-stop: // closed before the wait: no timer, no waiting counted
+		return true, nil
+	default:
+	}
 	l.opts.Observer.Waiting(1)
 	defer l.opts.Observer.Waiting(-1)
 	timer := time.NewTimer(d)
 	defer timer.Stop()
 	select {
 	case <-ctx.Done():
-		return ctx.Err()
+		return false, ctx.Err()
+	case <-stop:
+		return true, nil
 	case <-wake:
 	case <-timer.C:
 	}
-	return nil
+	return false, nil
 }
 
 // jitter returns a random delay in [RetryDelayMin, RetryDelayMax), shortened

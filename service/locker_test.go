@@ -502,6 +502,45 @@ func TestLocker_Acquire(t *testing.T) {
 		}
 	})
 
+	t.Run("StopEndsWait", func(t *testing.T) {
+		ns, ms := nodes(3)
+		for _, m := range ms {
+			m.vals[rkey] = "other"
+			m.ttl[rkey] = time.Hour
+		}
+		obs := &waitObserver{started: make(chan struct{}, 1)}
+		l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, Observer: obs})
+		stop := make(chan struct{})
+		done := make(chan error, 1)
+		go func() {
+			_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second, Wait: time.Minute, Stop: stop})
+			done <- err
+		}()
+		<-obs.started // refused once, now waiting an hour
+		close(stop)
+		err := <-done
+		if !errors.Is(err, ErrWaitStopped) || !errors.Is(err, ErrHeld) || errors.Is(err, ErrWaitTimeout) {
+			t.Fatalf("Acquire = %v; want ErrWaitStopped and ErrHeld, not ErrWaitTimeout", err)
+		}
+		// Stopped before it starts: one try, then no wait at all.
+		_, err = l.Acquire(context.Background(), key, Request{TTL: time.Second, Wait: time.Minute, Stop: stop})
+		if !errors.Is(err, ErrWaitStopped) || !errors.Is(err, ErrHeld) {
+			t.Fatalf("Acquire with Stop closed = %v; want ErrWaitStopped and ErrHeld", err)
+		}
+		select {
+		case <-obs.started:
+			t.Error("Acquire with Stop closed started a wait")
+		default:
+		}
+		// A free lock is still granted: Stop ends waits, not tries.
+		for _, m := range ms {
+			delete(m.vals, rkey)
+		}
+		if _, err := l.Acquire(context.Background(), key, Request{TTL: time.Second, Wait: time.Minute, Stop: stop}); err != nil {
+			t.Fatalf("Acquire of a free lock with Stop closed = %v; want a grant", err)
+		}
+	})
+
 	t.Run("WokenByRelease", func(t *testing.T) {
 		ns, _ := nodes(3)
 		l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour})

@@ -440,6 +440,9 @@ type Problem struct {
 	//   server's limit (64 KiB by default).
 	// - `store-unavailable` (503): Postgres did not answer a reference-store
 	//   read or write; nothing was written.
+	// - `shutting-down` (503): the server began shutting down while an
+	//   acquire waited (`wait_ms`) for a taken lock; nothing was granted.
+	//   Retry, on another server if there is one.
 	// - `cancelled` (499): the client closed the request (never seen by it).
 	// - `internal-error` (500): a bug; the cause is in the server's log
 	//   under `request_id`.

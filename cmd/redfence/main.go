@@ -183,7 +183,12 @@ func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return serveUntilDone(ctx, s, cfg)
 }
 
-// serveUntilDone waits for a signal (ctx) or a serving error, then shuts down.
+// errSecondSignal cuts the shutdown's grace period short.
+var errSecondSignal = errors.New("a second signal ended the grace period")
+
+// serveUntilDone waits for a signal (ctx) or a serving error, then shuts
+// down, giving requests in flight cfg.ShutdownTimeout; a second SIGINT or
+// SIGTERM meanwhile ends that grace period at once.
 func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
 	var serveErr error
 	select {
@@ -191,9 +196,21 @@ func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
 	case serveErr = <-s.Done():
 	}
 	s.log.Info("shutting down", "grace", cfg.ShutdownTimeout.String())
-	sctx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownTimeout)
+	sctx, cancel := context.WithTimeoutCause(context.Background(), cfg.ShutdownTimeout,
+		fmt.Errorf("the grace period (REDFENCE_SHUTDOWN_TIMEOUT=%s) ran out", cfg.ShutdownTimeout))
 	defer cancel()
+	again, stopAgain := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stopAgain()
+	sctx, cut := context.WithCancelCause(sctx)
+	defer cut(nil)
+	defer context.AfterFunc(again, func() {
+		s.log.Warn("second signal: stopping now, without waiting for the requests in flight")
+		cut(errSecondSignal)
+	})()
 	if err := s.Close(sctx); err != nil {
+		if cause := context.Cause(sctx); cause != nil {
+			err = fmt.Errorf("%w: %w", cause, err)
+		}
 		return errors.Join(serveErr, fmt.Errorf("shutdown: %w", err))
 	}
 	if errors.Is(serveErr, http.ErrServerClosed) {

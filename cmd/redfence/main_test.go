@@ -449,8 +449,19 @@ type logLine struct {
 	Addr string `json:"addr"`
 }
 
-func TestServe_SIGTERM(t *testing.T) {
-	t.Parallel()
+// serveProc is a `redfence serve` child process.
+type serveProc struct {
+	cmd    *exec.Cmd
+	addr   string
+	logs   *testutil.Buffer
+	exited chan error
+	done   bool
+}
+
+// startServe runs `redfence serve` on 3 fresh Redis nodes and a fresh
+// database, with env added to its settings, and waits until it serves.
+func startServe(t *testing.T, env ...string) *serveProc {
+	t.Helper()
 	bin := buildBinary(t)
 	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
 	url := clustertest.Database(t)
@@ -471,6 +482,7 @@ func TestServe_SIGTERM(t *testing.T) {
 		"REDFENCE_LOG_LEVEL=info",
 		"REDFENCE_AUTH=false",
 	)
+	cmd.Env = append(cmd.Env, env...)
 	// The kernel kills the server if the test binary dies.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	var stdout bytes.Buffer
@@ -483,13 +495,12 @@ func TestServe_SIGTERM(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	var logs testutil.Buffer
+	p := &serveProc{cmd: cmd, logs: &testutil.Buffer{}, exited: make(chan error, 1)}
 	serving := make(chan string, 1)
-	exited := make(chan error, 1)
 	go func() {
 		sc := bufio.NewScanner(stderrPipe)
 		for sc.Scan() {
-			fmt.Fprintln(&logs, sc.Text())
+			fmt.Fprintln(p.logs, sc.Text())
 			var l logLine
 			if json.Unmarshal(sc.Bytes(), &l) == nil && l.Msg == "redfence serving" {
 				select {
@@ -498,57 +509,153 @@ func TestServe_SIGTERM(t *testing.T) {
 				}
 			}
 		}
-		exited <- cmd.Wait()
+		p.exited <- cmd.Wait()
 	}()
-	done := false
 	t.Cleanup(func() {
-		if !done {
+		if !p.done {
 			_ = cmd.Process.Kill()
-			<-exited
+			<-p.exited
 		}
 	})
 
-	var addr string
 	select {
-	case addr = <-serving:
-	case err := <-exited:
-		done = true
-		t.Fatalf("redfence serve exited before serving: %v\nstderr:\n%s", err, logs.String())
+	case p.addr = <-serving:
+	case err := <-p.exited:
+		p.done = true
+		t.Fatalf("redfence serve exited before serving: %v\nstderr:\n%s", err, p.logs.String())
 	case <-time.After(waitTimeout):
-		t.Fatalf("no \"redfence serving\" log line after %v; stderr:\n%s", waitTimeout, logs.String())
+		t.Fatalf("no \"redfence serving\" log line after %v; stderr:\n%s", waitTimeout, p.logs.String())
 	}
-	if addr == "" {
-		t.Fatalf("\"redfence serving\" log line has no addr; stderr:\n%s", logs.String())
+	if p.addr == "" {
+		t.Fatalf("\"redfence serving\" log line has no addr; stderr:\n%s", p.logs.String())
 	}
-	expect(t, "GET /healthz", call(t, http.MethodGet, addr, "/healthz", ""), http.StatusOK, nil)
-	acquire(t, addr, "before-shutdown")
+	return p
+}
 
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+// wait returns the exit error of the process, failing t if it does not
+// exit within waitTimeout.
+func (p *serveProc) wait(t *testing.T, what string) error {
+	t.Helper()
+	select {
+	case err := <-p.exited:
+		p.done = true
+		return err
+	case <-time.After(waitTimeout):
+		t.Fatalf("redfence serve still running %v after %s; stderr:\n%s", waitTimeout, what, p.logs.String())
+	}
+	return nil
+}
+
+func TestServe_SIGTERM(t *testing.T) {
+	t.Parallel()
+	p := startServe(t)
+	expect(t, "GET /healthz", call(t, http.MethodGet, p.addr, "/healthz", ""), http.StatusOK, nil)
+	acquire(t, p.addr, "before-shutdown")
+
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-exited:
-		done = true
-		if err != nil {
-			t.Errorf("redfence serve after SIGTERM: %v; want exit status 0\nstderr:\n%s", err, logs.String())
-		}
-	case <-time.After(waitTimeout):
-		t.Fatalf("redfence serve still running %v after SIGTERM; stderr:\n%s", waitTimeout, logs.String())
+	if err := p.wait(t, "SIGTERM"); err != nil {
+		t.Errorf("redfence serve after SIGTERM: %v; want exit status 0\nstderr:\n%s", err, p.logs.String())
 	}
 
 	var shutdown bool
-	for line := range strings.Lines(logs.String()) {
+	for line := range strings.Lines(p.logs.String()) {
 		var l logLine
 		if json.Unmarshal([]byte(line), &l) == nil && l.Msg == "shutting down" {
 			shutdown = true
 		}
 	}
 	if !shutdown {
-		t.Errorf("no JSON log line \"shutting down\"; stderr:\n%s", logs.String())
+		t.Errorf("no JSON log line \"shutting down\"; stderr:\n%s", p.logs.String())
 	}
-	if c, err := net.Dial("tcp", addr); err == nil {
+	if c, err := net.Dial("tcp", p.addr); err == nil {
 		c.Close()
-		t.Errorf("dial %s after exit succeeded; want connection refused", addr)
+		t.Errorf("dial %s after exit succeeded; want connection refused", p.addr)
+	}
+}
+
+// TestServe_ShutdownEndsWaits checks the two ways a shutdown is not held
+// up: a blocking acquire stops waiting at once, with 503 shutting-down, and
+// a second SIGTERM ends the grace period while a request is still in flight.
+func TestServe_ShutdownEndsWaits(t *testing.T) {
+	t.Parallel()
+	// Grace and header timeouts far beyond the test's: only the drain and
+	// the second signal can end this shutdown in time.
+	p := startServe(t, "REDFENCE_SHUTDOWN_TIMEOUT=1h", "REDFENCE_READ_HEADER_TIMEOUT=1h", "REDFENCE_READ_TIMEOUT=1h")
+	acquire(t, p.addr, "held")
+
+	type answer struct {
+		status int
+		header http.Header
+		body   []byte
+		err    error
+	}
+	waited := make(chan answer, 1)
+	go func() {
+		req, err := http.NewRequest(http.MethodPost, "http://"+p.addr+"/v1/locks/held", strings.NewReader(`{"wait_ms":55000}`))
+		if err != nil {
+			waited <- answer{err: err}
+			return
+		}
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := httpClient.Do(req)
+		if err != nil {
+			waited <- answer{err: err}
+			return
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		waited <- answer{resp.StatusCode, resp.Header, b, err}
+	}()
+	// The waiter is waiting once the blocked-waiters gauge says so.
+	for !strings.Contains(string(call(t, http.MethodGet, p.addr, "/metrics", "").body), "\nredfence_blocked_waiters 1\n") {
+		select {
+		case a := <-waited:
+			t.Fatalf("the blocking acquire answered before the shutdown: %d %s %v", a.status, a.body, a.err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	// A request whose headers never end keeps the connection active, so the
+	// graceful shutdown cannot finish by itself.
+	stuck, err := net.Dial("tcp", p.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stuck.Close()
+	if _, err := io.WriteString(stuck, "GET /healthz HTTP/1.1\r\nHost: x\r\n"); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	var a answer
+	select {
+	case a = <-waited:
+	case err := <-p.exited:
+		p.done = true
+		t.Fatalf("redfence serve exited (%v) before the waiter was answered; stderr:\n%s", err, p.logs.String())
+	case <-time.After(waitTimeout):
+		t.Fatalf("the blocking acquire still waits %v after SIGTERM", waitTimeout)
+	}
+	if a.err != nil {
+		t.Fatalf("blocking acquire during shutdown: %v; want a 503 answer", a.err)
+	}
+	var prob api.Problem
+	if err := json.Unmarshal(a.body, &prob); err != nil || a.status != http.StatusServiceUnavailable ||
+		prob.Type != api.ProblemTypePrefix+"shutting-down" || a.header.Get("Retry-After") == "" {
+		t.Errorf("blocking acquire during shutdown = %d %s (Retry-After %q); want 503 shutting-down with Retry-After",
+			a.status, a.body, a.header.Get("Retry-After"))
+	}
+
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	err = p.wait(t, "a second SIGTERM")
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(p.logs.String(), "second signal") {
+		t.Errorf("redfence serve after a second SIGTERM: %v; want exit status 1, the grace period cut short\nstderr:\n%s", err, p.logs.String())
 	}
 }
 

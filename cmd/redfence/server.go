@@ -28,6 +28,7 @@ type Server struct {
 	locker *service.Locker
 	ln     net.Listener
 	http   *http.Server
+	api    *api.Handler
 	// tls is the HTTPS configuration; nil serves plain HTTP.
 	tls *tls.Config
 	// keys watches API key changes (nil with REDFENCE_AUTH=false).
@@ -141,6 +142,7 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		RateBurst:      cfg.RateBurst,
 	})
 
+	s.api = h
 	if s.tls, err = cfg.serverTLS(log); err != nil {
 		return nil, err
 	}
@@ -187,9 +189,11 @@ func (s *Server) Locker() *service.Locker { return s.locker }
 // Done receives the error that ended serving, if it ends on its own.
 func (s *Server) Done() <-chan error { return s.served }
 
-// Close stops accepting requests, gives in-flight ones until ctx ends (then
-// cancels them: waiting acquires end), and closes the backends.
+// Close stops accepting requests, ends the waits of blocking acquires (they
+// answer 503 shutting-down after their current try), gives in-flight
+// requests until ctx ends (then cancels them), and closes the backends.
 func (s *Server) Close(ctx context.Context) error {
+	s.api.Drain()
 	err := s.http.Shutdown(ctx)
 	if err != nil {
 		s.stop()

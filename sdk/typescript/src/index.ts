@@ -29,7 +29,7 @@ export type ErrorKind =
   | "held" // lock-held, wait-timeout
   | "lost" // lock-lost, not-holder, or the lease's deadline passed
   | "stale" // stale-token
-  | "unavailable" // quorum-unavailable, fencing-unavailable, lease-expired, store-unavailable, 5xx, 429, network
+  | "unavailable" // quorum-unavailable, fencing-unavailable, lease-expired, store-unavailable, shutting-down, 5xx, 429, network
   | "invalid" // invalid-request, request-too-large, unsupported-media-type
   | "not-found" // resource-not-found, not-found
   | "denied" // 401, 403
@@ -47,6 +47,7 @@ const KINDS: Record<string, ErrorKind> = {
   "fencing-unavailable": "unavailable",
   "lease-expired": "unavailable",
   "store-unavailable": "unavailable",
+  "shutting-down": "unavailable",
   "invalid-request": "invalid",
   "request-too-large": "invalid",
   "unsupported-media-type": "invalid",

@@ -619,6 +619,9 @@ export interface components {
              *       server's limit (64 KiB by default).
              *     - `store-unavailable` (503): Postgres did not answer a reference-store
              *       read or write; nothing was written.
+             *     - `shutting-down` (503): the server began shutting down while an
+             *       acquire waited (`wait_ms`) for a taken lock; nothing was granted.
+             *       Retry, on another server if there is one.
              *     - `cancelled` (499): the client closed the request (never seen by it).
              *     - `internal-error` (500): a bug; the cause is in the server's log
              *       under `request_id`.
@@ -1272,8 +1275,10 @@ export interface operations {
              *     answers):
              *     `quorum-unavailable` (too few nodes answered; see `nodes`),
              *     `fencing-unavailable` (Postgres did not issue a token) or
-             *     `lease-expired` (the lease ran out before the token was issued).
-             *     Retry after `Retry-After` seconds.
+             *     `lease-expired` (the lease ran out before the token was issued), or
+             *     `shutting-down` (the server began shutting down during `wait_ms`
+             *     while the lock was still taken). Retry after `Retry-After`
+             *     seconds (after `shutting-down`, on another server if there is one).
              *     `auth-unavailable`: the API key could not be checked (Postgres did not answer).
              */
             503: {
