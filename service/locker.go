@@ -208,6 +208,10 @@ type member struct {
 	// memory ends (nil: none runs); it makes recovery single-flight per
 	// node. Guarded by mu.
 	recovery chan struct{}
+	// runID is the run_id of the Redis process last seen behind the node
+	// ("" before the first); a new one means the node restarted. Guarded
+	// by mu.
+	runID string
 }
 
 func (m *member) state() (epoch string, until time.Time) {
@@ -380,11 +384,23 @@ func (l *Locker) Close() {
 // acquire that reaches it finds the marker missing. Then it starts this
 // server's heartbeat (see startHeartbeat).
 func (l *Locker) Init(ctx context.Context) error {
-	if err := l.checkDistinct(ctx); err != nil {
+	ids, err := l.checkDistinct(ctx)
+	if err != nil {
 		return err
 	}
 	if l.opts.Registry == nil {
 		return nil
+	}
+	for i, m := range l.members {
+		if rw, ok := m.Node.(restartWatcher); ok {
+			m.mu.Lock()
+			m.runID = ids[i]
+			m.mu.Unlock()
+			rw.WatchRestarts(func(_ context.Context, id string, durable bool) error {
+				l.seen(i, id, durable)
+				return nil
+			})
+		}
 	}
 	for _, m := range l.members {
 		epoch, err := newEpoch()
@@ -424,11 +440,52 @@ type serverIdentifier interface {
 	ServerID(ctx context.Context) (string, error)
 }
 
+// restartWatcher is a Node that reports the server process behind each new
+// connection before the connection is used (RedisNode.WatchRestarts).
+type restartWatcher interface {
+	WatchRestarts(f func(ctx context.Context, runID string, durable bool) error)
+}
+
+// seen notes that node i's server process is id, durable or not (see
+// RedisNode.WatchRestarts). A process other than the one seen before means
+// the node restarted, and unless it fsyncs every write it may have come back
+// from an RDB snapshot or an AOF that missed the last writes: without locks
+// written since, its epoch marker still there. Its votes then stop counting
+// at once, before the new connection carries a command, and the node is
+// recovered as one that lost its memory (a quarantine recorded for every
+// server, a new epoch).
+func (l *Locker) seen(i int, id string, durable bool) {
+	m := l.members[i]
+	m.mu.Lock()
+	prev := m.runID
+	m.runID = id
+	if prev == "" || prev == id {
+		m.mu.Unlock()
+		return
+	}
+	if durable {
+		m.mu.Unlock()
+		l.opts.Logger.Info("node restarted with appendfsync always: it kept every lease it acknowledged", slog.String("node", m.Addr()))
+		return
+	}
+	until := l.opts.Now().Add(l.quarantineFor())
+	if until.After(m.until) {
+		m.until = until
+	}
+	epoch := m.epoch
+	m.mu.Unlock()
+	l.opts.Observer.Quarantine(m.Addr(), until)
+	l.opts.Logger.Warn("node restarted (new run_id): its votes do not count until every lease it may have forgotten has expired",
+		slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
+	l.recover(i, epoch)
+}
+
 // checkDistinct returns an error matching ErrSameServer when two nodes
 // answer as one server (an address spelt two ways, or a proxy in front of
 // one server): that server would vote twice. Nodes that do not answer
-// within NodeTimeout are not checked.
-func (l *Locker) checkDistinct(ctx context.Context) error {
+// within NodeTimeout are not checked. It returns each node's run_id ("" for
+// those).
+func (l *Locker) checkDistinct(ctx context.Context) ([]string, error) {
 	ids := make([]string, len(l.nodes))
 	var wg sync.WaitGroup
 	for i, n := range l.nodes {
@@ -449,12 +506,12 @@ func (l *Locker) checkDistinct(ctx context.Context) error {
 			continue
 		}
 		if j, ok := first[id]; ok {
-			return fmt.Errorf("service: nodes %s and %s answer as one Redis server (run_id %s); list each server once: %w",
+			return nil, fmt.Errorf("service: nodes %s and %s answer as one Redis server (run_id %s); list each server once: %w",
 				l.nodes[j].Addr(), l.nodes[i].Addr(), id, ErrSameServer)
 		}
 		first[id] = i
 	}
-	return nil
+	return ids, nil
 }
 
 // startHeartbeat makes the Locker's first Heartbeat, then renews it every

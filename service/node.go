@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -143,6 +144,9 @@ type RedisNode struct {
 	client   *redis.Client
 	pipe     *pipeliner
 	watch    *watcher
+	// onConnect, if set (WatchRestarts), learns the run_id of the server
+	// behind every new connection before the connection is used.
+	onConnect atomic.Pointer[func(ctx context.Context, runID string, durable bool) error]
 }
 
 var _ Node = (*RedisNode)(nil)
@@ -171,6 +175,7 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 	if opts.DialTimeout <= 0 {
 		opts.DialTimeout = time.Second
 	}
+	n := &RedisNode{addr: addr, epochKey: keyspace.NodeEpochKey(addr)}
 	client := redis.NewClient(&redis.Options{
 		Addr:                  addr,
 		Dialer:                dialer(opts),
@@ -183,8 +188,9 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 		MaxRetries:            -1,
 		DialerRetries:         1,
 		DisableIdentity:       true,
+		OnConnect:             n.connected,
 	})
-	n := &RedisNode{addr: addr, epochKey: keyspace.NodeEpochKey(addr), client: client, watch: newWatcher(client, opts.DialTimeout)}
+	n.client, n.watch = client, newWatcher(client, opts.DialTimeout)
 	if !opts.Unpipelined {
 		n.pipe = newPipeliner(client)
 	}
@@ -221,6 +227,49 @@ func dialer(opts RedisOptions) func(ctx context.Context, network, addr string) (
 
 // Addr returns the node's address.
 func (n *RedisNode) Addr() string { return n.addr }
+
+// WatchRestarts has f called with the run_id of the server behind every new
+// connection, before the connection carries anything else: a Redis server
+// that restarted has dropped every connection, so f learns of the restart
+// before any command reaches the new process. durable reports that the
+// server fsyncs every write before answering (appendonly yes, appendfsync
+// always), so a restart keeps what it acknowledged; false when CONFIG is
+// refused. An error from f fails the connection. If the run_id cannot be
+// read (INFO refused), f is not called.
+func (n *RedisNode) WatchRestarts(f func(ctx context.Context, runID string, durable bool) error) {
+	n.onConnect.Store(&f)
+}
+
+// connected is the client's OnConnect hook (see WatchRestarts).
+func (n *RedisNode) connected(ctx context.Context, cn *redis.Conn) error {
+	f := n.onConnect.Load()
+	if f == nil {
+		return nil
+	}
+	info, err := cn.Info(ctx, "server").Result()
+	if err != nil {
+		return nil // the epoch marker still finds a restart without data
+	}
+	id := runID(info)
+	if id == "" {
+		return nil
+	}
+	durable := false
+	if cfg, err := cn.ConfigGet(ctx, "append*").Result(); err == nil {
+		durable = cfg["appendonly"] == "yes" && cfg["appendfsync"] == "always"
+	}
+	return (*f)(ctx, id, durable)
+}
+
+// runID returns the run_id of an INFO server answer, or "".
+func runID(info string) string {
+	for line := range strings.Lines(info) {
+		if id, ok := strings.CutPrefix(strings.TrimSpace(line), "run_id:"); ok {
+			return id
+		}
+	}
+	return ""
+}
 
 // Close stops the node's writers and closes its connections.
 func (n *RedisNode) Close() error {
@@ -462,10 +511,8 @@ func (n *RedisNode) ServerID(ctx context.Context) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("info server: %w", err)
 	}
-	for line := range strings.Lines(info) {
-		if id, ok := strings.CutPrefix(strings.TrimSpace(line), "run_id:"); ok && id != "" {
-			return id, nil
-		}
+	if id := runID(info); id != "" {
+		return id, nil
 	}
 	return "", errors.New("info server: no run_id")
 }

@@ -300,6 +300,37 @@ func TestLocker_PersistentRestart(t *testing.T) {
 	_ = l.Release(t.Context(), "aof", a.Token)
 }
 
+// TestLocker_SnapshotRestart: a node that restarts from an RDB snapshot
+// taken before a lock was granted comes back with its epoch marker but
+// without the lock: the new run_id, seen on the first connection to the new
+// process, quarantines it, so a second client does not win.
+func TestLocker_SnapshotRestart(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, e.db)
+	if err := e.raw[0].Save(t.Context()).Err(); err != nil { // a snapshot with the marker
+		t.Fatal(err)
+	}
+	a := e.holdOnFirstThree(t, l, "rdb")
+	e.restartEmpty(t, 0) // same directory: it loads the snapshot
+	if n, err := e.raw[0].Exists(t.Context(), keyspace.NodeEpochKey(e.nodes[0].Addr())).Result(); err != nil || n != 1 {
+		t.Fatalf("node 0 after the restart: marker present = %d, %v; want the snapshot's marker", n, err)
+	}
+	b, err := l.Acquire(t.Context(), "rdb", service.Request{TTL: time.Second})
+	if err == nil {
+		t.Fatalf("B granted (token %d) while A (token %d) holds the lock: two holders", b.Fencing, a.Fencing)
+	}
+	var se *service.Error
+	if !errors.As(err, &se) || se.Nodes[0].Outcome != service.Quarantined {
+		t.Fatalf("B = %v; want refused with node 0 quarantined", err)
+	}
+	waitQuarantined(t, l, 0)
+	// A server started now agrees, from the record in Postgres.
+	if st := e.locker(t, e.db).Nodes(t.Context()); st[0].QuarantinedUntil.IsZero() {
+		t.Error("a second server does not see node 0's quarantine")
+	}
+}
+
 // TestLocker_StaleMarker: a node restarted without its data that then got a
 // marker from an older epoch (as when another server's mark lands just after
 // the restart) is quarantined once and marked anew by the server that
