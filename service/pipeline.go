@@ -75,9 +75,11 @@ type pipeliner struct {
 	// runtime.Gosched (tests count the calls).
 	yield func()
 	// mu orders doAsync's enqueues before close: once shut is set nothing
-	// is queued any more, so the writer's last drain answers every call.
+	// is queued any more, so close's last drain answers every call.
 	mu   sync.RWMutex
 	shut bool
+	// blocking, if set (tests), is called when an enqueue waits for room.
+	blocking func()
 }
 
 func newPipeliner(client *redis.Client) *pipeliner {
@@ -155,7 +157,19 @@ func (p *pipeliner) enqueue(c *call, wait bool) bool {
 		return true
 	}
 	if wait {
-		p.queue <- c // the writer drains the queue until shut is set
+		if p.blocking != nil {
+			p.blocking()
+		}
+		select {
+		case p.queue <- c:
+		case <-p.closed:
+			// close waits for this read lock to be released: waiting
+			// here for room the writer no longer makes would hang it.
+			p.mu.RUnlock()
+			c.cmd.SetErr(errNodeClosed)
+			c.answer()
+			return true
+		}
 	} else {
 		select {
 		case p.queue <- c:
@@ -178,12 +192,17 @@ func (p *pipeliner) recycle(c *call) (*redis.Cmd, error) {
 	return cmd, cmd.Err()
 }
 
+// close stops the writer and answers every call not sent with
+// errNodeClosed. Closing p.closed first releases the enqueues waiting for
+// room (they hold mu's read lock); then shut is set, after which nothing is
+// queued, and what is still queued is answered.
 func (p *pipeliner) close() {
+	p.once.Do(func() { close(p.closed) })
 	p.mu.Lock()
 	p.shut = true
 	p.mu.Unlock()
-	p.once.Do(func() { close(p.closed) })
 	p.wg.Wait()
+	p.fail() // queued after the writer's own last drain, before shut was set
 }
 
 // run is the writer goroutine: it sends what callers queued while a batch

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -414,6 +415,65 @@ func TestPipeline_Close(t *testing.T) {
 	<-closed
 	if _, _, err := n.Acquire(bg, "c", "t2", time.Minute, ""); err == nil {
 		t.Fatal("Acquire after Close succeeded")
+	}
+}
+
+// TestPipeline_CloseWithFullQueue: close while the queue is full, callers
+// wait for room and the writer's callbacks queue more (as a failed round's
+// clean-up does) returns, and answers every call exactly once.
+func TestPipeline_CloseWithFullQueue(t *testing.T) {
+	n, h, _ := realNode(t, RedisOptions{})
+	bg := context.Background()
+	first := holdFirst(n, h) // the writer is stuck on the wire
+	var blocked atomic.Int64
+	n.pipe.blocking = func() { blocked.Add(1) }
+	var answers atomic.Int64
+	var twice atomic.Bool
+	// The writer holds one call, the queue takes cap more, and the
+	// enqueues of the rest wait for room, holding the read lock: more of
+	// them than one batch takes off the queue.
+	overflow := maxBatch + 2
+	calls := 1 + cap(n.pipe.queue) + overflow
+	for i := range calls {
+		var once atomic.Bool
+		n.releaseAsync(bg, releaseArgs(fmt.Sprint("k", i), "t"), func(bool, error) {
+			if once.Swap(true) {
+				twice.Store(true)
+			}
+			answers.Add(1)
+			// On the writer: queue another call, as Locker.undo does.
+			n.releaseAsync(bg, releaseArgs(fmt.Sprint("u", i), "t"), func(bool, error) { answers.Add(1) })
+		})
+	}
+	testutil.WaitFor(t, time.Minute, "the enqueues waiting for room", func() (bool, error) {
+		return blocked.Load() == int64(overflow), nil
+	})
+	closed := make(chan struct{})
+	go func() { n.pipe.close(); close(closed) }()
+	// Let the writer go only once close is under way: p.closed closed, or
+	// close waiting for the write lock (new readers are then refused).
+	testutil.WaitFor(t, time.Minute, "close under way", func() (bool, error) {
+		select {
+		case <-n.pipe.closed:
+			return true, nil
+		default:
+		}
+		if n.pipe.mu.TryRLock() {
+			n.pipe.mu.RUnlock()
+			return false, nil
+		}
+		return true, nil
+	})
+	close(h.hold)
+	<-first
+	<-closed // hung here when close took the lock before releasing the waiters
+	// A call queued by a callback during close may find the queue full and
+	// be answered by its own goroutine, just after close returns.
+	testutil.WaitFor(t, time.Minute, "every call answered", func() (bool, error) {
+		return answers.Load() == int64(2*calls), nil
+	})
+	if twice.Load() {
+		t.Error("a call was answered twice")
 	}
 }
 
