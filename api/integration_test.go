@@ -269,10 +269,11 @@ func TestAPI_StallBeforeIssuance(t *testing.T) {
 	// the nodes unless the refused grant deletes them.
 	const ttl = 10 * time.Second
 	var offset atomic.Int64
+	var stalled atomic.Bool
 	e := newEnv(t, envOptions{service: service.Options{
 		Now: func() time.Time { return time.Now().Add(time.Duration(offset.Load())) },
 		AfterQuorum: func(ctx context.Context, key string) {
-			if key == "stalled" {
+			if key == "stalled" && !stalled.Swap(true) { // the first grant only
 				offset.Add(int64(ttl + time.Second))
 			}
 		},
@@ -288,6 +289,12 @@ func TestAPI_StallBeforeIssuance(t *testing.T) {
 		if len(keys) != 0 {
 			t.Errorf("node %d keeps %v after a refused grant", i, keys)
 		}
+	}
+	// The stall was found before issuance: no token was issued (or a
+	// speculated one was withdrawn), so none fences out a grant made
+	// meanwhile. The next grant gets the first token.
+	if g := e.mustAcquire("stalled", map[string]any{"ttl_ms": ttl.Milliseconds()}); g.FencingToken != 1 {
+		t.Errorf("the grant after the stalled one has fencing token %d; want 1 (none issued for the stalled one)", g.FencingToken)
 	}
 	// Other names are unaffected.
 	e.mustAcquire("not-stalled", map[string]any{"ttl_ms": ttl.Milliseconds()})

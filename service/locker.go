@@ -1313,12 +1313,21 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		l.opts.AfterQuorum(ctx, key)
 	}
 	if spec == nil {
-		l.awaitSpeculation(ctx, key)
+		l.awaitSpeculation(ctx, key, expires)
+	}
+	if !l.opts.Now().Before(expires) {
+		// Stalled past the lease (a pause, a slow speculation): a token
+		// issued now would be newer than a grant made meanwhile, and fence
+		// that live holder out for nothing.
+		return nil, fail(ErrExpired, nil)
 	}
 	ictx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
-	ft, err := l.issue(ictx, claim, spec)
+	ft, err := l.issue(ictx, claim, spec, expires)
 	spec = nil // confirmed or not, it is over
 	cancel()
+	if errors.Is(err, errLeaseOver) {
+		return nil, fail(ErrExpired, nil)
+	}
 	if err != nil {
 		if ctx.Err() != nil {
 			err = errors.Join(err, ctx.Err())

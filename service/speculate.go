@@ -31,6 +31,7 @@ package service
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/redfence/redfence/fencing"
@@ -160,7 +161,7 @@ func (p *pending) end() {
 // try is about to fail and withdraw its token.
 // The wait is bounded by the issue timeout on its own, so the issuance after
 // it still gets its full budget.
-func (l *Locker) awaitSpeculation(ctx context.Context, key string) {
+func (l *Locker) awaitSpeculation(ctx context.Context, key string, expires time.Time) {
 	l.specMu.Lock()
 	p := l.pending[key]
 	wait := p != nil && !p.quorum
@@ -168,7 +169,7 @@ func (l *Locker) awaitSpeculation(ctx context.Context, key string) {
 	if !wait {
 		return
 	}
-	timer := time.NewTimer(l.opts.IssueTimeout)
+	timer := time.NewTimer(min(l.opts.IssueTimeout, expires.Sub(l.opts.Now())))
 	defer timer.Stop()
 	select {
 	case <-p.done:
@@ -177,10 +178,15 @@ func (l *Locker) awaitSpeculation(ctx context.Context, key string) {
 	}
 }
 
-// issue returns the token of a won grant: spec's, when it is confirmed,
-// else one issued now. A try that did not speculate has called
+// errLeaseOver reports that a grant's lease ran out before its token was
+// issued: none was.
+var errLeaseOver = errors.New("service: the lease ran out before issuance")
+
+// issue returns the token of a won grant, whose lease ends at expires:
+// spec's, when it is confirmed, else one issued now, unless the lease is
+// over by then (errLeaseOver). A try that did not speculate has called
 // awaitSpeculation first.
-func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending) (fencing.Token, error) {
+func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending, expires time.Time) (fencing.Token, error) {
 	if spec != nil {
 		ft, err := spec.spec.Confirm(ctx)
 		spec.end()
@@ -188,6 +194,12 @@ func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending) (fen
 			return ft, nil
 		}
 		l.distrust(c.Key, spec.last)
+		if !l.opts.Now().Before(expires) {
+			// The confirmation took the lease: most likely a token was
+			// issued meanwhile for a live grant, which a new one would
+			// fence out.
+			return 0, errLeaseOver
+		}
 	}
 	return l.issuer.Issue(ctx, c)
 }
