@@ -572,10 +572,11 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 	return nil
 }
 
-// heartbeatStale returns an error if this Locker has a Registry, has made
-// its first heartbeat, and its last successful one began heartbeatGrace/2
-// ago or more: a lease granted now could outlast the registry's count of
-// this server, and a quarantine started elsewhere could end before it.
+// heartbeatStale returns an error if this Locker has a Registry and has
+// made no heartbeat (Init has not succeeded: no restart of a node would be
+// found), or its last successful one began heartbeatGrace/2 ago or more: a
+// lease granted now could outlast the registry's count of this server, and
+// a quarantine started elsewhere could end before it.
 func (l *Locker) heartbeatStale() error {
 	if l.opts.Registry == nil {
 		return nil
@@ -583,7 +584,10 @@ func (l *Locker) heartbeatStale() error {
 	l.beatMu.Lock()
 	last := l.lastBeat
 	l.beatMu.Unlock()
-	if last.IsZero() || time.Since(last) < heartbeatGrace/2 {
+	if last.IsZero() {
+		return errors.New("this Locker has a Registry but Init has not succeeded: it grants nothing until Init has registered the nodes and made its first heartbeat")
+	}
+	if time.Since(last) < heartbeatGrace/2 {
 		return nil
 	}
 	return fmt.Errorf("this server's heartbeat in the registry is %v old: it grants nothing until Postgres records one", time.Since(last).Round(time.Millisecond))

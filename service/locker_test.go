@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	mathrand "math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -987,6 +988,26 @@ func TestLocker_Quarantine(t *testing.T) {
 			if !st.QuarantinedUntil.IsZero() || !st.Up {
 				t.Errorf("node %d = %+v; want up, not quarantined", i, st)
 			}
+		}
+	})
+
+	t.Run("NoGrantBeforeInit", func(t *testing.T) {
+		clk := &clock{t: time.Unix(1000, 0)}
+		ns, ms := nodes(3)
+		l := newLocker(t, ns, &memIssuer{}, Options{Registry: newRegistry(clk), Now: clk.Now})
+		if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "Init") {
+			t.Fatalf("Acquire before Init = %v; want ErrFencing naming Init (no restart would be found)", err)
+		}
+		for i, m := range ms {
+			if m.has(rkey) {
+				t.Errorf("node %d holds the key of a refused acquire", i)
+			}
+		}
+		if err := l.Init(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err != nil {
+			t.Fatalf("Acquire after Init = %v; want a grant", err)
 		}
 	})
 
