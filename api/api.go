@@ -688,14 +688,30 @@ func (h *Handler) grantFor(r *http.Request, level slog.Level, key, lockToken str
 type grantAnswer struct {
 	owner   string
 	fencing fencing.Token
-	lookup  func() (string, fencing.Token)
+	lookup  *grantLookup
 }
 
+// get returns the owner and fencing token, waiting for the lookup (empty
+// when unknown).
 func (a grantAnswer) get() (string, fencing.Token) {
 	if a.lookup != nil {
-		return a.lookup()
+		<-a.lookup.done
+		return a.lookup.owner, a.lookup.token
 	}
 	return a.owner, a.fencing
+}
+
+// ready reports whether get would not wait.
+func (a grantAnswer) ready() bool {
+	if a.lookup == nil {
+		return true
+	}
+	select {
+	case <-a.lookup.done:
+		return true
+	default:
+		return false
+	}
 }
 
 func validOwner(s string) string {
@@ -813,6 +829,16 @@ func (h *Handler) doRelease(w http.ResponseWriter, r *http.Request) error {
 	h.m.releaseSeconds.Observe(time.Since(start).Seconds())
 	h.m.released("released")
 	h.grants.drop(token)
+	if !grant.ready() {
+		// The audit line waits for Postgres (another server's grant, or
+		// one made before a restart), which a release does not need: the
+		// client gets its answer first.
+		w.WriteHeader(http.StatusNoContent)
+		_ = http.NewResponseController(w).Flush()
+		owner, ft := grant.get()
+		h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released", noTTL)
+		return nil
+	}
 	owner, ft := grant.get()
 	h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released", noTTL)
 	w.WriteHeader(http.StatusNoContent)

@@ -41,6 +41,9 @@ type benchFakeLocker struct {
 	// taking, if set, runs first in Acquire and Extend: a test's way to
 	// let time pass in them (a wait).
 	taking func()
+	// lastGate, if set, holds benchFakeStore.Last until it is closed: a
+	// slow Postgres.
+	lastGate chan struct{}
 }
 
 func newBenchFakeLocker() *benchFakeLocker {
@@ -114,6 +117,12 @@ func (s benchFakeStore) GetResource(context.Context, string) (*refstore.Resource
 }
 func (s benchFakeStore) Ping(context.Context) error { return nil }
 func (s benchFakeStore) Last(_ context.Context, key string) (fencing.Record, error) {
+	s.l.mu.Lock()
+	gate := s.l.lastGate
+	s.l.mu.Unlock()
+	if gate != nil {
+		<-gate
+	}
 	s.l.mu.Lock()
 	defer s.l.mu.Unlock()
 	s.l.lastCalls++

@@ -195,6 +195,49 @@ func TestReleaseAudit(t *testing.T) {
 	}
 }
 
+// TestReleaseAnswersBeforeAudit checks that a release whose audit line
+// waits for Postgres (another server's grant) answers the client first: a
+// release does not need Postgres.
+func TestReleaseAnswersBeforeAudit(t *testing.T) {
+	e := newFakeEnv(t, false)
+	other := NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: slog.New(slog.DiscardHandler)})
+	g := e.acquire(t, other, "orders", `{"owner":"bob"}`)
+	gate := make(chan struct{})
+	e.l.mu.Lock()
+	e.l.lastGate = gate
+	e.l.mu.Unlock()
+	srv := httptest.NewServer(e.h)
+	req, err := http.NewRequest(http.MethodDelete, srv.URL+"/v1/locks/orders", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set(LockTokenHeader, g.LockToken)
+	got := make(chan int, 1)
+	go func() {
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			got <- 0
+			return
+		}
+		resp.Body.Close()
+		got <- resp.StatusCode
+	}()
+	select {
+	case code := <-got:
+		if code != http.StatusNoContent {
+			t.Errorf("release = %d; want 204", code)
+		}
+	case <-time.After(time.Minute): // a hang, not a speed limit: the lookup never ends while gated
+		t.Error("the release's answer waited for the audit line's Postgres lookup")
+	}
+	close(gate)
+	srv.Close() // waits for the handler, which writes the audit line
+	ls := e.lines(t, "lock released")
+	if len(ls) != 1 || ls[0]["owner"] != "bob" || ls[0]["fencing_token"] != float64(g.FencingToken) {
+		t.Errorf("release audit lines = %v; want one naming bob and fencing token %d", ls, g.FencingToken)
+	}
+}
+
 func (e *fakeEnv) lastGrantToken(key string) string {
 	e.l.mu.Lock()
 	defer e.l.mu.Unlock()

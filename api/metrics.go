@@ -511,23 +511,24 @@ func (h *Handler) grantOf(ctx context.Context, key, lockToken string) (owner str
 
 // lookupGrant starts looking up, in the background, the owner and fencing
 // token of the grant lockToken received for key (see grantOf), when audit
-// lines at level are logged at all; the returned function waits for the
-// answer (empty when unknown).
-func (h *Handler) lookupGrant(r *http.Request, level slog.Level, key, lockToken string) func() (string, fencing.Token) {
+// lines at level are logged at all (nil otherwise).
+func (h *Handler) lookupGrant(r *http.Request, level slog.Level, key, lockToken string) *grantLookup {
 	if !h.log.Enabled(r.Context(), level) {
-		return func() (string, fencing.Token) { return "", 0 }
+		return nil
 	}
-	done := make(chan struct{})
-	var owner string
-	var token fencing.Token
+	l := &grantLookup{done: make(chan struct{})}
 	go func() {
-		defer close(done)
-		owner, token, _ = h.grantOf(r.Context(), key, lockToken)
+		defer close(l.done)
+		l.owner, l.token, _ = h.grantOf(r.Context(), key, lockToken)
 	}()
-	return func() (string, fencing.Token) {
-		<-done
-		return owner, token
-	}
+	return l
+}
+
+// grantLookup is a lookup of a grant's owner and fencing token in progress.
+type grantLookup struct {
+	done  chan struct{} // closed when owner and token are set
+	owner string
+	token fencing.Token
 }
 
 // noTTL leaves ttl_ms out of an audit line.

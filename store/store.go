@@ -16,6 +16,7 @@
 package store
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"encoding/json"
@@ -87,6 +88,11 @@ type Options struct {
 	// deadline of the Issue calls it serves, but never later than
 	// IssueTimeout after it started. The default is 10s.
 	IssueTimeout time.Duration
+	// ConnectTimeout bounds opening one connection, the startup exchange
+	// included, unless the URL sets connect_timeout: a server that accepts
+	// connections but never answers fails Open instead of hanging it. The
+	// default is 10s.
+	ConnectTimeout time.Duration
 	// Unfenced makes PutResource skip the token check. It exists only so fault
 	// tests can show their checker catches the violations fencing prevents;
 	// never set it elsewhere.
@@ -124,6 +130,9 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	}
 	if opts.MaxConns > 0 {
 		cfg.MaxConns = opts.MaxConns
+	}
+	if cfg.ConnConfig.ConnectTimeout == 0 { // the URL set none
+		cfg.ConnConfig.ConnectTimeout = cmp.Or(opts.ConnectTimeout, 10*time.Second)
 	}
 	rp := cfg.ConnConfig.RuntimeParams
 	rp["statement_timeout"] = fmt.Sprint(opts.StatementTimeout.Milliseconds())

@@ -722,6 +722,35 @@ func TestOpen_RedactsPassword(t *testing.T) {
 	}
 }
 
+// TestOpen_SilentServer: a server that accepts connections but never
+// answers fails Open at the connect timeout instead of hanging it.
+func TestOpen_SilentServer(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { c.Close() }) // held open, never answered
+		}
+	}()
+	url := "postgres://redfence@" + ln.Addr().String() + "/redfence?sslmode=disable"
+	db, err := Open(context.Background(), url, Options{ConnectTimeout: 100 * time.Millisecond})
+	if err == nil {
+		db.Close()
+		t.Fatal("Open against a silent server succeeded")
+	}
+	if !errors.Is(err, context.DeadlineExceeded) && !strings.Contains(err.Error(), "timeout") {
+		t.Errorf("Open against a silent server = %v; want a timeout", err)
+	}
+}
+
 func TestOpen_SynchronousCommit(t *testing.T) {
 	t.Parallel()
 	url := clustertest.Database(t)
