@@ -324,6 +324,15 @@ func TestConfig_Security(t *testing.T) {
 		{"RedisAddrEmpty", func(c *Config) { c.RedisAddrs = []string{"10.0.0.1:6379", ""} }, "REDFENCE_REDIS_ADDRS"},
 		{"RedisAddrNoPort", func(c *Config) { c.RedisAddrs = []string{"redis-1"} }, "REDFENCE_REDIS_ADDRS"},
 		{"RedisAddrBadPort", func(c *Config) { c.RedisAddrs = []string{"redis-1:http"} }, "REDFENCE_REDIS_ADDRS"},
+		{"RedisAddrPortRange", func(c *Config) { c.RedisAddrs = []string{"redis-1:99999"} }, "REDFENCE_REDIS_ADDRS"},
+		{"RedisAddrPortZero", func(c *Config) { c.RedisAddrs = []string{"redis-1:0"} }, "REDFENCE_REDIS_ADDRS"},
+		{"NegativeDBConns", func(c *Config) { c.DBMaxConns = -3 }, "REDFENCE_DB_MAX_CONNS"},
+		{"ZeroBody", func(c *Config) { c.MaxBodyBytes = 0 }, "REDFENCE_MAX_BODY_BYTES"},
+		{"ZeroHeaders", func(c *Config) { c.MaxHeaderBytes = 0 }, "REDFENCE_MAX_HEADER_BYTES"},
+		{"NegativeReadTimeout", func(c *Config) { c.ReadTimeout = -time.Second }, "REDFENCE_READ_TIMEOUT"},
+		{"NegativeShutdown", func(c *Config) { c.ShutdownTimeout = -time.Second }, "REDFENCE_SHUTDOWN_TIMEOUT"},
+		{"ZeroShutdown", func(c *Config) { c.ShutdownTimeout = 0 }, ""},
+		{"TwoErrors", func(c *Config) { c.MaxBodyBytes, c.DBMaxConns = 0, -1 }, "2 invalid settings:\n  REDFENCE_DB_MAX_CONNS"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := testConfig(t, nil, "")
@@ -337,5 +346,15 @@ func TestConfig_Security(t *testing.T) {
 				t.Errorf("validate = %v; want an error naming %s", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestLoadConfig_ParseError: a value of the wrong type is named with the
+// variable and what it takes, not envconfig's Go field and type names.
+func TestLoadConfig_ParseError(t *testing.T) {
+	t.Setenv("REDFENCE_MAX_TTL", "abc")
+	_, err := loadConfig()
+	if err == nil || err.Error() != `REDFENCE_MAX_TTL="abc": want a duration such as 500ms, 30s or 2m` {
+		t.Errorf("loadConfig with REDFENCE_MAX_TTL=abc = %v", err)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -60,6 +61,11 @@ const envPrefix = "redfence"
 func loadConfig() (*Config, error) {
 	var c Config
 	if err := envconfig.Process(envPrefix, &c); err != nil {
+		var pe *envconfig.ParseError
+		if errors.As(err, &pe) {
+			// Not envconfig's wording, which names Go fields and types.
+			return nil, fmt.Errorf("%s=%q: want %s", pe.KeyName, pe.Value, typeHint(pe.TypeName))
+		}
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	if err := c.validate(); err != nil {
@@ -88,6 +94,30 @@ func (c *Config) validate() error {
 	if c.MaxWait < 0 {
 		errs = append(errs, errors.New("REDFENCE_MAX_WAIT must not be negative"))
 	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"REDFENCE_ISSUE_TIMEOUT", c.IssueTimeout}, {"REDFENCE_STATEMENT_TIMEOUT", c.StatementTimeout},
+		{"REDFENCE_READ_HEADER_TIMEOUT", c.ReadHeaderTimeout}, {"REDFENCE_READ_TIMEOUT", c.ReadTimeout},
+		{"REDFENCE_IDLE_TIMEOUT", c.IdleTimeout},
+	} {
+		if d.v <= 0 {
+			errs = append(errs, fmt.Errorf("%s (%v) must be positive", d.name, d.v))
+		}
+	}
+	if c.ShutdownTimeout < 0 {
+		errs = append(errs, fmt.Errorf("REDFENCE_SHUTDOWN_TIMEOUT (%v) must not be negative", c.ShutdownTimeout))
+	}
+	if c.DBMaxConns < 0 {
+		errs = append(errs, fmt.Errorf("REDFENCE_DB_MAX_CONNS (%d) must not be negative (0: the default)", c.DBMaxConns))
+	}
+	if c.MaxBodyBytes <= 0 {
+		errs = append(errs, fmt.Errorf("REDFENCE_MAX_BODY_BYTES (%d) must be positive", c.MaxBodyBytes))
+	}
+	if c.MaxHeaderBytes <= 0 {
+		errs = append(errs, fmt.Errorf("REDFENCE_MAX_HEADER_BYTES (%d) must be positive", c.MaxHeaderBytes))
+	}
 	if _, err := parseLevel(c.LogLevel); err != nil {
 		errs = append(errs, err)
 	}
@@ -96,12 +126,35 @@ func (c *Config) validate() error {
 	}
 	for i, a := range c.RedisAddrs {
 		c.RedisAddrs[i] = strings.TrimSpace(a)
-		if _, port, err := net.SplitHostPort(c.RedisAddrs[i]); err != nil || port == "" || strings.Trim(port, "0123456789") != "" {
-			errs = append(errs, fmt.Errorf("REDFENCE_REDIS_ADDRS: %q is not host:port", c.RedisAddrs[i]))
+		_, port, err := net.SplitHostPort(c.RedisAddrs[i])
+		if n, perr := strconv.ParseUint(port, 10, 16); err != nil || perr != nil || n == 0 {
+			errs = append(errs, fmt.Errorf("REDFENCE_REDIS_ADDRS: %q is not host:port (port 1-65535)", c.RedisAddrs[i]))
 		}
 	}
 	errs = append(errs, c.validateSecurity()...)
+	if len(errs) > 1 {
+		msgs := make([]string, len(errs))
+		for i, e := range errs {
+			msgs[i] = e.Error()
+		}
+		return fmt.Errorf("%d invalid settings:\n  %s", len(errs), strings.Join(msgs, "\n  "))
+	}
 	return errors.Join(errs...)
+}
+
+// typeHint names what a setting of Go type t takes.
+func typeHint(t string) string {
+	switch t {
+	case "time.Duration":
+		return "a duration such as 500ms, 30s or 2m"
+	case "bool":
+		return "true or false"
+	case "float64":
+		return "a number"
+	case "int", "int32", "int64", "uint", "uint64":
+		return "an integer"
+	}
+	return "a value of type " + t
 }
 
 func parseLevel(s string) (slog.Level, error) {

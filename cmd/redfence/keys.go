@@ -94,7 +94,7 @@ func keysDB(ctx context.Context, stderr io.Writer) (*store.DB, error) {
 }
 
 func cmdKeysCreate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("keys create", "Creates an API key and prints it on stdout, only this once.\n\n"+keysHelp, stdout)
+	fs := flags("keys create", "Creates an API key and prints it on stdout, only this once.\n\n"+keysHelp, stdout, stderr)
 	tenant := fs.String("tenant", "", "the tenant (namespace) of the key: 1-200 characters of A-Z a-z 0-9 . _ - : (required)")
 	// --scope may be repeated: the scopes add up (--scope locks --scope
 	// admin is locks,admin), as with a comma-separated list.
@@ -104,7 +104,7 @@ func cmdKeysCreate(ctx context.Context, args []string, stdout, stderr io.Writer)
 		scopeList = append(scopeList, v)
 		return nil
 	})
-	if err := parseFlags(fs, args); err != nil {
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
 	}
 	scope := strings.Join(apikey.DefaultScopes(), ",")
@@ -136,8 +136,8 @@ func cmdKeysCreate(ctx context.Context, args []string, stdout, stderr io.Writer)
 }
 
 func cmdKeysList(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("keys list", "Prints one line per API key: id, tenant, scopes, created, revoked (\"-\" while active).", stdout)
-	if err := parseFlags(fs, args); err != nil {
+	fs := flags("keys list", "Prints one line per API key: id, tenant, scopes, created, revoked (\"-\" while active).", stdout, stderr)
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
 	}
 	db, err := keysDB(ctx, stderr)
@@ -164,7 +164,10 @@ func cmdKeysList(ctx context.Context, args []string, stdout, stderr io.Writer) e
 }
 
 func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("keys revoke ID", "Revokes the API key with this id (or the key itself) on every server.", stdout)
+	fs := flags("keys revoke ID", "Revokes the API key with this id (or the key itself) on every server.", stdout, stderr)
+	if wantsHelp(args) {
+		fs.SetOutput(stdout)
+	}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil

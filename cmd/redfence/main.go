@@ -24,6 +24,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"strconv"
 	"syscall"
 	"time"
 
@@ -108,7 +109,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "migrate":
 		return cmdMigrate(ctx, rest, stdout, stderr)
 	case "healthcheck":
-		return cmdHealthcheck(ctx, rest, stderr)
+		return cmdHealthcheck(ctx, rest, stdout, stderr)
 	case "lock":
 		return cmdLock(ctx, rest, stdout, stderr)
 	case "keys":
@@ -129,20 +130,35 @@ func buildVersion() string {
 	return "dev"
 }
 
-// flags returns a FlagSet whose -h prints the command's help and the settings.
-func flags(name, help string, stdout io.Writer) *flag.FlagSet {
+// flags returns a FlagSet whose -h prints the command's help and the
+// settings on stdout; a bad command line gets the error and the help on
+// stderr (see parseFlags).
+func flags(name, help string, stdout, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	fs.SetOutput(stdout)
+	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintf(stdout, "Usage: redfence %s\n\n%s\n\nFlags:\n", name, help)
-		fs.PrintDefaults()
-		fmt.Fprintln(stdout, "\nSettings (environment variables):")
-		printSettings(stdout)
+		w := fs.Output()
+		fmt.Fprintf(w, "Usage: redfence %s\n\n%s\n", name, help)
+		n := 0
+		fs.VisitAll(func(*flag.Flag) { n++ })
+		if n > 0 {
+			fmt.Fprintln(w, "\nFlags:")
+			fs.PrintDefaults()
+		}
+		fmt.Fprintln(w, "\nSettings (environment variables):")
+		printSettings(w)
 	}
+	_ = stdout // parseFlags switches the output to it for -h
 	return fs
 }
 
-func parseFlags(fs *flag.FlagSet, args []string) error {
+// parseFlags parses args with fs: -h prints the help on stdout (ErrHelp),
+// a bad command line prints the error and the help on fs's output (stderr)
+// and returns errUsage.
+func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
+	if wantsHelp(args) {
+		fs.SetOutput(stdout)
+	}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return flag.ErrHelp
@@ -156,6 +172,20 @@ func parseFlags(fs *flag.FlagSet, args []string) error {
 	return nil
 }
 
+// wantsHelp reports whether args ask for help (-h, -help, --help) before
+// "--".
+func wantsHelp(args []string) bool {
+	for _, a := range args {
+		switch a {
+		case "--":
+			return false
+		case "-h", "-help", "--help", "--h":
+			return true
+		}
+	}
+	return false
+}
+
 func helpOK(err error) error {
 	if errors.Is(err, flag.ErrHelp) {
 		return nil
@@ -164,8 +194,8 @@ func helpOK(err error) error {
 }
 
 func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("serve", "Runs the service. Applies pending migrations first.", stdout)
-	if err := parseFlags(fs, args); err != nil {
+	fs := flags("serve", "Runs the service. Applies pending migrations first.", stdout, stderr)
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
 	}
 	cfg, err := loadConfig()
@@ -220,8 +250,8 @@ func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
 }
 
 func cmdMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("migrate", "Applies pending migrations to REDFENCE_DATABASE_URL. Safe to run concurrently.", stdout)
-	if err := parseFlags(fs, args); err != nil {
+	fs := flags("migrate", "Applies pending migrations to REDFENCE_DATABASE_URL. Safe to run concurrently.", stdout, stderr)
+	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
 	}
 	cfg, err := loadConfig()
@@ -249,18 +279,22 @@ func cmdMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	return nil
 }
 
-func cmdHealthcheck(ctx context.Context, args []string, stderr io.Writer) error {
+func cmdHealthcheck(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := flags("healthcheck", "Exits 0 if the server listening on REDFENCE_LISTEN_ADDR answers GET /healthz with 200 (a wildcard address is asked on loopback), else 1.", stdout, stderr)
+	if err := parseFlags(fs, args, stdout); err != nil {
+		return helpOK(err)
+	}
 	cfg, err := loadConfig()
 	if err != nil {
 		return err
 	}
-	_, port, err := net.SplitHostPort(cfg.ListenAddr)
+	host, port, err := probeAddr(cfg.ListenAddr)
 	if err != nil {
-		return fmt.Errorf("REDFENCE_LISTEN_ADDR %q: %w", cfg.ListenAddr, err)
+		return err
 	}
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	client, base, err := cfg.healthClient(port)
+	client, base, err := cfg.healthClient(host, port)
 	if err != nil {
 		return err
 	}
@@ -277,4 +311,24 @@ func cmdHealthcheck(ctx context.Context, args []string, stderr io.Writer) error 
 		return fmt.Errorf("healthcheck: status %d", resp.StatusCode)
 	}
 	return nil
+}
+
+// probeAddr returns the host and numeric port to reach a server listening on
+// listen: its own host, or loopback (of the same family) for a wildcard.
+func probeAddr(listen string) (host, port string, err error) {
+	host, port, err = net.SplitHostPort(listen)
+	if err != nil {
+		return "", "", fmt.Errorf("REDFENCE_LISTEN_ADDR %q: %w", listen, err)
+	}
+	n, err := net.LookupPort("tcp", port) // a service name such as "http" too
+	if err != nil || n == 0 {
+		return "", "", fmt.Errorf("REDFENCE_LISTEN_ADDR %q: no port to probe", listen)
+	}
+	switch ip := net.ParseIP(host); {
+	case host == "" || (ip != nil && ip.IsUnspecified() && ip.To4() != nil):
+		host = "127.0.0.1"
+	case ip != nil && ip.IsUnspecified():
+		host = "::1"
+	}
+	return host, strconv.Itoa(n), nil
 }

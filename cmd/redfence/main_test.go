@@ -104,6 +104,19 @@ func TestRun(t *testing.T) {
 		}
 	})
 
+	t.Run("SubcommandHelp", func(t *testing.T) {
+		t.Parallel()
+		for _, args := range [][]string{{"serve", "-h"}, {"keys", "create", "--help"}, {"keys", "revoke", "-h"}, {"healthcheck", "-h"}} {
+			var stdout, stderr bytes.Buffer
+			if err := run(t.Context(), args, &stdout, &stderr); err != nil {
+				t.Errorf("run %q = %v; want nil", args, err)
+			}
+			if !strings.Contains(stdout.String(), "Usage: redfence") || stderr.Len() != 0 {
+				t.Errorf("run %q: stdout %q, stderr %q; want the help on stdout only", args, stdout.String(), stderr.String())
+			}
+		}
+	})
+
 	t.Run("Version", func(t *testing.T) {
 		t.Parallel()
 		var stdout, stderr bytes.Buffer
@@ -123,6 +136,8 @@ func TestRun(t *testing.T) {
 		{"UnknownCommand", []string{"frobnicate"}},
 		{"UnknownFlag", []string{"migrate", "--frobnicate"}},
 		{"ExtraArgs", []string{"serve", "extra"}},
+		{"KeysCreateUnknownFlag", []string{"keys", "create", "--tenant", "x", "--bogus"}},
+		{"HealthcheckExtraArgs", []string{"healthcheck", "extra"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -134,8 +149,8 @@ func TestRun(t *testing.T) {
 			if code := exitCode(err); code != 2 {
 				t.Errorf("exitCode(run %q) = %d; want 2", tc.args, code)
 			}
-			if stdout.Len()+stderr.Len() == 0 {
-				t.Errorf("run %q printed nothing; want usage", tc.args)
+			if stderr.Len() == 0 || stdout.Len() != 0 {
+				t.Errorf("run %q printed %d bytes on stdout, %d on stderr; want the error and usage on stderr only", tc.args, stdout.Len(), stderr.Len())
 			}
 		})
 	}
@@ -726,6 +741,29 @@ func TestServer_NoSecretsInLogs(t *testing.T) {
 			if bytes.Contains(r.body, []byte(secret)) {
 				t.Errorf("a %d response body contains lock token %q: %s", r.status, secret, r.body)
 			}
+		}
+	}
+}
+
+func TestProbeAddr(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ listen, host, port string }{
+		{"127.0.0.1:8080", "127.0.0.1", "8080"},
+		{":8080", "127.0.0.1", "8080"},
+		{"0.0.0.0:8080", "127.0.0.1", "8080"},
+		{"[::]:8080", "::1", "8080"},
+		{"[::1]:9090", "::1", "9090"},
+		{"10.1.2.3:80", "10.1.2.3", "80"},
+		{":http", "127.0.0.1", "80"},
+	} {
+		host, port, err := probeAddr(tc.listen)
+		if err != nil || host != tc.host || port != tc.port {
+			t.Errorf("probeAddr(%q) = %q, %q, %v; want %q, %q", tc.listen, host, port, err, tc.host, tc.port)
+		}
+	}
+	for _, bad := range []string{"8080", "host:", "host:0"} {
+		if _, _, err := probeAddr(bad); err == nil {
+			t.Errorf("probeAddr(%q) succeeded; want an error", bad)
 		}
 	}
 }

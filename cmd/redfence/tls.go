@@ -197,18 +197,18 @@ func (s *Server) URL() string {
 }
 
 // healthClient returns the client and base URL that `redfence healthcheck`
-// uses to reach the server on port through loopback. With TLS it does not
-// verify the server's certificate, which cannot name 127.0.0.1 in general:
-// the check only asks a local process whether it is alive and sends nothing
-// secret. With mTLS it presents the server's own certificate, which works
+// uses to reach the server listening on host:port on this machine (see
+// probeAddr). With TLS it does not verify the server's certificate, which
+// cannot name 127.0.0.1 in general: the check only asks a local process
+// whether it is alive and sends nothing secret. With mTLS it presents the server's own certificate, which works
 // when that certificate is also valid for client authentication under
 // REDFENCE_TLS_CLIENT_CA_FILE.
-func (c *Config) healthClient(port string) (*http.Client, string, error) {
-	addr := net.JoinHostPort("127.0.0.1", port)
+func (c *Config) healthClient(host, port string) (*http.Client, string, error) {
+	addr := net.JoinHostPort(host, port)
 	if c.TLSCertFile == "" {
 		return http.DefaultClient, "http://" + addr, nil
 	}
-	cfg := &tls.Config{InsecureSkipVerify: true} //nolint:gosec // loopback liveness probe; see above
+	cfg := &tls.Config{InsecureSkipVerify: true} //nolint:gosec // local liveness probe; see above
 	if c.TLSClientCAFile != "" {
 		cert, err := tls.LoadX509KeyPair(c.TLSCertFile, c.TLSKeyFile)
 		if err != nil {

@@ -181,7 +181,7 @@ func TestTLS_Serve(t *testing.T) {
 		if code, err := get(t, http.DefaultClient, "http://"+s.Addr()+"/healthz"); err != nil || code != http.StatusBadRequest {
 			t.Errorf("plain HTTP to the HTTPS port = %d, %v; want 400", code, err)
 		}
-		hc, base, err := cfg.healthClient(port(t, s.Addr()))
+		hc, base, err := cfg.healthClient("127.0.0.1", port(t, s.Addr()))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -229,7 +229,7 @@ func TestTLS_Serve(t *testing.T) {
 		cfg := testConfig(t, addrs(nodes), url)
 		cfg.TLSCertFile, cfg.TLSKeyFile, cfg.TLSClientCAFile = both, bothKey, clientCA.file
 		s, _ := open(t, cfg, discard)
-		hc, base, err := cfg.healthClient(port(t, s.Addr()))
+		hc, base, err := cfg.healthClient("127.0.0.1", port(t, s.Addr()))
 		if err != nil {
 			t.Fatal(err)
 		}
