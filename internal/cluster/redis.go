@@ -103,7 +103,7 @@ func StartRedisNodes(ctx context.Context, n int, opts RedisOptions) ([]*Redis, e
 		wg.Go(func() { nodes[i], errs[i] = StartRedis(ctx, opts) })
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := joinDistinct(errs); err != nil {
 		for _, r := range nodes {
 			if r != nil {
 				err = errors.Join(err, r.Close())
@@ -296,4 +296,18 @@ func (r *Redis) Close() error {
 		return fmt.Errorf("cluster: close redis %s: %w", r.addr, err)
 	}
 	return nil
+}
+
+// joinDistinct joins errs, each message once: n nodes that fail alike (no
+// redis-server in PATH) give one line, not n.
+func joinDistinct(errs []error) error {
+	seen := map[string]bool{}
+	var out []error
+	for _, err := range errs {
+		if err != nil && !seen[err.Error()] {
+			seen[err.Error()] = true
+			out = append(out, err)
+		}
+	}
+	return errors.Join(out...)
 }
