@@ -46,6 +46,7 @@ same.`, stdout, stderr)
 	log := cfg.logger(logw)
 	quietRedis(log)
 
+	sharedDB := cfg.DatabaseURL != "" // one this command did not start: it outlives it
 	if len(cfg.RedisAddrs) == 0 || cfg.DatabaseURL == "" {
 		fmt.Fprintf(stdout, "Starting %d redis-server nodes and Postgres on loopback...\n", *n)
 		c, err := cluster.Start(ctx, cluster.Options{Nodes: *n, DurablePostgres: true})
@@ -71,7 +72,7 @@ same.`, stdout, stderr)
 	}
 	key := ""
 	if cfg.Auth {
-		if key, err = s.devKey(ctx); err != nil {
+		if key, err = s.devKey(ctx, sharedDB); err != nil {
 			_ = s.Close(context.Background())
 			return err
 		}

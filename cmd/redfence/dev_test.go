@@ -6,8 +6,10 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/redfence/redfence/internal/apikey"
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/store"
 )
 
 // runScript runs script with sh and returns its output.
@@ -50,7 +52,7 @@ func TestDev_Walkthrough(t *testing.T) {
 	s, _ := open(t, cfg, discard)
 
 	t.Run("Banner", func(t *testing.T) {
-		key, err := s.devKey(t.Context())
+		key, err := s.devKey(t.Context(), false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -110,4 +112,49 @@ func TestDev_Walkthrough(t *testing.T) {
 			`"type":"urn:redfence:problem:stale-token"`,
 			`"type":"urn:redfence:problem:unauthorized"`, "401")
 	})
+}
+
+// TestDev_KeyRevokedOnSharedDatabase: the key redfence dev creates in a
+// database it did not start (one that outlives it) is revoked when it stops,
+// so no key with every scope is left behind; in its own throwaway database
+// it is not.
+func TestDev_KeyRevokedOnSharedDatabase(t *testing.T) {
+	t.Parallel()
+	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
+	url := clustertest.Database(t)
+	cfg := testConfig(t, addrs(nodes), url)
+	cfg.Auth = true
+	for _, revoke := range []bool{false, true} {
+		s, closeFn := open(t, cfg, discard)
+		key, err := s.devKey(t.Context(), revoke)
+		if err != nil {
+			t.Fatal(err)
+		}
+		id, _ := apikey.ParseID(key)
+		if err := closeFn(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		db, err := store.Open(t.Context(), url, store.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		keys, err := db.Keys(t.Context())
+		db.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		found := false
+		for _, k := range keys {
+			if k.ID != id {
+				continue
+			}
+			found = true
+			if k.RevokedAt.IsZero() == revoke {
+				t.Errorf("revoke %v: dev's key after close: revoked at %v", revoke, k.RevokedAt)
+			}
+		}
+		if !found {
+			t.Errorf("revoke %v: dev's key %s is not in the database", revoke, id)
+		}
+	}
 }

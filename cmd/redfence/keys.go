@@ -199,11 +199,26 @@ func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer)
 }
 
 // devKey creates the key `redfence dev` prints: tenant "dev", every scope.
-func (s *Server) devKey(ctx context.Context) (string, error) {
+// devKey creates the API key redfence dev prints: for tenant "dev", with
+// every scope. With revoke (a database redfence dev did not start, which
+// outlives it) the key is revoked when the server closes, so no key with
+// every scope is left behind.
+func (s *Server) devKey(ctx context.Context, revoke bool) (string, error) {
 	key, k, err := s.db.CreateKey(ctx, "dev", apikey.AllScopes())
 	if err != nil {
 		return "", err
 	}
-	s.log.Info("created an API key for redfence dev", slog.String("key_id", k.ID), slog.String("tenant", k.Tenant))
+	s.log.Info("created an API key for redfence dev", slog.String("key_id", k.ID), slog.String("tenant", k.Tenant), slog.Bool("revoked_at_exit", revoke))
+	if revoke {
+		s.beforeClose = append(s.beforeClose, func(ctx context.Context) {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			defer cancel()
+			if _, err := s.db.RevokeKey(rctx, k.ID); err != nil {
+				s.log.Warn("could not revoke redfence dev's API key; revoke it with redfence keys revoke", slog.String("key_id", k.ID), slog.String("error", err.Error()))
+				return
+			}
+			s.log.Info("revoked redfence dev's API key", slog.String("key_id", k.ID))
+		})
+	}
 	return key, nil
 }

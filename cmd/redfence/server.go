@@ -38,6 +38,9 @@ type Server struct {
 	stop    context.CancelFunc
 	served  chan error
 	Options ServerOptions
+	// beforeClose runs in Close once requests are done, before the
+	// backends close (redfence dev revokes its key there).
+	beforeClose []func(context.Context)
 }
 
 // ServerOptions are the parts of a Server that tests replace.
@@ -200,6 +203,9 @@ func (s *Server) Close(ctx context.Context) error {
 		err = errors.Join(err, s.http.Close())
 	}
 	s.stop()
+	for _, f := range s.beforeClose {
+		f(ctx)
+	}
 	s.closeBackends()
 	return err
 }
