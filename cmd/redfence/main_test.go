@@ -292,6 +292,33 @@ SELECT count(*) FROM pg_stat_activity
 func TestOpen(t *testing.T) {
 	t.Parallel()
 
+	t.Run("ReportsDeadNodes", func(t *testing.T) {
+		t.Parallel()
+		nodes := clustertest.Redis(t, 1, cluster.RedisOptions{})
+		// Two addresses where nothing listens: a listener closed at once.
+		var dead []string
+		for range 2 {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			dead = append(dead, ln.Addr().String())
+			ln.Close()
+		}
+		var logs testutil.Buffer
+		log := slog.New(slog.NewJSONHandler(&logs, nil))
+		open(t, testConfig(t, append(addrs(nodes), dead...), clustertest.Database(t)), log)
+		out := logs.String()
+		for _, a := range dead {
+			if !strings.Contains(out, `"msg":"node does not answer","node":"`+a+`"`) {
+				t.Errorf("no warning for the dead node %s:\n%s", a, out)
+			}
+		}
+		if !strings.Contains(out, `"level":"ERROR","msg":"fewer Redis nodes answer than a majority`) {
+			t.Errorf("no error for 1 node of 3 answering:\n%s", out)
+		}
+	})
+
 	t.Run("ServeAndClose", func(t *testing.T) {
 		t.Parallel()
 		nodes := clustertest.Redis(t, 5, cluster.RedisOptions{})

@@ -132,6 +132,7 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 	if err := s.locker.Init(ctx); err != nil {
 		return nil, err
 	}
+	s.reportNodes(ctx)
 
 	h := api.NewHandler(s.locker, db, api.Options{
 		DefaultTTL:     cfg.DefaultTTL,
@@ -222,5 +223,31 @@ func (s *Server) closeBackends() {
 	}
 	if s.db != nil {
 		s.db.Close()
+	}
+}
+
+// reportNodes logs, at start, each node that does not answer (a wrong
+// address, password or TLS setting shows here, not only in /readyz), and an
+// error when too few answer for any grant. The server starts anyway: nodes
+// may come up later.
+func (s *Server) reportNodes(ctx context.Context) {
+	counted := 0
+	for _, st := range s.locker.Nodes(ctx) {
+		switch {
+		case !st.Up:
+			attrs := []any{slog.String("node", st.Addr)}
+			if st.Err != nil {
+				attrs = append(attrs, slog.String("error", st.Err.Error()))
+			}
+			s.log.Warn("node does not answer", attrs...)
+		case !st.QuarantinedUntil.IsZero():
+			s.log.Warn("node quarantined: its votes do not count yet", slog.String("node", st.Addr), slog.Time("quarantined_until", st.QuarantinedUntil))
+		default:
+			counted++
+		}
+	}
+	if q := s.locker.Quorum(); counted < q {
+		s.log.Error("fewer Redis nodes answer than a majority: no lock can be granted until more do",
+			slog.Int("counted", counted), slog.Int("quorum", q), slog.Int("nodes", len(s.nodes)))
 	}
 }
