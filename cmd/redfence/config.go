@@ -18,7 +18,7 @@ import (
 type Config struct {
 	ListenAddr        string        `split_words:"true" default:":8080" desc:"HTTP listen address"`
 	RedisAddrs        []string      `split_words:"true" desc:"comma-separated host:port of the independent Redis masters (serve: required)"`
-	DatabaseURL       string        `envconfig:"DATABASE_URL" desc:"Postgres URL, e.g. postgres://user:pass@host:5432/db (serve, migrate: required)"`
+	DatabaseURL       string        `envconfig:"DATABASE_URL" desc:"Postgres URL, e.g. postgres://user:pass@host:5432/db (serve, migrate, keys: required)"`
 	MaxTTL            time.Duration `envconfig:"MAX_TTL" default:"60s" desc:"longest TTL or extension; also how long a node that lost its memory is distrusted"`
 	MinTTL            time.Duration `envconfig:"MIN_TTL" default:"100ms" desc:"shortest TTL accepted"`
 	DefaultTTL        time.Duration `envconfig:"DEFAULT_TTL" default:"10s" desc:"TTL when a request gives no ttl_ms"`
