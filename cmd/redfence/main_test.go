@@ -295,16 +295,10 @@ func TestOpen(t *testing.T) {
 	t.Run("ReportsDeadNodes", func(t *testing.T) {
 		t.Parallel()
 		nodes := clustertest.Redis(t, 1, cluster.RedisOptions{})
-		// Two addresses where nothing listens: a listener closed at once.
-		var dead []string
-		for range 2 {
-			ln, err := net.Listen("tcp", "127.0.0.1:0")
-			if err != nil {
-				t.Fatal(err)
-			}
-			dead = append(dead, ln.Addr().String())
-			ln.Close()
-		}
+		// Three addresses where nothing listens (privileged ports no test
+		// server takes; a port freed here could be taken by a parallel
+		// test's server): 4 nodes, an even number.
+		dead := []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}
 		var logs testutil.Buffer
 		log := slog.New(slog.NewJSONHandler(&logs, nil))
 		open(t, testConfig(t, append(addrs(nodes), dead...), clustertest.Database(t)), log)
@@ -315,7 +309,10 @@ func TestOpen(t *testing.T) {
 			}
 		}
 		if !strings.Contains(out, `"level":"ERROR","msg":"fewer Redis nodes answer than a majority`) {
-			t.Errorf("no error for 1 node of 3 answering:\n%s", out)
+			t.Errorf("no error for 1 node of 4 answering:\n%s", out)
+		}
+		if !strings.Contains(out, `"nodes":4,"quorum":3,"failures_tolerated":1`) {
+			t.Errorf("no warning about an even number of nodes:\n%s", out)
 		}
 	})
 
@@ -658,15 +655,20 @@ func TestServe_ShutdownEndsWaits(t *testing.T) {
 		case <-time.After(10 * time.Millisecond):
 		}
 	}
-	// A request whose headers never end keeps the connection active, so the
-	// graceful shutdown cannot finish by itself.
+	// A request whose body never comes keeps its handler running, so the
+	// graceful shutdown cannot finish by itself. The server's 100 Continue
+	// says the handler is reading the body.
 	stuck, err := net.Dial("tcp", p.addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer stuck.Close()
-	if _, err := io.WriteString(stuck, "GET /healthz HTTP/1.1\r\nHost: x\r\n"); err != nil {
+	if _, err := io.WriteString(stuck, "PUT /v1/resources/stuck HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"+
+		"Content-Length: 40\r\nExpect: 100-continue\r\n\r\n"); err != nil {
 		t.Fatal(err)
+	}
+	if line, err := bufio.NewReader(stuck).ReadString('\n'); err != nil || !strings.HasPrefix(line, "HTTP/1.1 100 ") {
+		t.Fatalf("the stuck request: %q, %v; want 100 Continue", line, err)
 	}
 
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {

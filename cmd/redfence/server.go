@@ -231,6 +231,10 @@ func (s *Server) closeBackends() {
 // error when too few answer for any grant. The server starts anyway: nodes
 // may come up later.
 func (s *Server) reportNodes(ctx context.Context) {
+	if n, q := len(s.nodes), s.locker.Quorum(); n < 3 || n%2 == 0 {
+		s.log.Warn("with this many Redis nodes a majority tolerates few failures: use an odd number, 3 or more (5 is usual)",
+			slog.Int("nodes", n), slog.Int("quorum", q), slog.Int("failures_tolerated", n-q))
+	}
 	counted := 0
 	for _, st := range s.locker.Nodes(ctx) {
 		switch {
