@@ -39,7 +39,7 @@ type Config struct {
 	ReadTimeout       time.Duration `split_words:"true" default:"30s" desc:"time to read a whole request"`
 	IdleTimeout       time.Duration `split_words:"true" default:"120s" desc:"keep-alive idle timeout"`
 	H2C               bool          `envconfig:"H2C" default:"false" desc:"without TLS, also serve HTTP/2 to clients that start with its preface (prior knowledge, as gRPC does); with TLS, HTTP/2 is negotiated anyway"`
-	ShutdownTimeout   time.Duration `split_words:"true" default:"30s" desc:"grace period for in-flight requests on SIGINT/SIGTERM"`
+	ShutdownTimeout   time.Duration `split_words:"true" default:"30s" desc:"grace period for in-flight requests on SIGINT/SIGTERM (waiting acquires end at once with 503 shutting-down; a second signal ends it)"`
 	LogLevel          string        `split_words:"true" default:"info" desc:"debug, info, warn or error"`
 	LogFormat         string        `split_words:"true" default:"json" desc:"json or text"`
 	Auth              bool          `envconfig:"AUTH" default:"true" desc:"require an API key (Authorization: Bearer) on /v1 and /metrics; false lets anyone who reaches the port do anything"`
