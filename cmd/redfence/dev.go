@@ -51,6 +51,10 @@ same.`, stdout, stderr)
 		fmt.Fprintf(stdout, "Starting %d redis-server nodes and Postgres on loopback...\n", *n)
 		c, err := cluster.Start(ctx, cluster.Options{Nodes: *n, DurablePostgres: true})
 		if err != nil {
+			if ctx.Err() != nil { // Ctrl-C while starting: not a failure to report
+				fmt.Fprintln(stderr, "redfence dev: interrupted while starting; stopped what had started")
+				return &exitError{code: 130}
+			}
 			return err
 		}
 		defer func() {

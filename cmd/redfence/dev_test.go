@@ -1,6 +1,9 @@
 package main
 
 import (
+	"bytes"
+	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"strings"
@@ -156,5 +159,22 @@ func TestDev_KeyRevokedOnSharedDatabase(t *testing.T) {
 		if !found {
 			t.Errorf("revoke %v: dev's key %s is not in the database", revoke, id)
 		}
+	}
+}
+
+// TestDev_InterruptedWhileStarting: Ctrl-C while the local servers start
+// ends redfence dev quietly with status 130, not with the error of the
+// start that the signal cut short.
+func TestDev_InterruptedWhileStarting(t *testing.T) {
+	t.Setenv("REDFENCE_REDIS_ADDRS", "")
+	t.Setenv("REDFENCE_DATABASE_URL", "")
+	t.Setenv("REDFENCE_LOG_FORMAT", "text") // restored after: cmdDev sets it when unset
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel() // the signal came first
+	var stdout, stderr bytes.Buffer
+	err := cmdDev(ctx, []string{"--addr", "127.0.0.1:0"}, &stdout, &stderr)
+	var ee *exitError
+	if !errors.As(err, &ee) || ee.code != 130 || !strings.Contains(stderr.String(), "interrupted while starting") {
+		t.Errorf("cmdDev after Ctrl-C = %v, stderr %q; want exit status 130 and one line", err, stderr.String())
 	}
 }

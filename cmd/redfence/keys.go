@@ -94,7 +94,11 @@ func keysDB(ctx context.Context, stderr io.Writer) (*store.DB, error) {
 }
 
 func cmdKeysCreate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("keys create", "Creates an API key and prints it on stdout, only this once.\n\n"+keysHelp, stdout, stderr)
+	fs := flags("keys create --tenant T [--scope locks,resources,admin]", `Creates an API key for tenant T in the database at REDFENCE_DATABASE_URL and
+prints it on stdout. It is shown only this once: the database keeps its
+SHA-256. Scopes (comma list, or --scope repeated; default locks,resources):
+locks (the /v1/locks calls), resources (/v1/resources), admin (/v1/nodes and
+/metrics).`, stdout, stderr)
 	tenant := fs.String("tenant", "", "the tenant (namespace) of the key: 1-200 characters of A-Z a-z 0-9 . _ - : (required)")
 	// --scope may be repeated: the scopes add up (--scope locks --scope
 	// admin is locks,admin), as with a comma-separated list.
