@@ -829,19 +829,15 @@ func (h *Handler) doRelease(w http.ResponseWriter, r *http.Request) error {
 	h.m.releaseSeconds.Observe(time.Since(start).Seconds())
 	h.m.released("released")
 	h.grants.drop(token)
+	w.WriteHeader(http.StatusNoContent) // sent when the handler returns...
 	if !grant.ready() {
-		// The audit line waits for Postgres (another server's grant, or
-		// one made before a restart), which a release does not need: the
-		// client gets its answer first.
-		w.WriteHeader(http.StatusNoContent)
+		// ...or now, when the audit line waits for Postgres (another
+		// server's grant, or one made before a restart), which a release
+		// does not need.
 		_ = http.NewResponseController(w).Flush()
-		owner, ft := grant.get()
-		h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released", noTTL)
-		return nil
 	}
 	owner, ft := grant.get()
 	h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released", noTTL)
-	w.WriteHeader(http.StatusNoContent)
 	return nil
 }
 

@@ -24,7 +24,7 @@ serves. Ctrl-C stops everything it started and removes its temporary data.
 
 Unlike serve, dev listens on --addr (REDFENCE_LISTEN_ADDR is ignored) and logs
 text unless REDFENCE_LOG_FORMAT is set; the settings below are otherwise the
-same.`, stdout, stderr)
+same.`, stderr)
 	addr := fs.String("addr", "127.0.0.1:8080", "HTTP listen address")
 	n := fs.Int("nodes", 5, "number of Redis nodes to start")
 	if err := parseFlags(fs, args, stdout); err != nil {

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -98,7 +97,7 @@ func cmdKeysCreate(ctx context.Context, args []string, stdout, stderr io.Writer)
 prints it on stdout. It is shown only this once: the database keeps its
 SHA-256. Scopes (comma list, or --scope repeated; default locks,resources):
 locks (the /v1/locks calls), resources (/v1/resources), admin (/v1/nodes and
-/metrics).`, stdout, stderr)
+/metrics).`, stderr)
 	tenant := fs.String("tenant", "", "the tenant (namespace) of the key: 1-200 characters of A-Z a-z 0-9 . _ - : (required)")
 	// --scope may be repeated: the scopes add up (--scope locks --scope
 	// admin is locks,admin), as with a comma-separated list.
@@ -140,7 +139,7 @@ locks (the /v1/locks calls), resources (/v1/resources), admin (/v1/nodes and
 }
 
 func cmdKeysList(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("keys list", "Prints one line per API key: id, tenant, scopes, created, revoked (\"-\" while active).", stdout, stderr)
+	fs := flags("keys list", "Prints one line per API key: id, tenant, scopes, created, revoked (\"-\" while active).", stderr)
 	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
 	}
@@ -168,15 +167,9 @@ func cmdKeysList(ctx context.Context, args []string, stdout, stderr io.Writer) e
 }
 
 func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("keys revoke ID", "Revokes the API key with this id (or the key itself) on every server.", stdout, stderr)
-	if wantsHelp(args) {
-		fs.SetOutput(stdout)
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
-		return errUsage
+	fs := flags("keys revoke ID", "Revokes the API key with this id (or the key itself) on every server.", stderr)
+	if err := parseArgs(fs, args, stdout); err != nil {
+		return helpOK(err)
 	}
 	if fs.NArg() != 1 {
 		fmt.Fprintln(stderr, "redfence keys revoke: give exactly one key id (see redfence keys list)")

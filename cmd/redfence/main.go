@@ -150,7 +150,7 @@ func buildVersion() string {
 // flags returns a FlagSet whose -h prints the command's help and the
 // settings on stdout; a bad command line gets the error and the help on
 // stderr (see parseFlags).
-func flags(name, help string, stdout, stderr io.Writer) *flag.FlagSet {
+func flags(name, help string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
@@ -165,14 +165,13 @@ func flags(name, help string, stdout, stderr io.Writer) *flag.FlagSet {
 		fmt.Fprintln(w, "\nSettings (environment variables):")
 		printSettings(w)
 	}
-	_ = stdout // parseFlags switches the output to it for -h
 	return fs
 }
 
-// parseFlags parses args with fs: -h prints the help on stdout (ErrHelp),
-// a bad command line prints the error and the help on fs's output (stderr)
-// and returns errUsage.
-func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
+// parseArgs parses args with fs, positional arguments allowed: -h prints
+// the help on stdout (ErrHelp), a bad flag prints the error and the help on
+// fs's output (stderr) and returns errUsage.
+func parseArgs(fs *flag.FlagSet, args []string, stdout io.Writer) error {
 	if wantsHelp(args) {
 		fs.SetOutput(stdout)
 	}
@@ -181,6 +180,14 @@ func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
 			return flag.ErrHelp
 		}
 		return errUsage
+	}
+	return nil
+}
+
+// parseFlags is parseArgs for a command that takes no positional argument.
+func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) error {
+	if err := parseArgs(fs, args, stdout); err != nil {
+		return err
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(fs.Output(), "unexpected arguments: %v\n", fs.Args())
@@ -211,7 +218,7 @@ func helpOK(err error) error {
 }
 
 func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("serve", "Runs the service. Applies pending migrations first.", stdout, stderr)
+	fs := flags("serve", "Runs the service. Applies pending migrations first.", stderr)
 	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
 	}
@@ -267,7 +274,7 @@ func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
 }
 
 func cmdMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("migrate", "Applies pending migrations to REDFENCE_DATABASE_URL. Safe to run concurrently.", stdout, stderr)
+	fs := flags("migrate", "Applies pending migrations to REDFENCE_DATABASE_URL. Safe to run concurrently.", stderr)
 	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
 	}
@@ -297,7 +304,7 @@ func cmdMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 }
 
 func cmdHealthcheck(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flags("healthcheck", "Exits 0 if the server listening on REDFENCE_LISTEN_ADDR answers GET /healthz with 200 (a wildcard address is asked on loopback), else 1.", stdout, stderr)
+	fs := flags("healthcheck", "Exits 0 if the server listening on REDFENCE_LISTEN_ADDR answers GET /healthz with 200 (a wildcard address is asked on loopback), else 1.", stderr)
 	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
 	}

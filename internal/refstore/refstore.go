@@ -71,10 +71,8 @@ func CheckJSON(data []byte) error {
 		case r >= 0xDC00 && r <= 0xDFFF:
 			return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a low surrogate without a high one before it)"}
 		case r >= 0xD800 && r <= 0xDBFF:
-			if i+1 >= len(data) || data[i+1] != '\\' {
-				return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a high surrogate without a low one after it)"}
-			}
-			if lo, ok := hex4(data, i+2); !ok || lo < 0xDC00 || lo > 0xDFFF {
+			// A low surrogate's escape must follow: data[i+1:] is \uXXXX.
+			if lo, ok := hex4(data, i+2); !ok || data[i+1] != '\\' || lo < 0xDC00 || lo > 0xDFFF {
 				return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a high surrogate without a low one after it)"}
 			}
 			i += 6
