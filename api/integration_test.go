@@ -107,12 +107,13 @@ func TestAPI_EncodedNames(t *testing.T) {
 	if !st.Held {
 		t.Error("the lock taken through the encoded name is not held under the plain one")
 	}
-	// Data Postgres's jsonb cannot store is refused with the reason, and
-	// the field, named.
+	// Data Postgres's jsonb cannot store, or a number no double holds, is
+	// refused with the reason, and the field, named.
 	for _, tc := range []struct{ body, reason string }{
 		{fmt.Sprintf(`{"fencing_token":%d,"data":"nul \u0000 inside"}`, g.FencingToken), `\u0000`},
 		{fmt.Sprintf("{\"fencing_token\":%d,\"data\":\"\xff\xfe\"}", g.FencingToken), "UTF-8"},
 		{fmt.Sprintf(`{"fencing_token":%d,"data":["\ud800"]}`, g.FencingToken), "surrogate"},
+		{fmt.Sprintf(`{"fencing_token":%d,"data":{"n":1e309}}`, g.FencingToken), "double"},
 	} {
 		r := e.do(e.loose, http.MethodPut, "/v1/resources/orders:invoice-7", tc.body)
 		p := r.problem(t)

@@ -238,9 +238,9 @@ type Locker struct {
 	rand   *mathrand.Rand
 
 	// waiters queues, per key, the acquires in this process that wait for
-	// it, first come first served: a release here wakes the first one only
-	// (no thundering herd). Every waiter also retries after a jittered
-	// delay, which is how releases elsewhere reach it.
+	// it, first come first served: only the first one tries, and a release
+	// here wakes it (no thundering herd). It also retries after a jittered
+	// delay, which is how releases elsewhere and expiries reach it.
 	waitMu  sync.Mutex
 	waiters map[string]*waitQueue
 	// watchers are the nodes that announce releases (see ReleaseWatcher).
@@ -795,9 +795,10 @@ func (l *Locker) newToken() (string, error) {
 
 // Acquire takes the lock on key (see keyspace.Key). It tries once, and keeps
 // trying after a jittered delay while the lock is held or no quorum answers,
-// until req.Wait has passed. Waiters for one key in this process are woken one
-// at a time, in arrival order, when it is released here. A cancelled ctx ends
-// the wait at once with an error matching ctx.Err().
+// until req.Wait has passed. Waiters for one key in this process get it in
+// arrival order: only the first of them tries, and a release here wakes it at
+// once. A cancelled ctx ends the wait at once with an error matching
+// ctx.Err().
 func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, error) {
 	if err := l.CheckTTL(req.TTL); err != nil {
 		return nil, err
@@ -823,23 +824,35 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 				return nil, fmt.Errorf("acquire %q: %w", key, err)
 			}
 		}
-		// A fresh lock token per try: a node that refuses a try holds
-		// somebody else's token, never one of ours, so the clean-up after a
-		// failed try can skip the nodes that said no.
-		token, err := l.newToken()
-		if err != nil {
-			return nil, err
-		}
-		g, aerr := l.try(ctx, key, token, req)
-		if aerr == nil {
-			granted = true
-			return g, nil
-		}
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("acquire %q: %w", key, err)
-		}
-		if errors.Is(aerr, ErrInvalid) {
-			return nil, aerr
+		var aerr *Error
+		if w != nil && !l.first(key, w) {
+			// Behind another waiter: it tries, and the lock is ours after
+			// it. A try of ours could take it first. Until then we report
+			// what its last try found.
+			aerr = l.lastRefusal(key)
+		} else {
+			// A fresh lock token per try: a node that refuses a try holds
+			// somebody else's token, never one of ours, so the clean-up
+			// after a failed try can skip the nodes that said no.
+			token, err := l.newToken()
+			if err != nil {
+				return nil, err
+			}
+			var g *Grant
+			g, aerr = l.try(ctx, key, token, req)
+			if aerr == nil {
+				granted = true
+				return g, nil
+			}
+			if err := ctx.Err(); err != nil {
+				return nil, fmt.Errorf("acquire %q: %w", key, err)
+			}
+			if errors.Is(aerr, ErrInvalid) {
+				return nil, aerr
+			}
+			if w != nil {
+				l.noteRefusal(key, aerr)
+			}
 		}
 		left := deadline.Sub(l.opts.Now())
 		if left <= 0 {
@@ -912,6 +925,9 @@ type waiter struct {
 // waitQueue is a key's waiters in arrival order.
 type waitQueue struct {
 	q []*waiter
+	// last is why the last try of one of them failed: what the waiters
+	// behind the first report when their wait ends.
+	last *Error
 	// released is the digest of the last release that woke the queue: the
 	// same release announced again (by another node, or by Pub/Sub after
 	// the in-process wake-up) wakes nobody.
@@ -944,8 +960,8 @@ func (l *Locker) watch(key string, on bool) {
 	}
 }
 
-// leave removes w from key's queue. A waiter that leaves without the lock
-// while a wake-up was pending for it passes the wake-up on to the next one.
+// leave removes w from key's queue. When the first waiter leaves without the
+// lock, the next one is woken to try at once: the lock may be free.
 func (l *Locker) leave(key string, w *waiter, granted bool) {
 	l.waitMu.Lock()
 	defer l.waitMu.Unlock()
@@ -953,22 +969,47 @@ func (l *Locker) leave(key string, w *waiter, granted bool) {
 	if wq == nil {
 		return
 	}
-	if i := slices.Index(wq.q, w); i >= 0 {
-		wq.q = slices.Delete(wq.q, i, i+1)
+	i := slices.Index(wq.q, w)
+	if i < 0 {
+		return
 	}
+	wq.q = slices.Delete(wq.q, i, i+1)
 	if len(wq.q) == 0 {
 		delete(l.waiters, key)
 		l.watch(key, false)
 		return
 	}
-	if granted {
-		return
-	}
-	select {
-	case <-w.wake:
+	if i == 0 && !granted {
 		signal(wq.q[0])
-	default:
 	}
+}
+
+// first reports whether w is the first of key's waiters: the one that tries.
+func (l *Locker) first(key string, w *waiter) bool {
+	l.waitMu.Lock()
+	defer l.waitMu.Unlock()
+	wq := l.waiters[key]
+	return wq != nil && len(wq.q) > 0 && wq.q[0] == w
+}
+
+// noteRefusal records why a waiter's try for key failed.
+func (l *Locker) noteRefusal(key string, aerr *Error) {
+	l.waitMu.Lock()
+	defer l.waitMu.Unlock()
+	if wq := l.waiters[key]; wq != nil {
+		wq.last = aerr
+	}
+}
+
+// lastRefusal returns why the last try of key's waiters failed or, before
+// any did, that the lock is held (by the waiter ahead, as far as we know).
+func (l *Locker) lastRefusal(key string) *Error {
+	l.waitMu.Lock()
+	defer l.waitMu.Unlock()
+	if wq := l.waiters[key]; wq != nil && wq.last != nil {
+		return wq.last
+	}
+	return &Error{Op: "acquire", Key: key, Err: ErrHeld}
 }
 
 // wake wakes the first waiter for key in this process, if any, for the
@@ -1350,28 +1391,31 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 // within the per-node timeout. It does not block. unsure says node i gave
 // no answer to the SET: unless this delete removes the key, the SET may
 // still land after it, so the sweeper deletes again until that is ruled
-// out; so it does when this delete gets no answer.
+// out; so it does when this delete gets no answer. The delete on a node
+// that gave no answer is not counted in wg: the node may be frozen, and the
+// refusal waiting for it would take another node timeout for a delete the
+// sweeper makes sure of anyway.
 func (l *Locker) undo(ctx context.Context, wg *sync.WaitGroup, i int, rkey, token string, unsure bool) {
 	cctx, cancel := l.cleanupContext(ctx)
-	wg.Add(1)
+	if unsure {
+		wg = nil
+	} else {
+		wg.Add(1)
+	}
 	done := func(ok bool, err error) {
+		cancel()
 		if !ok && (unsure || err != nil) {
 			l.sweep.add(i, rkey, token)
 		}
+		if wg != nil {
+			wg.Done()
+		}
 	}
 	if an, ok := l.nodes[i].(asyncNode); ok && an.async() {
-		an.releaseAsync(cctx, releaseArgs(rkey, token), func(ok bool, err error) {
-			cancel()
-			done(ok, err)
-			wg.Done()
-		})
+		an.releaseAsync(cctx, releaseArgs(rkey, token), done)
 		return
 	}
-	go func() {
-		defer wg.Done()
-		defer cancel()
-		done(l.nodes[i].Release(cctx, rkey, token))
-	}()
+	go func() { done(l.nodes[i].Release(cctx, rkey, token)) }()
 }
 
 // retryAfter is when enough holders' keys expire for a majority to be free:

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // memNode is an in-memory Node with Redis' SET NX / compare-and-X semantics
@@ -325,11 +326,60 @@ func TestLocker_Acquire(t *testing.T) {
 		if ms[1].has(rkey) {
 			t.Error("node1 still holds the key after a failed attempt")
 		}
-		// The timed-out node may have set the key: it is released there too;
-		// node0 refused, so it is not.
-		if r0, r2 := len(ms[0].released()), len(ms[2].released()); r0 != 0 || r2 != 1 {
-			t.Errorf("releases: node0 %d, node2 %d; want 0 and 1", r0, r2)
+		// The timed-out node may have set the key: it is released there too
+		// (in the background: see FrozenNodesNotAwaited); node0 refused, so
+		// it is not.
+		testutil.WaitFor(t, 10*time.Second, "the timed-out node's release", func() (bool, error) {
+			return len(ms[2].released()) == 1, nil
+		})
+		if r0 := len(ms[0].released()); r0 != 0 {
+			t.Errorf("releases on node0 = %d; want 0", r0)
 		}
+	})
+
+	t.Run("FrozenNodesNotAwaited", func(t *testing.T) {
+		// Three of five nodes frozen: their SETs get no answer, and neither
+		// would the deletes that follow until the node timeout. The refusal
+		// comes once the SETs timed out, without waiting for those deletes
+		// (another node timeout): the acquire returns while they still
+		// block. The two nodes that answered have deleted the key by then.
+		ns, ms := nodes(5)
+		thaw := make(chan struct{})
+		var blocked sync.WaitGroup
+		blocked.Add(3)
+		var finished atomic.Int32
+		for _, m := range ms[2:] {
+			m.hook = func(ctx context.Context, op string) error {
+				switch op {
+				case "acquire":
+					return context.DeadlineExceeded // no answer in time
+				case "release":
+					blocked.Done()
+					defer finished.Add(1)
+					select {
+					case <-thaw:
+					case <-ctx.Done():
+					}
+					return context.DeadlineExceeded
+				}
+				return nil
+			}
+		}
+		// A long node timeout: waiting for the deletes would show as all
+		// three finished (by their timeout) when Acquire returns.
+		l := newLocker(t, ns, &memIssuer{}, Options{NodeTimeout: 20 * time.Second})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		if n := finished.Load(); n != 0 {
+			t.Errorf("Acquire returned after %d deletes on frozen nodes ended; want 0", n)
+		}
+		close(thaw)
+		if !errors.Is(err, ErrQuorum) {
+			t.Fatalf("Acquire = %v; want ErrQuorum", err)
+		}
+		if ms[0].has(rkey) || ms[1].has(rkey) {
+			t.Error("a node that answered still holds the key of the refused acquire")
+		}
+		blocked.Wait() // every frozen node was still sent its delete
 	})
 
 	t.Run("FailedAttemptReleasesEverywhere", func(t *testing.T) {

@@ -2,9 +2,13 @@ package service
 
 import (
 	"context"
+	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // waitObserver reports every start of a wait.
@@ -20,8 +24,9 @@ func (o *waitObserver) Waiting(delta int) {
 }
 
 // TestLocker_WaitersFIFO: waiters for one key are granted in arrival order,
-// and a release wakes only the first of them (no thundering herd): with an
-// hour between retries, every try is accounted for.
+// and a release wakes only the first of them (no thundering herd); the one
+// behind it does not even try until it is first: with an hour between
+// retries, every try is accounted for.
 func TestLocker_WaitersFIFO(t *testing.T) {
 	ctx := context.Background()
 	ns, ms := nodes(3)
@@ -48,7 +53,7 @@ func TestLocker_WaitersFIFO(t *testing.T) {
 			g, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: time.Minute})
 			ch <- result{g, err}
 		}()
-		<-obs.started // queued, tried once and now waiting
+		<-obs.started // queued and now waiting
 		return ch
 	}
 	a := wait()
@@ -67,24 +72,25 @@ func TestLocker_WaitersFIFO(t *testing.T) {
 	if rb.err != nil || rb.g.Fencing != 3 {
 		t.Fatalf("second waiter: %+v; want fencing token 3", rb)
 	}
-	// holder 1 + first waiter 2 (refused, then woken) + second waiter 2.
-	// A release that woke every waiter would add a refused try. A grant
+	// holder 1 + first waiter 2 (refused, then woken) + second waiter 1
+	// (woken when first). A release that woke every waiter would add a
+	// refused try, and so would a second waiter trying on arrival. A grant
 	// returns once a majority answered: wait for node0's answers to those
-	// five tries (it counts a try before it answers).
-	for range 5 {
+	// four tries (it counts a try before it answers).
+	for range 4 {
 		<-ms[0].acquired
 	}
-	if got := tries.Load(); got != 5 {
-		t.Errorf("acquire tries on node0 = %d; want 5", got)
+	if got := tries.Load(); got != 4 {
+		t.Errorf("acquire tries on node0 = %d; want 4", got)
 	}
 	if n := len(l.waiters); n != 0 {
 		t.Errorf("%d keys still have waiters queued", n)
 	}
 }
 
-// TestLocker_WaiterLeavePassesWake: a waiter that leaves without the lock
-// hands a pending wake-up to the next one; one that leaves with the lock
-// does not.
+// TestLocker_WaiterLeavePassesWake: the first waiter leaving without the
+// lock wakes the next one (which tries then); one that leaves with the lock
+// does not, and nor does one leaving from behind the first.
 func TestLocker_WaiterLeavePassesWake(t *testing.T) {
 	ns, _ := nodes(1)
 	l := newLocker(t, ns, &memIssuer{}, Options{})
@@ -109,9 +115,142 @@ func TestLocker_WaiterLeavePassesWake(t *testing.T) {
 	if pending(w3) {
 		t.Fatal("a granted waiter passed its wake-up on")
 	}
+	w4 := l.enqueue(key)
+	l.leave(key, w4, false) // behind w3
+	if pending(w3) {
+		t.Fatal("a waiter leaving from behind the first woke it")
+	}
 	l.leave(key, w3, false)
+	if pending(w3) || len(l.waiters) != 0 {
+		t.Fatal("w3 left, yet is woken or still queued")
+	}
+	w5, w6 := l.enqueue(key), l.enqueue(key)
+	l.leave(key, w5, false) // nothing pending: the next is woken all the same
+	if !pending(w6) {
+		t.Fatal("the first waiter left without the lock and the next was not woken")
+	}
+	l.leave(key, w6, false)
 	if n := len(l.waiters); n != 0 {
 		t.Errorf("%d keys still have waiters queued", n)
 	}
 	l.wake(key, "r4") // no waiter: nothing to do
+}
+
+// whoKey tags a test's acquire context with the waiter's name.
+type whoKey struct{}
+
+// TestLocker_WaitersDoNotOvertake: the waiter behind the first makes no try
+// of its own while the first waits, so when the lock frees without a release
+// here (it expired, or a release elsewhere went unannounced) the first
+// waiter's retry takes it, not the later waiter's.
+func TestLocker_WaitersDoNotOvertake(t *testing.T) {
+	ctx := context.Background()
+	ns, ms := nodes(3)
+	var mu sync.Mutex
+	tries := map[string]int{}
+	aTried := make(chan struct{}, 1024)
+	ms[0].hook = func(ctx context.Context, op string) error {
+		if op == "acquire" {
+			who, _ := ctx.Value(whoKey{}).(string)
+			mu.Lock()
+			tries[who]++
+			mu.Unlock()
+			if who == "a" {
+				aTried <- struct{}{}
+			}
+		}
+		return nil
+	}
+	count := func(who string) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return tries[who]
+	}
+	obs := &waitObserver{started: make(chan struct{}, 1024)}
+	// Retries every millisecond: a waiter that tried on its own would try
+	// again and again while the first one waits.
+	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Millisecond, RetryDelayMax: 2 * time.Millisecond, Observer: obs})
+	if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		g   *Grant
+		err error
+	}
+	wait := func(who string) <-chan result {
+		ch := make(chan result, 1)
+		go func() {
+			wctx := context.WithValue(ctx, whoKey{}, who)
+			g, err := l.Acquire(wctx, key, Request{TTL: time.Second, Wait: time.Minute})
+			ch <- result{g, err}
+		}()
+		return ch
+	}
+	a := wait("a")
+	<-aTried // a is first: it tried
+	b := wait("b")
+	testutil.WaitFor(t, 10*time.Second, "b to queue behind a", func() (bool, error) {
+		l.waitMu.Lock()
+		defer l.waitMu.Unlock()
+		wq := l.waiters[key]
+		return wq != nil && len(wq.q) == 2, nil
+	})
+	for range 5 { // a keeps retrying
+		<-aTried
+	}
+	if n := count("b"); n != 0 {
+		t.Fatalf("b, queued behind a, tried %d times; want 0", n)
+	}
+	// The holder's lease ends unannounced: every node drops its key.
+	for _, m := range ms {
+		m.mu.Lock()
+		delete(m.vals, rkey)
+		m.mu.Unlock()
+	}
+	ra := <-a
+	if ra.err != nil || ra.g.Fencing != 2 {
+		t.Fatalf("first waiter: %+v; want fencing token 2", ra)
+	}
+	if n := count("b"); n != 0 {
+		t.Fatalf("b tried %d times before a got the lock; want 0", n)
+	}
+	if err := l.Release(ctx, key, ra.g.Token); err != nil {
+		t.Fatal(err)
+	}
+	rb := <-b
+	if rb.err != nil || rb.g.Fencing != 3 {
+		t.Fatalf("second waiter: %+v; want fencing token 3", rb)
+	}
+}
+
+// TestLocker_WaiterBehindTimesOut: a waiter that never got to try ends its
+// wait with what the first waiter's last try found (the lock is held).
+func TestLocker_WaiterBehindTimesOut(t *testing.T) {
+	ctx := context.Background()
+	ns, _ := nodes(3)
+	obs := &waitObserver{started: make(chan struct{}, 1024)}
+	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, Observer: obs})
+	if _, err := l.Acquire(ctx, key, Request{TTL: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	a := make(chan error, 1)
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		_, err := l.Acquire(actx, key, Request{TTL: time.Second, Wait: time.Minute})
+		a <- err
+	}()
+	<-obs.started // a tried, was refused, and waits
+	_, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: 100 * time.Millisecond})
+	var e *Error
+	if !errors.As(err, &e) || !errors.Is(err, ErrWaitTimeout) || !errors.Is(err, ErrHeld) {
+		t.Fatalf("Acquire behind a waiter = %v; want ErrWaitTimeout and ErrHeld", err)
+	}
+	if len(e.Nodes) != 3 || e.RetryAfter <= 0 {
+		t.Errorf("nodes %v, retry after %v; want the first waiter's 3 node answers and a retry-after", e.Nodes, e.RetryAfter)
+	}
+	cancel()
+	if err := <-a; !errors.Is(err, context.Canceled) {
+		t.Fatalf("first waiter = %v; want context.Canceled", err)
+	}
 }

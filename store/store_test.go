@@ -383,9 +383,9 @@ func TestDB_PutResource(t *testing.T) {
 
 	t.Run("InvalidData", func(t *testing.T) {
 		t.Parallel()
-		// Valid JSON (for encoding/json) that jsonb cannot store: the first
-		// ones are refused before Postgres is asked (a *refstore.DataError),
-		// the last by Postgres itself.
+		// Valid JSON (for encoding/json) that jsonb cannot store, or that
+		// holds a number no double can: most are refused before Postgres is
+		// asked (a *refstore.DataError), the last by Postgres itself.
 		for _, tc := range []struct {
 			name, data string
 			checked    bool
@@ -395,7 +395,9 @@ func TestDB_PutResource(t *testing.T) {
 			{"LoneHigh", `["\ud800"]`, true},
 			{"HighThenOther", `"\ud800\u0041"`, true},
 			{"LoneLow", `{"k":"\udc00"}`, true},
-			{"NumberOverflow", `1e1000000`, false},
+			{"NumberOverflow", `1e1000000`, true},
+			{"DoubleOverflow", `{"n":-1e309}`, true},
+			{"NumericScale", "0." + strings.Repeat("0", 20000) + "1", false},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				t.Parallel()

@@ -186,9 +186,11 @@ type InvalidParam struct {
 // JsonValue A document of the reference store: any JSON value (object, array,
 // string, number, boolean or null), stored as Postgres `jsonb`, so it
 // reads back with object keys possibly reordered, whitespace and
-// duplicate keys dropped. `jsonb` cannot store the escape `\u0000`, an
-// unpaired UTF-16 surrogate escape (`\ud800` alone), text that is not
-// UTF-8, or a number beyond its numeric range: such a write gets 400
+// duplicate keys dropped. `jsonb` cannot store the escape for U+0000
+// (NUL), an unpaired UTF-16 surrogate escape (`\ud800` alone), text that
+// is not UTF-8, or a number beyond its numeric range; and a number beyond
+// the range of an IEEE 754 double (±1.7976931348623157e308), which most
+// JSON parsers cannot read, is refused too: such a write gets 400
 // `invalid-request` naming `data`.
 //
 // Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
@@ -464,9 +466,11 @@ type PutResourceRequest struct {
 	// Data A document of the reference store: any JSON value (object, array,
 	// string, number, boolean or null), stored as Postgres `jsonb`, so it
 	// reads back with object keys possibly reordered, whitespace and
-	// duplicate keys dropped. `jsonb` cannot store the escape `\u0000`, an
-	// unpaired UTF-16 surrogate escape (`\ud800` alone), text that is not
-	// UTF-8, or a number beyond its numeric range: such a write gets 400
+	// duplicate keys dropped. `jsonb` cannot store the escape for U+0000
+	// (NUL), an unpaired UTF-16 surrogate escape (`\ud800` alone), text that
+	// is not UTF-8, or a number beyond its numeric range; and a number beyond
+	// the range of an IEEE 754 double (±1.7976931348623157e308), which most
+	// JSON parsers cannot read, is refused too: such a write gets 400
 	// `invalid-request` naming `data`.
 	//
 	//
@@ -499,9 +503,11 @@ type Resource struct {
 	// Data A document of the reference store: any JSON value (object, array,
 	// string, number, boolean or null), stored as Postgres `jsonb`, so it
 	// reads back with object keys possibly reordered, whitespace and
-	// duplicate keys dropped. `jsonb` cannot store the escape `\u0000`, an
-	// unpaired UTF-16 surrogate escape (`\ud800` alone), text that is not
-	// UTF-8, or a number beyond its numeric range: such a write gets 400
+	// duplicate keys dropped. `jsonb` cannot store the escape for U+0000
+	// (NUL), an unpaired UTF-16 surrogate escape (`\ud800` alone), text that
+	// is not UTF-8, or a number beyond its numeric range; and a number beyond
+	// the range of an IEEE 754 double (±1.7976931348623157e308), which most
+	// JSON parsers cannot read, is refused too: such a write gets 400
 	// `invalid-request` naming `data`.
 	//
 	//
@@ -857,6 +863,7 @@ type ClientInterface interface {
 	// success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
 	// retrying (with jitter) while the lock is held or too few nodes answer,
 	// until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+	// Waiters for one name on one server get the lock in arrival order.
 	//
 	// On success the lease lasts `validity_ms` from **your send time** (see the
 	// top of this document). Keep `lock_token` secret: it is the only way to
@@ -882,6 +889,7 @@ type ClientInterface interface {
 	// success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
 	// retrying (with jitter) while the lock is held or too few nodes answer,
 	// until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+	// Waiters for one name on one server get the lock in arrival order.
 	//
 	// On success the lease lasts `validity_ms` from **your send time** (see the
 	// top of this document). Keep `lock_token` secret: it is the only way to
@@ -1103,6 +1111,7 @@ func (c *Client) GetLock(ctx context.Context, name Name, params *GetLockParams, 
 // success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
 // retrying (with jitter) while the lock is held or too few nodes answer,
 // until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+// Waiters for one name on one server get the lock in arrival order.
 //
 // On success the lease lasts `validity_ms` from **your send time** (see the
 // top of this document). Keep `lock_token` secret: it is the only way to
@@ -1138,6 +1147,7 @@ func (c *Client) AcquireLockWithBody(ctx context.Context, name Name, params *Acq
 // success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
 // retrying (with jitter) while the lock is held or too few nodes answer,
 // until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+// Waiters for one name on one server get the lock in arrival order.
 //
 // On success the lease lasts `validity_ms` from **your send time** (see the
 // top of this document). Keep `lock_token` secret: it is the only way to
@@ -1985,6 +1995,7 @@ type ClientWithResponsesInterface interface {
 	// success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
 	// retrying (with jitter) while the lock is held or too few nodes answer,
 	// until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+	// Waiters for one name on one server get the lock in arrival order.
 	//
 	// On success the lease lasts `validity_ms` from **your send time** (see the
 	// top of this document). Keep `lock_token` secret: it is the only way to
@@ -2010,6 +2021,7 @@ type ClientWithResponsesInterface interface {
 	// success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
 	// retrying (with jitter) while the lock is held or too few nodes answer,
 	// until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+	// Waiters for one name on one server get the lock in arrival order.
 	//
 	// On success the lease lasts `validity_ms` from **your send time** (see the
 	// top of this document). Keep `lock_token` secret: it is the only way to
@@ -3698,6 +3710,7 @@ func (c *ClientWithResponses) GetLockWithResponse(ctx context.Context, name Name
 // success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
 // retrying (with jitter) while the lock is held or too few nodes answer,
 // until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+// Waiters for one name on one server get the lock in arrival order.
 //
 // On success the lease lasts `validity_ms` from **your send time** (see the
 // top of this document). Keep `lock_token` secret: it is the only way to
@@ -3729,6 +3742,7 @@ func (c *ClientWithResponses) AcquireLockWithBodyWithResponse(ctx context.Contex
 // success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
 // retrying (with jitter) while the lock is held or too few nodes answer,
 // until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+// Waiters for one name on one server get the lock in arrival order.
 //
 // On success the lease lasts `validity_ms` from **your send time** (see the
 // top of this document). Keep `lock_token` secret: it is the only way to

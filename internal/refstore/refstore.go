@@ -7,6 +7,8 @@ package refstore
 import (
 	"encoding/json"
 	"errors"
+	"strconv"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -48,34 +50,55 @@ func (e *DataError) Is(target error) bool { return target == ErrInvalidData }
 
 // CheckJSON returns a *DataError when data, syntactically valid JSON text,
 // holds what Postgres's jsonb refuses: bytes that are not UTF-8, the escape
-// \u0000, or a \uD800-\uDFFF escape that is not half of a surrogate pair.
-// encoding/json lets all three through, so a store checks before it writes.
+// \u0000, or a \uD800-\uDFFF escape that is not half of a surrogate pair;
+// or a number beyond the range of an IEEE 754 double (RFC 7493), which jsonb
+// stores but most JSON parsers (Go's, JavaScript's) cannot read back.
+// encoding/json lets all of these through, so a store checks before it
+// writes.
 func CheckJSON(data []byte) error {
 	if !utf8.Valid(data) {
 		return &DataError{Reason: "must be valid UTF-8"}
 	}
-	// In valid JSON a backslash only starts an escape inside a string.
+	inString := false
 	for i := 0; i < len(data); i++ {
-		if data[i] != '\\' {
-			continue
-		}
-		i++ // the escaped character: \\ and \" are skipped whole
-		r, ok := hex4(data, i)
-		if !ok {
-			continue
-		}
-		i += 4
+		c := data[i]
 		switch {
-		case r == 0:
-			return &DataError{Reason: `must not hold the escape \u0000 (Postgres jsonb cannot store it)`}
-		case r >= 0xDC00 && r <= 0xDFFF:
-			return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a low surrogate without a high one before it)"}
-		case r >= 0xD800 && r <= 0xDBFF:
-			// A low surrogate's escape must follow: data[i+1:] is \uXXXX.
-			if lo, ok := hex4(data, i+2); !ok || data[i+1] != '\\' || lo < 0xDC00 || lo > 0xDFFF {
-				return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a high surrogate without a low one after it)"}
+		case inString && c == '"':
+			inString = false
+		case inString && c == '\\':
+			i++ // the escaped character: \\ and \" are skipped whole
+			r, ok := hex4(data, i)
+			if !ok {
+				continue
 			}
-			i += 6
+			i += 4
+			switch {
+			case r == 0:
+				return &DataError{Reason: `must not hold the escape \u0000 (Postgres jsonb cannot store it)`}
+			case r >= 0xDC00 && r <= 0xDFFF:
+				return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a low surrogate without a high one before it)"}
+			case r >= 0xD800 && r <= 0xDBFF:
+				// A low surrogate's escape must follow: data[i+1:] is \uXXXX.
+				if lo, ok := hex4(data, i+2); !ok || data[i+1] != '\\' || lo < 0xDC00 || lo > 0xDFFF {
+					return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a high surrogate without a low one after it)"}
+				}
+				i += 6
+			}
+		case inString:
+		case c == '"':
+			inString = true
+		case c == '-' || c >= '0' && c <= '9':
+			j, exp := i+1, false
+			for ; j < len(data) && strings.IndexByte("0123456789.eE+-", data[j]) >= 0; j++ {
+				exp = exp || data[j] == 'e' || data[j] == 'E'
+			}
+			// Only an exponent or 309 digits reach past 1.8e308.
+			if exp || j-i > 308 {
+				if _, err := strconv.ParseFloat(string(data[i:j]), 64); err != nil {
+					return &DataError{Reason: "must not hold a number beyond ±1.7976931348623157e308, the range of an IEEE 754 double (most JSON parsers cannot read it)"}
+				}
+			}
+			i = j - 1
 		}
 	}
 	return nil

@@ -3,6 +3,7 @@ package refstore
 import (
 	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
 )
 
@@ -28,6 +29,15 @@ func TestCheckJSON(t *testing.T) {
 		{`"\udc00"`, false},
 		{`"\ude00\ud83d"`, false},
 		{`"\\\ud800"`, false},
+		{`[0, -1, 1.5, 1e308, -1.7976931348623157e308, 1e-400, 123456789012345678901234567890]`, true},
+		{`{"n": 1e309}`, false},
+		{`[-1.8E+308]`, false},
+		{`"1e309 in a string"`, true},
+		{`{"1e999": "key"}`, true},
+		{`"\"1e309"`, true},
+		{"1" + strings.Repeat("0", 308), true},
+		{"1" + strings.Repeat("0", 309), false},
+		{"0." + strings.Repeat("0", 400) + "1", true},
 	} {
 		if !json.Valid([]byte(tc.data)) { // encoding/json lets invalid UTF-8 through
 			t.Fatalf("%q is not valid JSON", tc.data)

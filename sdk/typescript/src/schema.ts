@@ -46,6 +46,7 @@ export interface paths {
          *     success, issues a new fencing token for it. With `wait_ms` > 0 it keeps
          *     retrying (with jitter) while the lock is held or too few nodes answer,
          *     until the wait runs out; with `wait_ms` 0 (the default) it tries once.
+         *     Waiters for one name on one server get the lock in arrival order.
          *
          *     On success the lease lasts `validity_ms` from **your send time** (see the
          *     top of this document). Keep `lock_token` secret: it is the only way to
@@ -470,9 +471,11 @@ export interface components {
          * @description A document of the reference store: any JSON value (object, array,
          *     string, number, boolean or null), stored as Postgres `jsonb`, so it
          *     reads back with object keys possibly reordered, whitespace and
-         *     duplicate keys dropped. `jsonb` cannot store the escape `\u0000`, an
-         *     unpaired UTF-16 surrogate escape (`\ud800` alone), text that is not
-         *     UTF-8, or a number beyond its numeric range: such a write gets 400
+         *     duplicate keys dropped. `jsonb` cannot store the escape for U+0000
+         *     (NUL), an unpaired UTF-16 surrogate escape (`\ud800` alone), text that
+         *     is not UTF-8, or a number beyond its numeric range; and a number beyond
+         *     the range of an IEEE 754 double (±1.7976931348623157e308), which most
+         *     JSON parsers cannot read, is refused too: such a write gets 400
          *     `invalid-request` naming `data`.
          * @example {
          *       "invoice": 7,
