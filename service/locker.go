@@ -212,6 +212,9 @@ type member struct {
 	// ("" before the first); a new one means the node restarted. Guarded
 	// by mu.
 	runID string
+	// evicting is the node's maxmemory-policy while it may evict keys: its
+	// votes do not count then (see evict.go). Guarded by mu.
+	evicting string
 }
 
 func (m *member) state() (epoch string, until time.Time) {
@@ -282,6 +285,8 @@ type Locker struct {
 	beatMu   sync.Mutex
 	lastBeat time.Time
 	bg       sync.WaitGroup
+	// evictionChecks is set once they started (under bgMu; see evict.go).
+	evictionChecks bool
 }
 
 // lateRound is the clean-up state of one acquire round, shared by its nodes'
@@ -382,12 +387,14 @@ func (l *Locker) Close() {
 // servers may hold leases, see Registry); a known node keeps the epoch on
 // record, so if it restarted without its data while no server ran, the first
 // acquire that reaches it finds the marker missing. Then it starts this
-// server's heartbeat (see startHeartbeat).
+// server's heartbeat (see startHeartbeat) and the checks of the nodes'
+// eviction policies (see evict.go), with or without a Registry.
 func (l *Locker) Init(ctx context.Context) error {
 	ids, err := l.checkDistinct(ctx)
 	if err != nil {
 		return err
 	}
+	defer l.startEvictionChecks(ctx)
 	if l.opts.Registry == nil {
 		return nil
 	}
@@ -545,16 +552,27 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 	if err := beat(ctx); err != nil {
 		return fmt.Errorf("service: heartbeat: %w", err) // Init may be retried
 	}
+	l.every(&l.beating, heartbeatEvery, func() {
+		hctx, cancel := context.WithTimeout(l.life, l.opts.IssueTimeout)
+		defer cancel()
+		if err := beat(hctx); err != nil && l.life.Err() == nil {
+			l.opts.Logger.Warn("could not renew this server's heartbeat", slog.String("error", err.Error()))
+		}
+	})
+	return nil
+}
+
+// every runs f every d in the background until Close, unless *started says
+// it runs already (a concurrent or repeated Init) or the Locker is closed.
+func (l *Locker) every(started *bool, d time.Duration, f func()) {
 	l.bgMu.Lock()
 	defer l.bgMu.Unlock()
-	if l.life.Err() != nil || l.beating { // closed, or a concurrent Init started one
-		return nil
+	if l.life.Err() != nil || *started {
+		return
 	}
-	l.beating = true
-	l.bg.Add(1)
-	go func() {
-		defer l.bg.Done()
-		t := time.NewTicker(heartbeatEvery)
+	*started = true
+	l.bg.Go(func() {
+		t := time.NewTicker(d)
 		defer t.Stop()
 		for {
 			select {
@@ -562,14 +580,9 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 				return
 			case <-t.C:
 			}
-			hctx, cancel := context.WithTimeout(l.life, l.opts.IssueTimeout)
-			if err := beat(hctx); err != nil && l.life.Err() == nil {
-				l.opts.Logger.Warn("could not renew this server's heartbeat", slog.String("error", err.Error()))
-			}
-			cancel()
+			f()
 		}
-	}()
-	return nil
+	})
 }
 
 // heartbeatStale returns an error if this Locker has a Registry and has
@@ -696,8 +709,10 @@ func (l *Locker) noteLoss(i int, epoch string, err error) {
 
 // counts reports whether node i's votes count at now.
 func (l *Locker) counts(i int, now time.Time) bool {
-	_, until := l.members[i].state()
-	return !now.Before(until)
+	m := l.members[i]
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.evicting == "" && !now.Before(m.until)
 }
 
 // Quorum returns the number of nodes that must agree: N/2+1.
@@ -1120,6 +1135,11 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			v.Outcome = l.classify(err)
 			v.Err = &NodeError{Addr: n.Addr(), Err: err}
 		case ok && voting && !l.counts(i, l.opts.Now()):
+			v.Outcome = Quarantined
+		case !ok && name == "extend" && !l.counts(i, l.opts.Now()):
+			// A node that lost its memory answers "not held" for every
+			// lease it had: that No counts no more than a Yes would. (An
+			// acquire's No is someone's key written since: it stays a No.)
 			v.Outcome = Quarantined
 		case ok:
 			v.Outcome = Yes

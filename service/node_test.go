@@ -160,3 +160,21 @@ func TestGrant_ValidityFrom(t *testing.T) {
 		}
 	}
 }
+
+func TestEvictionPolicy(t *testing.T) {
+	for _, tc := range []struct {
+		info, want string
+		err        bool
+	}{
+		{"# Memory\r\nused_memory:1000\r\nmaxmemory:0\r\nmaxmemory_policy:allkeys-lru\r\n", "", false},
+		{"# Memory\r\nmaxmemory:1073741824\r\nmaxmemory_policy:noeviction\r\n", "", false},
+		{"# Memory\r\nmaxmemory:1073741824\r\nmaxmemory_policy:volatile-lru\r\n", "volatile-lru", false},
+		{"# Memory\r\nmaxmemory_policy:allkeys-lfu\r\nmaxmemory:5\r\n", "allkeys-lfu", false},
+		{"# Memory\r\nused_memory:1000\r\n", "", true},
+	} {
+		got, err := evictionPolicy(tc.info)
+		if got != tc.want || (err != nil) != tc.err {
+			t.Errorf("evictionPolicy(%q) = %q, %v; want %q (error %v)", tc.info, got, err, tc.want, tc.err)
+		}
+	}
+}

@@ -463,3 +463,72 @@ func TestLocker_LegacyMarker(t *testing.T) {
 		t.Errorf("acquire after the upgrade = %v; want granted", err)
 	}
 }
+
+// TestLocker_EvictingNode: a node configured at run time to evict keys (a
+// maxmemory limit and an evicting policy) is counted out within the check
+// interval, so a lease it then evicts gives no second holder; a second
+// server sees the quarantine on record. Once the node stops evicting, it
+// counts again after the quarantine.
+func TestLocker_EvictingNode(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, e.db)
+	ctx := t.Context()
+	a := e.holdOnFirstThree(t, l, "evicted")
+	for _, kv := range [][2]string{{"maxmemory-policy", "volatile-lru"}, {"maxmemory", "1gb"}} {
+		if err := e.raw[0].ConfigSet(ctx, kv[0], kv[1]).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitQuarantined(t, l, 0)
+	if st := e.locker(t, e.db).Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
+		t.Error("a second server does not see node 0 counted out")
+	}
+	// The node evicts A's lease: nodes 1 and 2 alone still hold it.
+	if err := e.raw[0].Del(ctx, "redfence:lock:evicted").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if g, err := l.Acquire(ctx, "evicted", service.Request{TTL: 3 * time.Second}); err == nil {
+		t.Fatalf("B granted %d while A (%d) holds the lock on 2 nodes and node 0 may evict", g.Fencing, a.Fencing)
+	}
+	if err := e.raw[0].ConfigSet(ctx, "maxmemory-policy", "noeviction").Err(); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, 60*time.Second, "node 0 to count again", func() (bool, error) {
+		return l.Nodes(ctx)[0].QuarantinedUntil.IsZero(), nil
+	})
+	if _, err := l.Acquire(ctx, "evicted", service.Request{TTL: 3 * time.Second, Wait: 10 * time.Second}); err != nil {
+		t.Fatalf("acquire once A's lease ended and node 0 counts: %v", err)
+	}
+}
+
+// TestLocker_ExtendQuarantinedNode: A holds a lock on nodes 0-2 and node 2
+// restarts empty. Its "not held" does not count: the extend cannot reach a
+// majority (503, node 2 quarantined) instead of declaring the lock lost, and
+// A's lease stays on nodes 0 and 1 until its deadline, which the quarantine
+// keeps exclusive.
+func TestLocker_ExtendQuarantinedNode(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, e.db)
+	ctx := t.Context()
+	a := e.holdOnFirstThree(t, l, "extended")
+	e.restartEmpty(t, 2)
+	waitQuarantined(t, l, 2)
+	_, err := l.Extend(ctx, "extended", a.Token, 3*time.Second)
+	var se *service.Error
+	if !errors.As(err, &se) || !errors.Is(err, service.ErrQuorum) || errors.Is(err, service.ErrLost) {
+		t.Fatalf("Extend with node 2 restarted = %v; want ErrQuorum, not ErrLost", err)
+	}
+	if o := se.Nodes[2].Outcome; o != service.Quarantined {
+		t.Errorf("node 2's outcome = %v; want %v", o, service.Quarantined)
+	}
+	for i := range 2 {
+		if n, err := e.raw[i].Exists(ctx, "redfence:lock:extended").Result(); err != nil || n != 1 {
+			t.Errorf("node %d: A's key exists = %d, %v; want kept after a 503", i, n, err)
+		}
+	}
+	if g, err := l.Acquire(ctx, "extended", service.Request{TTL: time.Second}); err == nil {
+		t.Fatalf("B granted %d during A's lease (%d)", g.Fencing, a.Fencing)
+	}
+}

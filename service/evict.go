@@ -1,0 +1,127 @@
+package service
+
+// Eviction: a Redis node with a maxmemory limit and an evicting
+// maxmemory-policy (allkeys-*, volatile-*) drops keys to stay under it, lock
+// keys included (they carry a TTL, which volatile-* policies pick from). A
+// node that evicted a live lease would vote yes for a second holder, so a
+// node that may evict is counted out: its votes do not count while it may,
+// nor for a quarantine after it stopped (a lease it evicted meanwhile ends
+// within MaxTTL). Each Locker checks every node's policy at Init and then
+// every evictionCheckEvery, through INFO memory, which managed servers that
+// refuse CONFIG still answer. The first finding is also recorded as a
+// quarantine for every server (as for a restart).
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+)
+
+// evictionCheckEvery is how often a Locker reads every node's eviction
+// policy: a node configured to evict at run time (CONFIG SET) is counted out
+// within it.
+const evictionCheckEvery = time.Second
+
+// evictionReader is a Node that reports whether it may evict keys
+// (RedisNode does).
+type evictionReader interface {
+	// EvictionPolicy returns the node's maxmemory-policy when the node may
+	// evict keys, "" when it never does.
+	EvictionPolicy(ctx context.Context) (string, error)
+}
+
+// EvictionPolicy implements evictionReader: it returns the node's
+// maxmemory-policy when it has a maxmemory limit and a policy that evicts
+// keys to stay under it; "" when it never evicts (maxmemory 0, or policy
+// noeviction).
+func (n *RedisNode) EvictionPolicy(ctx context.Context) (string, error) {
+	info, err := n.client.Info(ctx, "memory").Result()
+	if err != nil {
+		return "", fmt.Errorf("info memory: %w", err)
+	}
+	return evictionPolicy(info)
+}
+
+// evictionPolicy reads an INFO memory answer (see RedisNode.EvictionPolicy).
+func evictionPolicy(info string) (string, error) {
+	var limit, policy string
+	for line := range strings.Lines(info) {
+		line = strings.TrimSpace(line)
+		if v, ok := strings.CutPrefix(line, "maxmemory:"); ok {
+			limit = v
+		} else if v, ok := strings.CutPrefix(line, "maxmemory_policy:"); ok {
+			policy = v
+		}
+	}
+	if limit == "" || policy == "" {
+		return "", errors.New("info memory: no maxmemory or maxmemory_policy")
+	}
+	if limit == "0" || policy == "noeviction" {
+		return "", nil
+	}
+	return policy, nil
+}
+
+// checkEviction reads every node's eviction policy in parallel, each within
+// NodeTimeout, and notes it. A node that does not answer keeps its state.
+func (l *Locker) checkEviction(ctx context.Context) {
+	var wg sync.WaitGroup
+	for i, m := range l.members {
+		er, ok := m.Node.(evictionReader)
+		if !ok {
+			continue
+		}
+		wg.Go(func() {
+			nctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+			defer cancel()
+			if policy, err := er.EvictionPolicy(nctx); err == nil {
+				l.noteEviction(i, policy)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// noteEviction records node i's eviction policy ("" when it cannot evict).
+// While it may evict, the node is counted out; once it stops, a quarantine
+// covers the leases it may have evicted.
+func (l *Locker) noteEviction(i int, policy string) {
+	m := l.members[i]
+	now := l.opts.Now()
+	m.mu.Lock()
+	was := m.evicting
+	m.evicting = policy
+	if policy != "" || was != "" {
+		if until := now.Add(l.quarantineFor()); until.After(m.until) {
+			m.until = until
+		}
+	}
+	until, epoch := m.until, m.epoch
+	m.mu.Unlock()
+	switch {
+	case policy != "" && was == "":
+		l.opts.Observer.Quarantine(m.Addr(), until)
+		l.opts.Logger.Warn("node may evict lock keys (a maxmemory limit with an evicting maxmemory-policy): its votes do not count while it may, nor until every lease it may have evicted has expired; set maxmemory-policy noeviction",
+			slog.String("node", m.Addr()), slog.String("maxmemory_policy", policy))
+		if epoch != "" {
+			l.recover(i, epoch) // a quarantine for the other servers too
+		}
+	case policy != "":
+		l.opts.Observer.Quarantine(m.Addr(), until)
+	case was != "":
+		l.opts.Observer.Quarantine(m.Addr(), until)
+		l.opts.Logger.Warn("node no longer evicts keys: its votes count again once every lease it may have evicted has expired",
+			slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
+	}
+}
+
+// startEvictionChecks checks every node's eviction policy now, then every
+// evictionCheckEvery until Close (once: a second Init starts no other).
+func (l *Locker) startEvictionChecks(ctx context.Context) {
+	l.checkEviction(ctx)
+	l.every(&l.evictionChecks, evictionCheckEvery, func() { l.checkEviction(l.life) })
+}
