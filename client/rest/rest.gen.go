@@ -435,7 +435,8 @@ type Problem struct {
 	// - `quorum-unavailable` (503): too few Redis nodes answered to decide;
 	//   see `nodes`.
 	// - `fencing-unavailable` (503): Postgres did not issue or read a fencing
-	//   token, so nothing was granted.
+	//   token in time, so nothing was granted (a token it commits later is
+	//   never granted: it is skipped).
 	// - `lease-expired` (503): a majority was won but the lease ran out
 	//   before the fencing token was issued; nothing was granted.
 	// - `headers-too-large` (431): the request line and headers exceed the
@@ -872,7 +873,8 @@ type ClientInterface interface {
 	// Errors: 409 `lock-held` (tried once, held by someone else) or
 	// `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
 	// `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-	// `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+	// `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+	// granted; a token it commits later is never granted) or
 	// `lease-expired` (a majority was won but the lease ran out before the token
 	// was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
 	// or `wait_ms` outside the server's configured bounds (by default `ttl_ms`
@@ -898,7 +900,8 @@ type ClientInterface interface {
 	// Errors: 409 `lock-held` (tried once, held by someone else) or
 	// `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
 	// `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-	// `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+	// `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+	// granted; a token it commits later is never granted) or
 	// `lease-expired` (a majority was won but the lease ran out before the token
 	// was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
 	// or `wait_ms` outside the server's configured bounds (by default `ttl_ms`
@@ -1120,7 +1123,8 @@ func (c *Client) GetLock(ctx context.Context, name Name, params *GetLockParams, 
 // Errors: 409 `lock-held` (tried once, held by someone else) or
 // `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
 // `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-// `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+// `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+// granted; a token it commits later is never granted) or
 // `lease-expired` (a majority was won but the lease ran out before the token
 // was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
 // or `wait_ms` outside the server's configured bounds (by default `ttl_ms`
@@ -1156,7 +1160,8 @@ func (c *Client) AcquireLockWithBody(ctx context.Context, name Name, params *Acq
 // Errors: 409 `lock-held` (tried once, held by someone else) or
 // `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
 // `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-// `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+// `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+// granted; a token it commits later is never granted) or
 // `lease-expired` (a majority was won but the lease ran out before the token
 // was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
 // or `wait_ms` outside the server's configured bounds (by default `ttl_ms`
@@ -2004,7 +2009,8 @@ type ClientWithResponsesInterface interface {
 	// Errors: 409 `lock-held` (tried once, held by someone else) or
 	// `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
 	// `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-	// `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+	// `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+	// granted; a token it commits later is never granted) or
 	// `lease-expired` (a majority was won but the lease ran out before the token
 	// was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
 	// or `wait_ms` outside the server's configured bounds (by default `ttl_ms`
@@ -2030,7 +2036,8 @@ type ClientWithResponsesInterface interface {
 	// Errors: 409 `lock-held` (tried once, held by someone else) or
 	// `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
 	// `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-	// `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+	// `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+	// granted; a token it commits later is never granted) or
 	// `lease-expired` (a majority was won but the lease ran out before the token
 	// was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
 	// or `wait_ms` outside the server's configured bounds (by default `ttl_ms`
@@ -3719,7 +3726,8 @@ func (c *ClientWithResponses) GetLockWithResponse(ctx context.Context, name Name
 // Errors: 409 `lock-held` (tried once, held by someone else) or
 // `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
 // `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-// `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+// `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+// granted; a token it commits later is never granted) or
 // `lease-expired` (a majority was won but the lease ran out before the token
 // was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
 // or `wait_ms` outside the server's configured bounds (by default `ttl_ms`
@@ -3751,7 +3759,8 @@ func (c *ClientWithResponses) AcquireLockWithBodyWithResponse(ctx context.Contex
 // Errors: 409 `lock-held` (tried once, held by someone else) or
 // `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
 // `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-// `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+// `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+// granted; a token it commits later is never granted) or
 // `lease-expired` (a majority was won but the lease ran out before the token
 // was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
 // or `wait_ms` outside the server's configured bounds (by default `ttl_ms`

@@ -330,6 +330,7 @@ func TestConfig_Security(t *testing.T) {
 		{"ZeroBody", func(c *Config) { c.MaxBodyBytes = 0 }, "REDFENCE_MAX_BODY_BYTES"},
 		{"ZeroHeaders", func(c *Config) { c.MaxHeaderBytes = 0 }, "REDFENCE_MAX_HEADER_BYTES"},
 		{"NegativeReadTimeout", func(c *Config) { c.ReadTimeout = -time.Second }, "REDFENCE_READ_TIMEOUT"},
+		{"ZeroStoreTimeout", func(c *Config) { c.StoreTimeout = 0 }, "REDFENCE_STORE_TIMEOUT"},
 		{"NegativeShutdown", func(c *Config) { c.ShutdownTimeout = -time.Second }, "REDFENCE_SHUTDOWN_TIMEOUT"},
 		{"ZeroShutdown", func(c *Config) { c.ShutdownTimeout = 0 }, ""},
 		{"TwoErrors", func(c *Config) { c.MaxBodyBytes, c.DBMaxConns = 0, -1 }, "2 invalid settings:\n  REDFENCE_DB_MAX_CONNS"},

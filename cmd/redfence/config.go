@@ -33,6 +33,7 @@ type Config struct {
 	RedisPassword     string        `split_words:"true" desc:"Redis password for every node"`
 	DBMaxConns        int32         `envconfig:"DB_MAX_CONNS" desc:"Postgres pool size (default: max(4, CPUs))"`
 	StatementTimeout  time.Duration `split_words:"true" default:"5s" desc:"Postgres statement_timeout"`
+	StoreTimeout      time.Duration `split_words:"true" default:"2s" desc:"timeout of each reference-store call (PUT and GET /v1/resources), including the wait for a pooled connection"`
 	MaxBodyBytes      int64         `split_words:"true" default:"1048576" desc:"largest request body accepted"`
 	MaxHeaderBytes    int           `split_words:"true" default:"65536" desc:"largest request line plus headers accepted (431 above)"`
 	ReadHeaderTimeout time.Duration `split_words:"true" default:"5s" desc:"time to read request headers"`
@@ -99,6 +100,7 @@ func (c *Config) validate() error {
 		v    time.Duration
 	}{
 		{"REDFENCE_ISSUE_TIMEOUT", c.IssueTimeout}, {"REDFENCE_STATEMENT_TIMEOUT", c.StatementTimeout},
+		{"REDFENCE_STORE_TIMEOUT", c.StoreTimeout},
 		{"REDFENCE_READ_HEADER_TIMEOUT", c.ReadHeaderTimeout}, {"REDFENCE_READ_TIMEOUT", c.ReadTimeout},
 		{"REDFENCE_IDLE_TIMEOUT", c.IdleTimeout},
 	} {

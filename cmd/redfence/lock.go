@@ -83,7 +83,7 @@ func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []strin
 	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease length; renewed every ttl/3 while COMMAND runs")
 	fs.DurationVar(&f.wait, "wait", 0, "how long to wait for the lock when it is held (0: try once)")
 	fs.DurationVar(&f.grace, "grace", 2*time.Second, "time between SIGTERM and SIGKILL when the lease is lost, or for what is left of COMMAND's process group when it exits")
-	fs.DurationVar(&f.maxHold, "max-hold", 0, "stop renewing once the lock was held this long (0: no cap); COMMAND is then stopped as on a loss")
+	fs.DurationVar(&f.maxHold, "max-hold", 0, "never hold the lock longer than this after it was granted (0: no cap): no renewal goes past it, so the last lease ends up to about --ttl before it; COMMAND is then stopped as on a loss, --grace before that lease ends")
 	fs.StringVar(&f.owner, "owner", fmt.Sprintf("%s:%d", host, os.Getpid()), "owner label shown by GET /v1/locks/NAME and in the audit log")
 	fs.BoolVar(&f.verbose, "v", false, "print lease events (acquired, renewed, lost, signals) with timestamps to stderr")
 	fs.StringVar(&f.caFile, "cacert", "", "PEM file of the CAs that sign an https server's certificate (default $REDFENCE_CA_FILE, else the system's)")

@@ -138,6 +138,7 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		DefaultTTL:     cfg.DefaultTTL,
 		MaxBodyBytes:   cfg.MaxBodyBytes,
 		MaxHeaderBytes: cfg.MaxHeaderBytes,
+		StoreTimeout:   cfg.StoreTimeout,
 		Logger:         log,
 		Registry:       reg,
 		OpenAPI:        redfence.OpenAPI,

@@ -142,7 +142,12 @@ export class Lease {
   readonly fencingToken: number;
   readonly owner: string;
   readonly ttlMs: number;
-  /** Aborted when the lease ends: lost, run out, or released (`signal.reason` says which). */
+  /**
+   * Aborted when the lease ends: lost, run out, or released (`signal.reason`
+   * says which). Like `AbortSignal.timeout`, a bare `acquire()` lease's timers
+   * do not hold Node's event loop open: code that waits only on this signal
+   * should run in `withLock`, which does.
+   */
   readonly signal: AbortSignal;
 
   #rf: Redfence;

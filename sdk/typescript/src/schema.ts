@@ -55,7 +55,8 @@ export interface paths {
          *     Errors: 409 `lock-held` (tried once, held by someone else) or
          *     `wait-timeout` (held for the whole wait), both with `retry_after_ms` and
          *     `Retry-After`; 503 `quorum-unavailable` (with each node's answer),
-         *     `fencing-unavailable` (Postgres issued no token, so nothing was granted) or
+         *     `fencing-unavailable` (Postgres did not issue a token in time, so nothing was
+         *     granted; a token it commits later is never granted) or
          *     `lease-expired` (a majority was won but the lease ran out before the token
          *     was issued); 400 `invalid-request` for a bad name or body, or a `ttl_ms`
          *     or `wait_ms` outside the server's configured bounds (by default `ttl_ms`
@@ -615,7 +616,8 @@ export interface components {
              *     - `quorum-unavailable` (503): too few Redis nodes answered to decide;
              *       see `nodes`.
              *     - `fencing-unavailable` (503): Postgres did not issue or read a fencing
-             *       token, so nothing was granted.
+             *       token in time, so nothing was granted (a token it commits later is
+             *       never granted: it is skipped).
              *     - `lease-expired` (503): a majority was won but the lease ran out
              *       before the fencing token was issued; nothing was granted.
              *     - `headers-too-large` (431): the request line and headers exceed the
@@ -1277,7 +1279,7 @@ export interface operations {
              *     `SET` when it resumes; the server deletes it again once the node
              *     answers):
              *     `quorum-unavailable` (too few nodes answered; see `nodes`),
-             *     `fencing-unavailable` (Postgres did not issue a token) or
+             *     `fencing-unavailable` (Postgres did not issue a token in time) or
              *     `lease-expired` (the lease ran out before the token was issued), or
              *     `shutting-down` (the server began shutting down during `wait_ms`
              *     while the lock was still taken). Retry after `Retry-After`
