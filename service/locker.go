@@ -481,10 +481,14 @@ func (l *Locker) seen(i int, id string, durable bool) {
 	}
 	epoch := m.epoch
 	m.mu.Unlock()
-	l.opts.Observer.Quarantine(m.Addr(), until)
-	l.opts.Logger.Warn("node restarted (new run_id): its votes do not count until every lease it may have forgotten has expired",
-		slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
-	l.recover(i, epoch)
+	// With a Registry, the recovery reports the quarantine if one runs:
+	// another server may have handled this restart already (its quarantine
+	// over), and then the node counts again as soon as the record is read.
+	if l.recover(i, epoch) == nil {
+		l.opts.Observer.Quarantine(m.Addr(), until)
+		l.opts.Logger.Warn("node restarted (new run_id): its votes do not count until every lease it may have forgotten has expired",
+			slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
+	}
 }
 
 // checkDistinct returns an error matching ErrSameServer when two nodes
@@ -823,7 +827,7 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 	}
 	deadline := l.opts.Now().Add(req.Wait)
 	var w *waiter
-	granted := false
+	granted, refreshed := false, false
 	defer func() {
 		if w != nil {
 			l.leave(key, w, granted)
@@ -855,6 +859,15 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			}
 			var g *Grant
 			g, aerr = l.try(ctx, key, token, req)
+			if aerr != nil && !refreshed && l.refreshed(ctx, aerr) {
+				// Nodes this server had not known restarted count again:
+				// once, the refusal was this server's news, not the nodes'.
+				refreshed = true
+				if token, err = l.newToken(); err != nil {
+					return nil, err
+				}
+				g, aerr = l.try(ctx, key, token, req)
+			}
 			if aerr == nil {
 				granted = true
 				return g, nil
@@ -1236,6 +1249,46 @@ func (l *Locker) drain(t *tally, b *ballot) {
 	for t.got < len(l.nodes) {
 		l.add(t, <-b.ch)
 	}
+}
+
+// refreshed reports, after a try refused for want of a majority, whether a
+// node it found quarantined counts now, once the recoveries running on such
+// nodes ended (within IssueTimeout). A server that learns late of a node's
+// restart (its first connection since, or the node answering with a newer
+// epoch marker than it knew) stops counting the node until it has read the
+// record; when another server handled that restart and its quarantine is
+// over, the node counts again, and the acquire is worth another try at once.
+func (l *Locker) refreshed(ctx context.Context, aerr *Error) bool {
+	if !errors.Is(aerr, ErrQuorum) {
+		return false
+	}
+	var quarantined []int
+	for i, r := range aerr.Nodes {
+		if r.Outcome == Quarantined {
+			quarantined = append(quarantined, i)
+		}
+	}
+	if len(quarantined) == 0 {
+		return false
+	}
+	wctx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
+	defer cancel()
+	for _, i := range quarantined {
+		m := l.members[i]
+		m.mu.Lock()
+		done := m.recovery
+		m.mu.Unlock()
+		if done == nil {
+			continue
+		}
+		select {
+		case <-done:
+		case <-wctx.Done():
+			return false
+		}
+	}
+	now := l.opts.Now()
+	return slices.ContainsFunc(quarantined, func(i int) bool { return l.counts(i, now) })
 }
 
 // refused reports whether the No answers alone rule out a majority.

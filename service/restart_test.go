@@ -532,3 +532,86 @@ func TestLocker_ExtendQuarantinedNode(t *testing.T) {
 		t.Fatalf("B granted %d during A's lease (%d)", g.Fencing, a.Fencing)
 	}
 }
+
+// gatedRegistry holds every QuarantineNode until gate is closed.
+type gatedRegistry struct {
+	*store.DB
+	gate chan struct{}
+}
+
+func (r gatedRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
+	select {
+	case <-r.gate:
+	case <-ctx.Done():
+		return "", 0, ctx.Err()
+	}
+	return r.DB.QuarantineNode(ctx, addr, expected, next, d)
+}
+
+// quarantinedVotes reports every acquire answer counted as quarantined.
+type quarantinedVotes struct {
+	votes chan string
+}
+
+func (o quarantinedVotes) NodeOp(addr, op string, outcome service.Outcome, _ time.Duration) {
+	if op == "acquire" && outcome == service.Quarantined {
+		o.votes <- addr
+	}
+}
+func (quarantinedVotes) Waiting(int)                  {}
+func (quarantinedVotes) Quarantine(string, time.Time) {}
+
+// TestLocker_RestartHandledElsewhere: three nodes restart empty while server
+// B is idle; server A finds it, marks them with a new epoch, and the
+// quarantine runs out. B's first acquire afterwards finds them with a marker
+// it does not know (and new run_ids), so they do not count until B has read
+// the record (held here until their answers came in): the acquire then tries
+// again at once and is granted, rather than refused for a quarantine that
+// is already over.
+func TestLocker_RestartHandledElsewhere(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	a := e.locker(t, e.db)
+	reg := gatedRegistry{DB: e.db, gate: make(chan struct{})}
+	obs := quarantinedVotes{votes: make(chan string, 16)}
+	var ns []service.Node
+	for _, n := range e.nodes {
+		rn := service.NewRedisNode(n.Addr(), service.RedisOptions{})
+		t.Cleanup(func() { rn.Close() })
+		ns = append(ns, rn)
+	}
+	b, err := service.New(ns, e.db, service.Options{Registry: reg, MaxTTL: 3 * time.Second, NodeTimeout: time.Second, Observer: obs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(b.Close)
+	ctx := t.Context()
+	if err := b.Init(ctx); err != nil { // B knows the run_ids, and sends nothing yet
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		e.restartEmpty(t, i)
+	}
+	for i := range 3 {
+		waitQuarantined(t, a, i)
+	}
+	waitQuarantineOver(t, a)
+	go func() {
+		for range 3 {
+			<-obs.votes
+		}
+		close(reg.gate)
+	}()
+	g, err := b.Acquire(ctx, "after", service.Request{TTL: time.Second})
+	if err != nil {
+		t.Fatalf("B's first acquire after the quarantine ended: %v; want granted", err)
+	}
+	if err := b.Release(ctx, "after", g.Token); err != nil {
+		t.Fatal(err)
+	}
+	for i, st := range b.Nodes(ctx) {
+		if !st.QuarantinedUntil.IsZero() {
+			t.Errorf("B reports node %d quarantined until %v", i, st.QuarantinedUntil)
+		}
+	}
+}
