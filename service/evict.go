@@ -101,15 +101,19 @@ func (l *Locker) noteEviction(i int, policy string) {
 		}
 	}
 	until, epoch := m.until, m.epoch
+	// Recorded once per evicting spell, as soon as the node's epoch is known
+	// (Init registered it).
+	record := policy != "" && !m.evictRecorded && epoch != ""
+	m.evictRecorded = policy != "" && (m.evictRecorded || record)
 	m.mu.Unlock()
+	if record {
+		l.recover(i, epoch) // a quarantine for the other servers too
+	}
 	switch {
 	case policy != "" && was == "":
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node may evict lock keys (a maxmemory limit with an evicting maxmemory-policy): its votes do not count while it may, nor until every lease it may have evicted has expired; set maxmemory-policy noeviction",
 			slog.String("node", m.Addr()), slog.String("maxmemory_policy", policy))
-		if epoch != "" {
-			l.recover(i, epoch) // a quarantine for the other servers too
-		}
 	case policy != "":
 		l.opts.Observer.Quarantine(m.Addr(), until)
 	case was != "":

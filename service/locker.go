@@ -213,8 +213,10 @@ type member struct {
 	// by mu.
 	runID string
 	// evicting is the node's maxmemory-policy while it may evict keys: its
-	// votes do not count then (see evict.go). Guarded by mu.
-	evicting string
+	// votes do not count then (see evict.go); evictRecorded says the spell
+	// was recorded in the Registry. Guarded by mu.
+	evicting      string
+	evictRecorded bool
 }
 
 func (m *member) state() (epoch string, until time.Time) {
@@ -394,8 +396,8 @@ func (l *Locker) Init(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer l.startEvictionChecks(ctx)
 	if l.opts.Registry == nil {
+		l.startEvictionChecks(ctx)
 		return nil
 	}
 	for i, m := range l.members {
@@ -438,7 +440,11 @@ func (l *Locker) Init(ctx context.Context) error {
 			cancel()
 		}
 	}
-	return l.startHeartbeat(ctx)
+	if err := l.startHeartbeat(ctx); err != nil {
+		return err
+	}
+	l.startEvictionChecks(ctx)
+	return nil
 }
 
 // serverIdentifier is a Node that can name the server process behind it
@@ -670,7 +676,12 @@ func (l *Locker) recover(i int, seen string) chan struct{} {
 		cur, left, err := l.opts.Registry.QuarantineNode(ctx, m.Addr(), seen, next, l.quarantineFor())
 		until := l.quarantineEnd(left)
 		if err != nil {
-			l.opts.Logger.Warn("node lost its memory; could not record the quarantine", slog.String("node", m.Addr()), slog.String("error", err.Error()))
+			_, until := m.state() // this server's own quarantine stands
+			if until.After(l.opts.Now()) {
+				l.opts.Observer.Quarantine(m.Addr(), until)
+			}
+			l.opts.Logger.Warn("node lost its memory; could not record the quarantine", slog.String("node", m.Addr()),
+				slog.Time("quarantined_until", until), slog.String("error", err.Error()))
 			return
 		}
 		prev, _ := m.state()
@@ -859,7 +870,7 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			}
 			var g *Grant
 			g, aerr = l.try(ctx, key, token, req)
-			if aerr != nil && !refreshed && l.refreshed(ctx, aerr) {
+			if aerr != nil && !refreshed && l.refreshed(ctx, aerr, req, deadline) {
 				// Nodes this server had not known restarted count again:
 				// once, the refusal was this server's news, not the nodes'.
 				refreshed = true
@@ -870,6 +881,10 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			}
 			if aerr == nil {
 				granted = true
+				if w != nil {
+					// Those behind now wait for this grant.
+					l.noteRefusal(key, &Error{Op: "acquire", Key: key, Err: ErrHeld, RetryAfter: g.TTL})
+				}
 				return g, nil
 			}
 			if err := ctx.Err(); err != nil {
@@ -953,9 +968,11 @@ type waiter struct {
 // waitQueue is a key's waiters in arrival order.
 type waitQueue struct {
 	q []*waiter
-	// last is why the last try of one of them failed: what the waiters
+	// last is why the last try of one of them failed (that the lock is
+	// held, once one of them got it), and lastAt when: what the waiters
 	// behind the first report when their wait ends.
-	last *Error
+	last   *Error
+	lastAt time.Time
 	// released is the digest of the last release that woke the queue: the
 	// same release announced again (by another node, or by Pub/Sub after
 	// the in-process wake-up) wakes nobody.
@@ -1022,22 +1039,30 @@ func (l *Locker) first(key string, w *waiter) bool {
 
 // noteRefusal records why a waiter's try for key failed.
 func (l *Locker) noteRefusal(key string, aerr *Error) {
+	now := l.opts.Now()
 	l.waitMu.Lock()
 	defer l.waitMu.Unlock()
 	if wq := l.waiters[key]; wq != nil {
-		wq.last = aerr
+		wq.last, wq.lastAt = aerr, now
 	}
 }
 
-// lastRefusal returns why the last try of key's waiters failed or, before
-// any did, that the lock is held (by the waiter ahead, as far as we know).
+// lastRefusal returns why the last try of key's waiters failed (its
+// RetryAfter counted down since) or, before any did, that the lock is held
+// (by the waiter ahead, as far as we know).
 func (l *Locker) lastRefusal(key string) *Error {
+	now := l.opts.Now()
 	l.waitMu.Lock()
 	defer l.waitMu.Unlock()
-	if wq := l.waiters[key]; wq != nil && wq.last != nil {
-		return wq.last
+	wq := l.waiters[key]
+	if wq == nil || wq.last == nil {
+		return &Error{Op: "acquire", Key: key, Err: ErrHeld}
 	}
-	return &Error{Op: "acquire", Key: key, Err: ErrHeld}
+	e := *wq.last
+	if e.RetryAfter > 0 {
+		e.RetryAfter = max(e.RetryAfter-now.Sub(wq.lastAt), time.Millisecond)
+	}
+	return &e
 }
 
 // wake wakes the first waiter for key in this process, if any, for the
@@ -1251,6 +1276,13 @@ func (l *Locker) drain(t *tally, b *ballot) {
 	}
 }
 
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
 // refreshed reports, after a try refused for want of a majority, whether a
 // node it found quarantined counts now, once the recoveries running on such
 // nodes ended (within IssueTimeout). A server that learns late of a node's
@@ -1258,7 +1290,7 @@ func (l *Locker) drain(t *tally, b *ballot) {
 // epoch marker than it knew) stops counting the node until it has read the
 // record; when another server handled that restart and its quarantine is
 // over, the node counts again, and the acquire is worth another try at once.
-func (l *Locker) refreshed(ctx context.Context, aerr *Error) bool {
+func (l *Locker) refreshed(ctx context.Context, aerr *Error, req Request, deadline time.Time) bool {
 	if !errors.Is(aerr, ErrQuorum) {
 		return false
 	}
@@ -1271,7 +1303,13 @@ func (l *Locker) refreshed(ctx context.Context, aerr *Error) bool {
 	if len(quarantined) == 0 {
 		return false
 	}
-	wctx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
+	// Within the wait left, if any: a try alone waits at most as long as
+	// an issuance may take.
+	limit := l.opts.IssueTimeout
+	if req.Wait > 0 {
+		limit = min(limit, deadline.Sub(l.opts.Now()))
+	}
+	wctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	for _, i := range quarantined {
 		m := l.members[i]
@@ -1284,6 +1322,8 @@ func (l *Locker) refreshed(ctx context.Context, aerr *Error) bool {
 		select {
 		case <-done:
 		case <-wctx.Done():
+			return false
+		case <-req.Stop:
 			return false
 		}
 	}
@@ -1785,7 +1825,13 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	out := make([]NodeStatus, len(l.nodes))
 	for i, r := range t.results {
 		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}
-		epoch, until := l.members[i].state()
+		m := l.members[i]
+		m.mu.Lock()
+		epoch, until := m.epoch, m.until
+		if m.evicting != "" { // counted out for as long as it may evict, and then some
+			until = later(until, l.opts.Now().Add(l.quarantineFor()))
+		}
+		m.mu.Unlock()
 		if until.After(l.opts.Now()) {
 			out[i].QuarantinedUntil = until
 			continue

@@ -227,7 +227,14 @@ func TestLocker_WaitersDoNotOvertake(t *testing.T) {
 // wait with what the first waiter's last try found (the lock is held).
 func TestLocker_WaiterBehindTimesOut(t *testing.T) {
 	ctx := context.Background()
-	ns, _ := nodes(3)
+	ns, ms := nodes(3)
+	var bTries atomic.Int32
+	ms[0].hook = func(ctx context.Context, op string) error {
+		if op == "acquire" && ctx.Value(whoKey{}) == "b" {
+			bTries.Add(1)
+		}
+		return nil
+	}
 	obs := &waitObserver{started: make(chan struct{}, 1024)}
 	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, Observer: obs})
 	if _, err := l.Acquire(ctx, key, Request{TTL: time.Minute}); err != nil {
@@ -241,7 +248,10 @@ func TestLocker_WaiterBehindTimesOut(t *testing.T) {
 		a <- err
 	}()
 	<-obs.started // a tried, was refused, and waits
-	_, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: 100 * time.Millisecond})
+	_, err := l.Acquire(context.WithValue(ctx, whoKey{}, "b"), key, Request{TTL: time.Second, Wait: 100 * time.Millisecond})
+	if n := bTries.Load(); n != 0 {
+		t.Errorf("the waiter behind tried %d times; want 0", n)
+	}
 	var e *Error
 	if !errors.As(err, &e) || !errors.Is(err, ErrWaitTimeout) || !errors.Is(err, ErrHeld) {
 		t.Fatalf("Acquire behind a waiter = %v; want ErrWaitTimeout and ErrHeld", err)
@@ -252,5 +262,56 @@ func TestLocker_WaiterBehindTimesOut(t *testing.T) {
 	cancel()
 	if err := <-a; !errors.Is(err, context.Canceled) {
 		t.Fatalf("first waiter = %v; want context.Canceled", err)
+	}
+}
+
+// TestLocker_WaiterBehindReportsNews: what a waiter behind the first reports
+// when its wait ends is the newest news of the lock: the first waiter's try
+// that failed for want of a quorum is superseded once it got the lock (held,
+// not 503), and a retry-after counts down.
+func TestLocker_WaiterBehindReportsNews(t *testing.T) {
+	ctx := context.Background()
+	ns, ms := nodes(3)
+	var failing atomic.Bool
+	for _, m := range ms[1:] {
+		m.hook = func(_ context.Context, op string) error {
+			if op == "acquire" && failing.Load() {
+				return errors.New("down")
+			}
+			return nil
+		}
+	}
+	obs := &waitObserver{started: make(chan struct{}, 1024)}
+	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, Observer: obs})
+	failing.Store(true)
+	bctx, cancelB := context.WithCancel(ctx)
+	defer cancelB()
+	a, b := make(chan error, 1), make(chan error, 1)
+	go func() {
+		_, err := l.Acquire(ctx, key, Request{TTL: time.Minute, Wait: time.Minute})
+		a <- err
+	}()
+	<-obs.started // A tried, failed for want of a quorum, and waits
+	go func() {
+		_, err := l.Acquire(bctx, key, Request{TTL: time.Second, Wait: time.Minute})
+		b <- err
+	}()
+	<-obs.started // B waits behind A
+	failing.Store(false)
+	l.wake(key, "r1") // A tries again, and is granted
+	if err := <-a; err != nil {
+		t.Fatalf("A = %v; want granted", err)
+	}
+	_, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: 10 * time.Millisecond}) // C, behind B
+	var e *Error
+	if !errors.As(err, &e) || !errors.Is(err, ErrWaitTimeout) || !errors.Is(err, ErrHeld) || errors.Is(err, ErrQuorum) {
+		t.Fatalf("C behind B = %v; want ErrWaitTimeout and ErrHeld, not ErrQuorum", err)
+	}
+	if e.RetryAfter <= 0 || e.RetryAfter > time.Minute {
+		t.Errorf("C's retry-after = %v; want within A's minute-long lease", e.RetryAfter)
+	}
+	cancelB()
+	if err := <-b; !errors.Is(err, context.Canceled) {
+		t.Fatalf("B = %v; want context.Canceled", err)
 	}
 }

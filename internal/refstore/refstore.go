@@ -5,6 +5,7 @@
 package refstore
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"strconv"
@@ -88,20 +89,61 @@ func CheckJSON(data []byte) error {
 		case c == '"':
 			inString = true
 		case c == '-' || c >= '0' && c <= '9':
-			j, exp := i+1, false
-			for ; j < len(data) && strings.IndexByte("0123456789.eE+-", data[j]) >= 0; j++ {
-				exp = exp || data[j] == 'e' || data[j] == 'E'
+			j := i + 1
+			for j < len(data) && strings.IndexByte("0123456789.eE+-", data[j]) >= 0 {
+				j++
 			}
-			// Only an exponent or 309 digits reach past 1.8e308.
-			if exp || j-i > 308 {
-				if _, err := strconv.ParseFloat(string(data[i:j]), 64); err != nil {
-					return &DataError{Reason: "must not hold a number beyond ±1.7976931348623157e308, the range of an IEEE 754 double (most JSON parsers cannot read it)"}
-				}
+			if !withinDouble(data[i:j]) {
+				return &DataError{Reason: "must not hold a number beyond ±1.7976931348623157e308, the range of an IEEE 754 double (most JSON parsers cannot read it)"}
 			}
 			i = j - 1
 		}
 	}
 	return nil
+}
+
+// withinDouble reports whether the JSON number num is at most the largest
+// double in magnitude (a smaller one may round to 0: that is allowed). It
+// finds the decimal exponent of the first significant digit itself, as
+// strconv.ParseFloat stops reading an exponent past 10000 (so
+// 0.000…0001e100000 would look small), and asks ParseFloat only at the edge.
+func withinDouble(num []byte) bool {
+	mant, exp := num, []byte(nil)
+	if k := bytes.IndexAny(num, "eE"); k >= 0 {
+		mant, exp = num[:k], num[k+1:]
+	}
+	intPart, frac, _ := bytes.Cut(bytes.TrimPrefix(mant, []byte("-")), []byte("."))
+	// sig holds the significant digits from the first non-zero one, which
+	// is 10^mag without the exponent. (Strings: num is the caller's data.)
+	var sig string
+	var mag int64
+	if intSig := bytes.TrimLeft(intPart, "0"); len(intSig) > 0 {
+		sig, mag = string(intSig)+string(frac), int64(len(intSig))-1
+	} else {
+		rest := bytes.TrimLeft(frac, "0")
+		if len(rest) == 0 {
+			return true // zero
+		}
+		sig, mag = string(rest), -int64(len(frac)-len(rest))-1
+	}
+	var e int64
+	for _, d := range bytes.TrimLeft(exp, "+-") {
+		if e < 1<<40 { // saturated: far beyond any double either way
+			e = e*10 + int64(d-'0')
+		}
+	}
+	if len(exp) > 0 && exp[0] == '-' {
+		e = -e
+	}
+	switch mag += e; {
+	case mag < 308:
+		return true
+	case mag > 308:
+		return false
+	}
+	// 10^308 ≤ |num| < 10^309: compare d.ddd…e308 itself.
+	_, err := strconv.ParseFloat(sig[:1]+"."+sig[1:min(len(sig), 40)]+"e308", 64)
+	return err == nil
 }
 
 // hex4 decodes the escape \uXXXX whose 'u' is data[i].

@@ -38,11 +38,26 @@ func TestCheckJSON(t *testing.T) {
 		{"1" + strings.Repeat("0", 308), true},
 		{"1" + strings.Repeat("0", 309), false},
 		{"0." + strings.Repeat("0", 400) + "1", true},
+		{"[0." + strings.Repeat("0", 10000) + "1e100000]", false},
+		{"0." + strings.Repeat("0", 10000) + "1e10309", true},   // 1e308
+		{"0." + strings.Repeat("0", 10000) + "18e10310", false}, // 1.8e308
+		{"1.7976931348623157e308", true},
+		{"1.7976931348623159e308", false},
+		{"17976931348623157" + strings.Repeat("0", 292), true},
+		{"-0.0e999999999999999999999", true},
+		{"1e-99999999999999999999", true},
+		{"12.5E+3", true},
+		{"0.001e311", true},
+		{"0.001e312", false},
 	} {
 		if !json.Valid([]byte(tc.data)) { // encoding/json lets invalid UTF-8 through
 			t.Fatalf("%q is not valid JSON", tc.data)
 		}
-		err := CheckJSON([]byte(tc.data))
+		data := []byte(tc.data)
+		err := CheckJSON(data)
+		if string(data) != tc.data {
+			t.Errorf("CheckJSON(%q) changed its input to %q", tc.data, data)
+		}
 		if (err == nil) != tc.ok {
 			t.Errorf("CheckJSON(%q) = %v; want ok %v", tc.data, err, tc.ok)
 		}
