@@ -437,7 +437,7 @@ type nodeState struct {
 
 var (
 	quarantinedDesc = prometheus.NewDesc(MetricNodeQuarantined,
-		"1 while a Redis node's votes are not counted because it lost its memory (restart quarantine), else 0.", []string{"node"}, nil)
+		"1 while a Redis node's votes are not counted: it lost its memory (restart quarantine) or may evict keys (maxmemory-policy), else 0.", []string{"node"}, nil)
 	quarantinesDesc = prometheus.NewDesc(MetricNodeQuarantines,
 		"Restart quarantines begun, per Redis node.", []string{"node"}, nil)
 )

@@ -30,7 +30,7 @@ func TestObserver(t *testing.T) {
 	o.Quarantine("b:1", now.Add(2*time.Minute)) // extended, not a new quarantine
 
 	want := `
-# HELP redfence_node_quarantined 1 while a Redis node's votes are not counted because it lost its memory (restart quarantine), else 0.
+# HELP redfence_node_quarantined 1 while a Redis node's votes are not counted: it lost its memory (restart quarantine) or may evict keys (maxmemory-policy), else 0.
 # TYPE redfence_node_quarantined gauge
 redfence_node_quarantined{node="a:1"} 0
 redfence_node_quarantined{node="b:1"} 1
@@ -54,7 +54,7 @@ redfence_blocked_waiters 1
 	o.Quarantine("b:1", now.Add(time.Minute))
 	now = now.Add(2 * time.Minute)
 	want = `
-# HELP redfence_node_quarantined 1 while a Redis node's votes are not counted because it lost its memory (restart quarantine), else 0.
+# HELP redfence_node_quarantined 1 while a Redis node's votes are not counted: it lost its memory (restart quarantine) or may evict keys (maxmemory-policy), else 0.
 # TYPE redfence_node_quarantined gauge
 redfence_node_quarantined{node="a:1"} 0
 redfence_node_quarantined{node="b:1"} 0
