@@ -291,9 +291,12 @@ type Node struct {
 	LatencyMs float64 `json:"latency_ms"`
 
 	// QuarantinedUntil Present while the node's votes do not count: it was found to have
-	// restarted without its data (its epoch marker was gone), and a lease
-	// it forgot may still be live until this time (detection + max TTL +
-	// drift). Recorded in Postgres, so every server agrees.
+	// restarted without its data (its epoch marker was gone, or a new
+	// process that does not fsync every write), and a lease it forgot may
+	// still be live until this time (detection + max TTL + drift); or it
+	// may evict keys (a `maxmemory` limit with an evicting
+	// `maxmemory-policy`), and then this time moves on until it stops.
+	// Recorded in Postgres, so every server agrees.
 	//
 	//
 	// Example: 2025-03-14T09:27:45.118Z
@@ -336,7 +339,7 @@ type NodeOutcome struct {
 	// failed; `timeout`: no answer within the per-node timeout;
 	// `quarantined`: the node restarted without its data recently, so its
 	// answer does not count until every lease it may have forgotten has
-	// expired (see `GET /v1/nodes`).
+	// expired, or it may evict keys (see `GET /v1/nodes`).
 	Outcome NodeOutcomeOutcome `json:"outcome"`
 }
 
@@ -345,7 +348,7 @@ type NodeOutcome struct {
 // failed; `timeout`: no answer within the per-node timeout;
 // `quarantined`: the node restarted without its data recently, so its
 // answer does not count until every lease it may have forgotten has
-// expired (see `GET /v1/nodes`).
+// expired, or it may evict keys (see `GET /v1/nodes`).
 type NodeOutcomeOutcome string
 
 // PostgresHealth defines model for PostgresHealth.
@@ -486,7 +489,7 @@ type PutResourceRequest struct {
 
 // RedisHealth defines model for RedisHealth.
 type RedisHealth struct {
-	// Quarantined Nodes whose votes do not count yet because they restarted without their data.
+	// Quarantined Nodes whose votes do not count yet because they restarted without their data or may evict keys.
 	Quarantined int `json:"quarantined"`
 
 	// Quorum Nodes needed for a grant (N/2+1).

@@ -534,9 +534,12 @@ export interface components {
             /**
              * Format: date-time
              * @description Present while the node's votes do not count: it was found to have
-             *     restarted without its data (its epoch marker was gone), and a lease
-             *     it forgot may still be live until this time (detection + max TTL +
-             *     drift). Recorded in Postgres, so every server agrees.
+             *     restarted without its data (its epoch marker was gone, or a new
+             *     process that does not fsync every write), and a lease it forgot may
+             *     still be live until this time (detection + max TTL + drift); or it
+             *     may evict keys (a `maxmemory` limit with an evicting
+             *     `maxmemory-policy`), and then this time moves on until it stops.
+             *     Recorded in Postgres, so every server agrees.
              * @example 2025-03-14T09:27:45.118Z
              */
             quarantined_until?: string;
@@ -567,7 +570,7 @@ export interface components {
         RedisHealth: {
             /** @description Nodes that answered a ping and whose votes count. */
             up: number;
-            /** @description Nodes whose votes do not count yet because they restarted without their data. */
+            /** @description Nodes whose votes do not count yet because they restarted without their data or may evict keys. */
             quarantined: number;
             /** @description Configured nodes. */
             total: number;
@@ -698,7 +701,7 @@ export interface components {
              *     failed; `timeout`: no answer within the per-node timeout;
              *     `quarantined`: the node restarted without its data recently, so its
              *     answer does not count until every lease it may have forgotten has
-             *     expired (see `GET /v1/nodes`).
+             *     expired, or it may evict keys (see `GET /v1/nodes`).
              * @enum {string}
              */
             outcome: "yes" | "no" | "error" | "timeout" | "quarantined";
