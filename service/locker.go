@@ -1151,10 +1151,16 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 		fired        = enough == nil // ready is closed
 	)
 	// One deadline for the round: every node's request starts now. The
-	// last node to answer cancels it.
+	// last node to answer cancels it. A node that has not answered by then
+	// gets a timeout vote then, whatever its request does: a pipelined
+	// batch runs until the latest deadline of the calls it carries, and a
+	// blocking call may overrun its own. Its answer, if it comes, is
+	// dropped (a timeout already counts as "may have written").
 	nctx, cancel := l.nodeContext(ctx)
 	var wg sync.WaitGroup
 	wg.Add(len(l.nodes))
+	answered := make([]atomic.Bool, len(l.nodes))
+	var stopTimeouts atomic.Pointer[func() bool]
 	finish := func(i int, t0 time.Time, ok bool, rem time.Duration, err error, async bool) {
 		defer wg.Done()
 		n := l.nodes[i]
@@ -1198,6 +1204,9 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 		last := got == len(l.nodes)
 		countMu.Unlock()
 		if last {
+			if stop := stopTimeouts.Load(); stop != nil {
+				(*stop)() // spares the timeouts' goroutine
+			}
 			cancel() // the last answer is in
 		}
 		ch <- v
@@ -1209,16 +1218,28 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			after(i, ok || unsure, unsure)
 		}
 	}
+	once := func(i int, t0 time.Time, ok bool, rem time.Duration, err error, async bool) {
+		if !answered[i].Swap(true) {
+			finish(i, t0, ok, rem, err, async)
+		}
+	}
+	start := time.Now()
+	stop := context.AfterFunc(nctx, func() {
+		for i := range l.nodes {
+			once(i, start, false, 0, fmt.Errorf("%s: %w", name, nctx.Err()), false)
+		}
+	})
+	stopTimeouts.Store(&stop)
 	for i, n := range l.nodes {
 		if an, ok := n.(asyncNode); ok && op.async != nil && an.async() {
 			t0 := time.Now()
-			op.async(nctx, i, an, func(ok bool, rem time.Duration, err error) { finish(i, t0, ok, rem, err, true) })
+			op.async(nctx, i, an, func(ok bool, rem time.Duration, err error) { once(i, t0, ok, rem, err, true) })
 			continue
 		}
 		go func() {
 			t0 := time.Now()
 			ok, rem, err := op.sync(nctx, i, n)
-			finish(i, t0, ok, rem, err, false)
+			once(i, t0, ok, rem, err, false)
 		}()
 	}
 	return b, &wg

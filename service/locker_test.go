@@ -337,6 +337,44 @@ func TestLocker_Acquire(t *testing.T) {
 		}
 	})
 
+	t.Run("OverrunNotAwaited", func(t *testing.T) {
+		// Three nodes' requests overrun the node timeout (as a pipelined
+		// batch carrying a later caller's deadline does): each gets a
+		// timeout vote at the round's deadline, and the refusal does not
+		// wait for them to return.
+		ns, ms := nodes(5)
+		thaw := make(chan struct{})
+		var returned atomic.Int32
+		for _, m := range ms[2:] {
+			m.hook = func(_ context.Context, op string) error {
+				if op == "acquire" {
+					defer returned.Add(1)
+					select { // ignores its context
+					case <-thaw:
+					case <-time.After(20 * time.Second):
+					}
+					return errors.New("answered too late")
+				}
+				return nil
+			}
+		}
+		l := newLocker(t, ns, &memIssuer{}, Options{NodeTimeout: 20 * time.Millisecond})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		if n := returned.Load(); n != 0 {
+			t.Errorf("Acquire returned after %d overrunning requests did; want 0", n)
+		}
+		close(thaw)
+		var e *Error
+		if !errors.As(err, &e) || !errors.Is(err, ErrQuorum) {
+			t.Fatalf("Acquire = %v; want ErrQuorum", err)
+		}
+		for i, r := range e.Nodes[2:] {
+			if r.Outcome != Timeout {
+				t.Errorf("node %d: outcome %v; want %v", i+2, r.Outcome, Timeout)
+			}
+		}
+	})
+
 	t.Run("FrozenNodesNotAwaited", func(t *testing.T) {
 		// Three of five nodes frozen: their SETs get no answer, and neither
 		// would the deletes that follow until the node timeout. The refusal
