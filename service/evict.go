@@ -17,7 +17,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"time"
 )
 
@@ -69,21 +68,13 @@ func evictionPolicy(info string) (string, error) {
 // checkEviction reads every node's eviction policy in parallel, each within
 // NodeTimeout, and notes it. A node that does not answer keeps its state.
 func (l *Locker) checkEviction(ctx context.Context) {
-	var wg sync.WaitGroup
-	for i, m := range l.members {
-		er, ok := m.Node.(evictionReader)
-		if !ok {
-			continue
-		}
-		wg.Go(func() {
-			nctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
-			defer cancel()
-			if policy, err := er.EvictionPolicy(nctx); err == nil {
+	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
+		if er, ok := n.(evictionReader); ok {
+			if policy, err := er.EvictionPolicy(ctx); err == nil {
 				l.noteEviction(i, policy)
 			}
-		})
-	}
-	wg.Wait()
+		}
+	})
 }
 
 // noteEviction records node i's eviction policy ("" when it cannot evict).

@@ -504,19 +504,11 @@ func (l *Locker) seen(i int, id string, durable bool) {
 // those).
 func (l *Locker) checkDistinct(ctx context.Context) ([]string, error) {
 	ids := make([]string, len(l.nodes))
-	var wg sync.WaitGroup
-	for i, n := range l.nodes {
-		si, ok := n.(serverIdentifier)
-		if !ok {
-			continue
+	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
+		if si, ok := n.(serverIdentifier); ok {
+			ids[i], _ = si.ServerID(ctx)
 		}
-		wg.Go(func() {
-			nctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
-			defer cancel()
-			ids[i], _ = si.ServerID(nctx)
-		})
-	}
-	wg.Wait()
+	})
 	first := make(map[string]int, len(ids))
 	for i, id := range ids {
 		if id == "" {
@@ -529,6 +521,20 @@ func (l *Locker) checkDistinct(ctx context.Context) ([]string, error) {
 		first[id] = i
 	}
 	return ids, nil
+}
+
+// eachNode calls f for every node in parallel, each with a context bounded
+// by NodeTimeout, and returns when every call has.
+func (l *Locker) eachNode(ctx context.Context, f func(ctx context.Context, i int, n Node)) {
+	var wg sync.WaitGroup
+	for i, n := range l.nodes {
+		wg.Go(func() {
+			nctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+			defer cancel()
+			f(nctx, i, n)
+		})
+	}
+	wg.Wait()
 }
 
 // startHeartbeat makes the Locker's first Heartbeat, then renews it every

@@ -60,13 +60,21 @@ func (e *restartEnv) locker(t *testing.T, reg service.Registry) *service.Locker 
 // lockerAt is locker with the nodes configured as addrs.
 func (e *restartEnv) lockerAt(t *testing.T, reg service.Registry, addrs []string) *service.Locker {
 	t.Helper()
+	return e.lockerWith(t, addrs, service.Options{Registry: reg})
+}
+
+// lockerWith is lockerAt with options; MaxTTL and NodeTimeout are the
+// suite's (3s, 1s).
+func (e *restartEnv) lockerWith(t *testing.T, addrs []string, opts service.Options) *service.Locker {
+	t.Helper()
 	var ns []service.Node
 	for _, addr := range addrs {
 		rn := service.NewRedisNode(addr, service.RedisOptions{})
 		t.Cleanup(func() { rn.Close() })
 		ns = append(ns, rn)
 	}
-	l, err := service.New(ns, e.db, service.Options{Registry: reg, MaxTTL: 3 * time.Second, NodeTimeout: time.Second})
+	opts.MaxTTL, opts.NodeTimeout = 3*time.Second, time.Second
+	l, err := service.New(ns, e.db, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -574,21 +582,12 @@ func TestLocker_RestartHandledElsewhere(t *testing.T) {
 	a := e.locker(t, e.db)
 	reg := gatedRegistry{DB: e.db, gate: make(chan struct{})}
 	obs := quarantinedVotes{votes: make(chan string, 16)}
-	var ns []service.Node
-	for _, n := range e.nodes {
-		rn := service.NewRedisNode(n.Addr(), service.RedisOptions{})
-		t.Cleanup(func() { rn.Close() })
-		ns = append(ns, rn)
+	addrs := make([]string, len(e.nodes))
+	for i, n := range e.nodes {
+		addrs[i] = n.Addr()
 	}
-	b, err := service.New(ns, e.db, service.Options{Registry: reg, MaxTTL: 3 * time.Second, NodeTimeout: time.Second, Observer: obs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(b.Close)
+	b := e.lockerWith(t, addrs, service.Options{Registry: reg, Observer: obs}) // B knows the run_ids, and sends nothing yet
 	ctx := t.Context()
-	if err := b.Init(ctx); err != nil { // B knows the run_ids, and sends nothing yet
-		t.Fatal(err)
-	}
 	for i := range 3 {
 		e.restartEmpty(t, i)
 	}
