@@ -98,7 +98,7 @@ func (l *Locker) noteEviction(i int, policy string) {
 	m.evictRecorded = policy != "" && (m.evictRecorded || record)
 	m.mu.Unlock()
 	if record {
-		l.recover(i, epoch) // a quarantine for the other servers too
+		l.recover(i, recoveryReq{seen: epoch}) // a quarantine for the other servers too
 	}
 	switch {
 	case policy != "" && was == "":

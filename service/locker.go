@@ -57,12 +57,22 @@ type Registry interface {
 	// server may hold a lease starts quarantined as QuarantineNode would
 	// (it may be a known node under another address, just restarted).
 	RegisterNode(ctx context.Context, addr, epoch string) (cur string, left time.Duration, created bool, err error)
-	// QuarantineNode records that addr no longer holds the marker expected:
-	// if addr's epoch is still expected, it sets next as the epoch and
-	// quarantines addr for d from now (never shortening a running
-	// quarantine). It returns addr's epoch and the time left of its
+	// QuarantineNode records that addr no longer holds the marker expected,
+	// or, with a runID, that its Redis process restarted as runID: if
+	// addr's epoch is still expected, or runID is not the process on record
+	// (no server handled this restart yet), it sets next as the epoch,
+	// records runID and quarantines addr for d from now (never shortening a
+	// running quarantine). It returns addr's epoch and the time left of its
 	// quarantine after that (0 if none).
-	QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (cur string, left time.Duration, err error)
+	QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (cur string, left time.Duration, err error)
+	// NodeProcess records that addr's Redis process is runID, as found by a
+	// server that was not watching the node before. If the record names
+	// another process, the node restarted unseen (perhaps from a snapshot
+	// without the locks written since): unless durable, or no server may
+	// still hold a lease, it sets next as the epoch and quarantines addr for
+	// as long as the servers that may hold leases need. It returns addr's
+	// epoch and the time left of its quarantine (0 if none).
+	NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (cur string, left time.Duration, err error)
 	// Heartbeat records that the server id runs and that its leases need a
 	// quarantine of at least quarantine. QuarantineNode then quarantines
 	// for at least the longest quarantine of the servers that may still
@@ -204,14 +214,17 @@ type member struct {
 	mu    sync.Mutex
 	epoch string    // the marker the node must hold; "" checks nothing
 	until time.Time // votes do not count before this
-	// recovery is closed when the running recovery of the node's lost
-	// memory ends (nil: none runs); it makes recovery single-flight per
-	// node. Guarded by mu.
+	// recovery is closed when the node's recoveries (see recover) have all
+	// run (nil: none runs); running is the one under way and queued those
+	// behind it, run one at a time in order. Guarded by mu.
 	recovery chan struct{}
+	running  recoveryReq
+	queued   []recoveryReq
 	// runID is the run_id of the Redis process last seen behind the node
-	// ("" before the first); a new one means the node restarted. Guarded
-	// by mu.
-	runID string
+	// ("" before the first), and durable whether it fsyncs every write; a
+	// new run_id means the node restarted. Guarded by mu.
+	runID   string
+	durable bool
 	// evicting is the node's maxmemory-policy while it may evict keys: its
 	// votes do not count then (see evict.go); evictRecorded says the spell
 	// was recorded in the Registry. Guarded by mu.
@@ -225,9 +238,13 @@ func (m *member) state() (epoch string, until time.Time) {
 	return m.epoch, m.until
 }
 
-func (m *member) set(epoch string, until time.Time) {
+// adopt sets the epoch on record and extends the quarantine to until.
+func (m *member) adopt(epoch string, until time.Time) {
 	m.mu.Lock()
-	m.epoch, m.until = epoch, until
+	m.epoch = epoch
+	if until.After(m.until) {
+		m.until = until
+	}
 	m.mu.Unlock()
 }
 
@@ -388,11 +405,14 @@ func (l *Locker) Close() {
 // never seen before is marked with a fresh epoch (and starts quarantined if
 // servers may hold leases, see Registry); a known node keeps the epoch on
 // record, so if it restarted without its data while no server ran, the first
-// acquire that reaches it finds the marker missing. Then it starts this
-// server's heartbeat (see startHeartbeat) and the checks of the nodes'
-// eviction policies (see evict.go), with or without a Registry.
+// acquire that reaches it finds the marker missing. A node whose Redis
+// process is not the one on record restarted while no server watched it,
+// perhaps from a snapshot that still holds the marker: it is quarantined as
+// Registry.NodeProcess says. Then Init starts this server's heartbeat (see
+// startHeartbeat) and the checks of the nodes' eviction policies (see
+// evict.go), with or without a Registry.
 func (l *Locker) Init(ctx context.Context) error {
-	ids, err := l.checkDistinct(ctx)
+	procs, err := l.checkDistinct(ctx)
 	if err != nil {
 		return err
 	}
@@ -403,7 +423,7 @@ func (l *Locker) Init(ctx context.Context) error {
 	for i, m := range l.members {
 		if rw, ok := m.Node.(restartWatcher); ok {
 			m.mu.Lock()
-			m.runID = ids[i]
+			m.runID, m.durable = procs[i].id, procs[i].durable
 			m.mu.Unlock()
 			rw.WatchRestarts(func(_ context.Context, id string, durable bool) error {
 				l.seen(i, id, durable)
@@ -411,7 +431,7 @@ func (l *Locker) Init(ctx context.Context) error {
 			})
 		}
 	}
-	for _, m := range l.members {
+	for i, m := range l.members {
 		epoch, err := newEpoch()
 		if err != nil {
 			return err
@@ -421,7 +441,7 @@ func (l *Locker) Init(ctx context.Context) error {
 			return fmt.Errorf("service: register node %s: %w", m.Addr(), err)
 		}
 		until := l.quarantineEnd(left)
-		m.set(cur, until)
+		m.adopt(cur, until)
 		if until.After(l.opts.Now()) {
 			l.opts.Observer.Quarantine(m.Addr(), until)
 		}
@@ -439,6 +459,19 @@ func (l *Locker) Init(ctx context.Context) error {
 			_, _ = la.AdoptLegacyMarker(mctx, cur)
 			cancel()
 		}
+		m.mu.Lock()
+		id, durable := m.runID, m.durable
+		m.mu.Unlock()
+		if id == "" {
+			continue // down now: checked when first reached (see seen)
+		}
+		if done := l.recover(i, recoveryReq{runID: id, durable: durable, unseen: true}); done != nil {
+			select {
+			case <-done:
+			case <-ctx.Done():
+				return fmt.Errorf("service: record the process of node %s: %w", m.Addr(), ctx.Err())
+			}
+		}
 	}
 	if err := l.startHeartbeat(ctx); err != nil {
 		return err
@@ -448,9 +481,17 @@ func (l *Locker) Init(ctx context.Context) error {
 }
 
 // serverIdentifier is a Node that can name the server process behind it
-// (RedisNode: the run_id of INFO server).
+// (RedisNode: the run_id of INFO server) and tell whether that process
+// fsyncs every write (appendonly yes, appendfsync always).
 type serverIdentifier interface {
-	ServerID(ctx context.Context) (string, error)
+	ServerID(ctx context.Context) (id string, durable bool, err error)
+}
+
+// process is the server process found behind a node: its run_id ("" if
+// unknown) and whether it fsyncs every write.
+type process struct {
+	id      string
+	durable bool
 }
 
 // restartWatcher is a Node that reports the server process behind each new
@@ -466,31 +507,44 @@ type restartWatcher interface {
 // written since, its epoch marker still there. Its votes then stop counting
 // at once, before the new connection carries a command, and the node is
 // recovered as one that lost its memory (a quarantine recorded for every
-// server, a new epoch).
+// server, a new epoch). A first process seen after Init (the node was down
+// then) is checked against the one on record the same way: its votes count
+// once the Registry has answered that it is the process on record, or that
+// no quarantine is needed.
 func (l *Locker) seen(i int, id string, durable bool) {
 	m := l.members[i]
 	m.mu.Lock()
 	prev := m.runID
-	m.runID = id
-	if prev == "" || prev == id {
+	m.runID, m.durable = id, durable
+	epoch := m.epoch
+	if prev == id || (prev == "" && (l.opts.Registry == nil || epoch == "")) {
+		// Before Init has registered the node (epoch ""), Init checks the
+		// process itself.
 		m.mu.Unlock()
 		return
 	}
-	if durable {
+	if prev == "" || durable {
+		if !durable {
+			if until := l.opts.Now().Add(l.quarantineFor()); until.After(m.until) {
+				m.until = until // until the Registry has answered
+			}
+		}
 		m.mu.Unlock()
-		l.opts.Logger.Info("node restarted with appendfsync always: it kept every lease it acknowledged", slog.String("node", m.Addr()))
+		if prev != "" {
+			l.opts.Logger.Info("node restarted with appendfsync always: it kept every lease it acknowledged", slog.String("node", m.Addr()))
+		}
+		l.recover(i, recoveryReq{runID: id, durable: durable, unseen: true})
 		return
 	}
 	until := l.opts.Now().Add(l.quarantineFor())
 	if until.After(m.until) {
 		m.until = until
 	}
-	epoch := m.epoch
 	m.mu.Unlock()
 	// With a Registry, the recovery reports the quarantine if one runs:
 	// another server may have handled this restart already (its quarantine
 	// over), and then the node counts again as soon as the record is read.
-	if l.recover(i, epoch) == nil {
+	if l.recover(i, recoveryReq{seen: epoch, runID: id}) == nil {
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node restarted (new run_id): its votes do not count until every lease it may have forgotten has expired",
 			slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
@@ -500,27 +554,29 @@ func (l *Locker) seen(i int, id string, durable bool) {
 // checkDistinct returns an error matching ErrSameServer when two nodes
 // answer as one server (an address spelt two ways, or a proxy in front of
 // one server): that server would vote twice. Nodes that do not answer
-// within NodeTimeout are not checked. It returns each node's run_id ("" for
-// those).
-func (l *Locker) checkDistinct(ctx context.Context) ([]string, error) {
-	ids := make([]string, len(l.nodes))
+// within NodeTimeout are not checked. It returns the process found behind
+// each node (a zero one for those).
+func (l *Locker) checkDistinct(ctx context.Context) ([]process, error) {
+	procs := make([]process, len(l.nodes))
 	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
 		if si, ok := n.(serverIdentifier); ok {
-			ids[i], _ = si.ServerID(ctx)
+			if id, durable, err := si.ServerID(ctx); err == nil {
+				procs[i] = process{id: id, durable: durable}
+			}
 		}
 	})
-	first := make(map[string]int, len(ids))
-	for i, id := range ids {
-		if id == "" {
+	first := make(map[string]int, len(procs))
+	for i, p := range procs {
+		if p.id == "" {
 			continue
 		}
-		if j, ok := first[id]; ok {
+		if j, ok := first[p.id]; ok {
 			return nil, fmt.Errorf("service: nodes %s and %s answer as one Redis server (run_id %s); list each server once: %w",
-				l.nodes[j].Addr(), l.nodes[i].Addr(), id, ErrSameServer)
+				l.nodes[j].Addr(), l.nodes[i].Addr(), p.id, ErrSameServer)
 		}
-		first[id] = i
+		first[p.id] = i
 	}
-	return ids, nil
+	return procs, nil
 }
 
 // eachNode calls f for every node in parallel, each with a context bounded
@@ -637,20 +693,37 @@ func (l *Locker) quarantineFor() time.Duration {
 	return l.opts.MaxTTL + l.drift(l.opts.MaxTTL) + l.opts.NodeTimeout
 }
 
-// recover handles node i answering that it lacks the marker seen: it records
-// the loss in the Registry (starting a quarantine unless another server did
-// already or one is running), adopts the recorded epoch, and marks the node.
-// It runs in the background, once at a time per node; meanwhile the node's
-// answers do not count. It returns a channel closed when the recovery (this
-// one, or the one already running) is done, or nil without a Registry.
-func (l *Locker) recover(i int, seen string) chan struct{} {
+// recoveryReq is what a recovery of a node brings up to date with the
+// Registry: the node lacks the epoch marker seen (runID ""); its process
+// restarted as runID (seen: the epoch this server had for it); or, unseen,
+// a server that was not watching the node found process runID behind it.
+type recoveryReq struct {
+	seen    string
+	runID   string
+	durable bool
+	unseen  bool
+}
+
+// recover records what req says of node i in the Registry (a quarantine
+// starts unless another server started it already or one is running, see
+// Registry), adopts the recorded epoch and quarantine, and marks the node
+// if this call started the quarantine. It runs in the background; a node's
+// recoveries run one at a time, in the order asked, and one asked while the
+// same one runs or waits is not repeated. Meanwhile the node's answers count
+// as its quarantine says: a recovery with others queued behind it only
+// extends the quarantine, as they may have started a provisional one for
+// news it has not recorded. It returns a channel closed when the node's
+// recoveries have all run, or nil without a Registry.
+func (l *Locker) recover(i int, req recoveryReq) chan struct{} {
 	m := l.members[i]
 	if l.opts.Registry == nil {
 		return nil
 	}
 	m.mu.Lock()
-	if m.recovery != nil {
-		done := m.recovery
+	if done := m.recovery; done != nil {
+		if req != m.running && !slices.Contains(m.queued, req) {
+			m.queued = append(m.queued, req)
+		}
 		m.mu.Unlock()
 		return done
 	}
@@ -663,68 +736,101 @@ func (l *Locker) recover(i int, seen string) chan struct{} {
 	l.bg.Add(1)
 	l.bgMu.Unlock()
 	done := make(chan struct{})
-	m.recovery = done
+	m.recovery, m.running = done, req
 	m.mu.Unlock()
 	go func() {
 		defer l.bg.Done()
-		defer func() {
+		for {
+			l.recoverOnce(i, req)
 			m.mu.Lock()
-			m.recovery = nil
-			m.mu.Unlock()
-			close(done)
-		}()
-		ctx, cancel := context.WithTimeout(l.life, l.opts.IssueTimeout)
-		defer cancel()
-		next, err := newEpoch()
-		if err != nil {
-			return
-		}
-		cur, left, err := l.opts.Registry.QuarantineNode(ctx, m.Addr(), seen, next, l.quarantineFor())
-		until := l.quarantineEnd(left)
-		if err != nil {
-			_, until := m.state() // this server's own quarantine stands
-			if until.After(l.opts.Now()) {
-				l.opts.Observer.Quarantine(m.Addr(), until)
+			if len(m.queued) == 0 {
+				m.recovery, m.running = nil, recoveryReq{}
+				m.mu.Unlock()
+				close(done)
+				return
 			}
-			l.opts.Logger.Warn("node lost its memory; could not record the quarantine", slog.String("node", m.Addr()),
-				slog.Time("quarantined_until", until), slog.String("error", err.Error()))
-			return
-		}
-		prev, _ := m.state()
-		m.set(cur, until)
-		now := l.opts.Now()
-		if !until.After(now) {
-			// No quarantine runs: another server moved the node to cur and
-			// marked it earlier, and this one was behind. Marking now could
-			// hide a restart since then; if the node lacks cur's marker, the
-			// next acquire finds that out and a new quarantine starts.
-			return
-		}
-		l.opts.Observer.Quarantine(m.Addr(), until)
-		if cur != prev {
-			l.opts.Logger.Warn("node restarted without its data: its votes do not count until every lease it may have held has expired",
-				slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
-		}
-		// Mark within the quarantine, which covers any loss of the node's
-		// data until it ends. The server that started the quarantine
-		// (cur is its next) replaces whatever marker the node holds: a
-		// marker from an older epoch (a mark that landed after a restart)
-		// would otherwise make every acquire find the node "restarted" for
-		// good. The others only add a missing one.
-		mctx, mcancel := context.WithTimeout(ctx, min(l.opts.NodeTimeout, until.Sub(now)))
-		defer mcancel()
-		if _, err := m.Mark(mctx, cur, cur == next); err != nil {
-			l.opts.Logger.Warn("could not mark node", slog.String("node", m.Addr()), slog.String("error", err.Error()))
+			req = m.queued[0]
+			m.queued = m.queued[1:]
+			m.running = req
+			m.mu.Unlock()
 		}
 	}()
 	return done
+}
+
+// recoverOnce runs one recovery of node i (see recover).
+func (l *Locker) recoverOnce(i int, req recoveryReq) {
+	m := l.members[i]
+	ctx, cancel := context.WithTimeout(l.life, l.opts.IssueTimeout)
+	defer cancel()
+	next, err := newEpoch()
+	if err != nil {
+		return
+	}
+	var cur string
+	var left time.Duration
+	if req.unseen {
+		cur, left, err = l.opts.Registry.NodeProcess(ctx, m.Addr(), req.runID, next, req.durable)
+	} else {
+		cur, left, err = l.opts.Registry.QuarantineNode(ctx, m.Addr(), req.seen, next, req.runID, l.quarantineFor())
+	}
+	if err != nil {
+		_, until := m.state() // this server's own quarantine stands
+		if until.After(l.opts.Now()) {
+			l.opts.Observer.Quarantine(m.Addr(), until)
+		}
+		msg := "node lost its memory; could not record the quarantine"
+		if req.unseen {
+			msg = "could not check the node's Redis process against the record; its votes do not count until the quarantine a restart would need has passed"
+		}
+		l.opts.Logger.Warn(msg, slog.String("node", m.Addr()),
+			slog.Time("quarantined_until", until), slog.String("error", err.Error()))
+		return
+	}
+	until := l.quarantineEnd(left)
+	m.mu.Lock()
+	prev := m.epoch
+	m.epoch = cur
+	if len(m.queued) == 0 || until.After(m.until) {
+		m.until = until
+	}
+	m.mu.Unlock()
+	now := l.opts.Now()
+	if !until.After(now) {
+		// No quarantine runs: another server moved the node to cur and
+		// marked it earlier, and this one was behind (or, unseen, the
+		// process is the one on record, or no lease can be held). Marking
+		// now could hide a restart since then; if the node lacks cur's
+		// marker, the next acquire finds that out and a new quarantine
+		// starts.
+		return
+	}
+	l.opts.Observer.Quarantine(m.Addr(), until)
+	if cur != prev {
+		msg := "node restarted without its data: its votes do not count until every lease it may have held has expired"
+		if req.unseen && cur == next {
+			msg = "node restarted while no server watched it (its Redis process is not the one on record) and may have lost locks: its votes do not count until every lease it may have held has expired"
+		}
+		l.opts.Logger.Warn(msg, slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
+	}
+	// Mark within the quarantine, which covers any loss of the node's
+	// data until it ends. The server that started the quarantine (cur is
+	// its next) replaces whatever marker the node holds: a marker from an
+	// older epoch (a mark that landed after a restart) would otherwise make
+	// every acquire find the node "restarted" for good. The others only
+	// add a missing one.
+	mctx, mcancel := context.WithTimeout(ctx, min(l.opts.NodeTimeout, until.Sub(now)))
+	defer mcancel()
+	if _, err := m.Mark(mctx, cur, cur == next); err != nil {
+		l.opts.Logger.Warn("could not mark node", slog.String("node", m.Addr()), slog.String("error", err.Error()))
+	}
 }
 
 // noteLoss starts recovering node i when an acquire sent with epoch found
 // that the node lost its memory (err matches ErrMemoryLost).
 func (l *Locker) noteLoss(i int, epoch string, err error) {
 	if errors.Is(err, ErrMemoryLost) {
-		l.recover(i, epoch)
+		l.recover(i, recoveryReq{seen: epoch})
 	}
 }
 
@@ -1834,7 +1940,7 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 		got, err := er.Epoch(ctx)
 		if err == nil && got != epoch {
 			found.Store(i, got)
-			if done := l.recover(i, epoch); done != nil {
+			if done := l.recover(i, recoveryReq{seen: epoch}); done != nil {
 				recovering.Store(i, done)
 			}
 		}

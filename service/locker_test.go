@@ -888,11 +888,12 @@ type memRegistry struct {
 	mu      sync.Mutex
 	epochs  map[string]string
 	until   map[string]time.Time
+	runIDs  map[string]string        // the process on record ("" none)
 	servers map[string]time.Duration // server id -> the quarantine it needs
 }
 
 func newRegistry(clk *clock) *memRegistry {
-	return &memRegistry{clk: clk, epochs: map[string]string{}, until: map[string]time.Time{}}
+	return &memRegistry{clk: clk, epochs: map[string]string{}, until: map[string]time.Time{}, runIDs: map[string]string{}}
 }
 
 // marked returns a channel that receives each time n is marked: the last step
@@ -925,20 +926,43 @@ func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (str
 	return epoch, r.left(addr), true, nil
 }
 
-func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
+func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (string, time.Duration, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	now := r.clk.Now()
-	if r.epochs[addr] == expected {
-		for _, q := range r.servers { // as store: the longest any server needs
-			d = max(d, q)
-		}
-		r.epochs[addr] = next
-		if end := now.Add(d); end.After(r.until[addr]) {
-			r.until[addr] = end
+	if r.epochs[addr] == expected || (runID != "" && r.runIDs[addr] != runID) {
+		r.quarantine(addr, next, d)
+		if runID != "" {
+			r.runIDs[addr] = runID
 		}
 	}
 	return r.epochs[addr], r.left(addr), nil
+}
+
+func (r *memRegistry) NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (string, time.Duration, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var need time.Duration // as store: only if servers may hold leases
+	for _, q := range r.servers {
+		need = max(need, q)
+	}
+	if was := r.runIDs[addr]; was != "" && was != runID && !durable && need > 0 {
+		r.quarantine(addr, next, 0)
+	}
+	r.runIDs[addr] = runID
+	return r.epochs[addr], r.left(addr), nil
+}
+
+// quarantine moves addr to epoch next and quarantines it for at least d and
+// the longest quarantine any server needs, never shortening one. r.mu is
+// held.
+func (r *memRegistry) quarantine(addr, next string, d time.Duration) {
+	for _, q := range r.servers { // as store: the longest any server needs
+		d = max(d, q)
+	}
+	r.epochs[addr] = next
+	if end := r.clk.Now().Add(d); end.After(r.until[addr]) {
+		r.until[addr] = end
+	}
 }
 
 func (r *memRegistry) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
@@ -1139,7 +1163,7 @@ type blockingRegistry struct {
 	returned atomic.Bool
 }
 
-func (r *blockingRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
+func (r *blockingRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (string, time.Duration, error) {
 	r.entered <- struct{}{}
 	<-ctx.Done()
 	r.returned.Store(true)

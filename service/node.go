@@ -149,7 +149,11 @@ type RedisNode struct {
 	onConnect atomic.Pointer[func(ctx context.Context, runID string, durable bool) error]
 }
 
-var _ Node = (*RedisNode)(nil)
+var (
+	_ Node             = (*RedisNode)(nil)
+	_ serverIdentifier = (*RedisNode)(nil)
+	_ restartWatcher   = (*RedisNode)(nil)
+)
 
 // RedisOptions configures NewRedisNode. The zero value is usable.
 type RedisOptions struct {
@@ -254,11 +258,14 @@ func (n *RedisNode) connected(ctx context.Context, cn *redis.Conn) error {
 	if id == "" {
 		return nil
 	}
-	durable := false
-	if cfg, err := cn.ConfigGet(ctx, "append*").Result(); err == nil {
-		durable = cfg["appendonly"] == "yes" && cfg["appendfsync"] == "always"
-	}
-	return (*f)(ctx, id, durable)
+	return (*f)(ctx, id, fsyncsAll(ctx, cn))
+}
+
+// fsyncsAll reports whether the server behind c fsyncs every write before
+// answering (appendonly yes, appendfsync always); false if CONFIG is refused.
+func fsyncsAll(ctx context.Context, c redis.Cmdable) bool {
+	cfg, err := c.ConfigGet(ctx, "append*").Result()
+	return err == nil && cfg["appendonly"] == "yes" && cfg["appendfsync"] == "always"
 }
 
 // runID returns the run_id of an INFO server answer, or "".
@@ -505,16 +512,18 @@ func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
 }
 
 // ServerID returns the run_id of the Redis server behind the node (INFO
-// server): it names one run of one server process.
-func (n *RedisNode) ServerID(ctx context.Context) (string, error) {
+// server), which names one run of one server process, and whether that
+// process fsyncs every write before answering (appendonly yes, appendfsync
+// always; false if CONFIG is refused).
+func (n *RedisNode) ServerID(ctx context.Context) (id string, durable bool, err error) {
 	info, err := n.client.Info(ctx, "server").Result()
 	if err != nil {
-		return "", fmt.Errorf("info server: %w", err)
+		return "", false, fmt.Errorf("info server: %w", err)
 	}
-	if id := runID(info); id != "" {
-		return id, nil
+	if id = runID(info); id == "" {
+		return "", false, errors.New("info server: no run_id")
 	}
-	return "", errors.New("info server: no run_id")
+	return id, fsyncsAll(ctx, n.client), nil
 }
 
 // Ping implements Node.

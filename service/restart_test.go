@@ -339,6 +339,58 @@ func TestLocker_SnapshotRestart(t *testing.T) {
 	}
 }
 
+// TestLocker_SnapshotRestartUnseen: server A grants a lock held on nodes
+// 0-2 and stops; node 0 then restarts from a snapshot taken before the grant
+// (its marker there, the lock gone) while no server runs. Server B, started
+// next, finds behind node 0 a Redis process that is not the one on record
+// and quarantines the node, so the lock A's client still holds is not
+// granted again.
+func TestLocker_SnapshotRestartUnseen(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	ctx := t.Context()
+	var ns []service.Node
+	for _, n := range e.nodes {
+		ns = append(ns, service.NewRedisNode(n.Addr(), service.RedisOptions{}))
+	}
+	a, err := service.New(ns, e.db, service.Options{Registry: e.db, MaxTTL: 3 * time.Second, NodeTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.raw[0].Save(ctx).Err(); err != nil { // a snapshot with the marker
+		t.Fatal(err)
+	}
+	g := e.holdOnFirstThree(t, a, "rdb")
+	a.Close() // server A stops; its client still holds the lease
+	for _, n := range ns {
+		n.(*service.RedisNode).Close()
+	}
+	e.restartEmpty(t, 0) // same directory: it loads the snapshot
+	if n, err := e.raw[0].Exists(ctx, keyspace.NodeEpochKey(e.nodes[0].Addr())).Result(); err != nil || n != 1 {
+		t.Fatalf("node 0 after the restart: marker present = %d, %v; want the snapshot's marker", n, err)
+	}
+	b := e.locker(t, e.db)
+	if st := b.Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
+		t.Errorf("node 0 restarted from a snapshot while no server ran: %+v; want it quarantined", st[0])
+	}
+	for i, st := range b.Nodes(ctx)[1:] {
+		if !st.QuarantinedUntil.IsZero() {
+			t.Errorf("node %d quarantined too: %+v", i+1, st)
+		}
+	}
+	bg, err := b.Acquire(ctx, "rdb", service.Request{TTL: time.Second})
+	if err == nil {
+		t.Fatalf("B granted (token %d) while A's client (token %d) holds the lock: two holders", bg.Fencing, g.Fencing)
+	}
+	var se *service.Error
+	if !errors.As(err, &se) || se.Nodes[0].Outcome != service.Quarantined {
+		t.Fatalf("B = %v; want refused with node 0 quarantined", err)
+	}
+}
+
 // TestLocker_StaleMarker: a node restarted without its data that then got a
 // marker from an older epoch (as when another server's mark lands just after
 // the restart) is quarantined once and marked anew by the server that
@@ -547,13 +599,13 @@ type gatedRegistry struct {
 	gate chan struct{}
 }
 
-func (r gatedRegistry) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
+func (r gatedRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (string, time.Duration, error) {
 	select {
 	case <-r.gate:
 	case <-ctx.Done():
 		return "", 0, ctx.Err()
 	}
-	return r.DB.QuarantineNode(ctx, addr, expected, next, d)
+	return r.DB.QuarantineNode(ctx, addr, expected, next, runID, d)
 }
 
 // quarantinedVotes reports every acquire answer counted as quarantined.

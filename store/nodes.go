@@ -49,9 +49,12 @@ RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 	return cur, millis(left), false, nil
 }
 
-// QuarantineNode records that addr lost the marker expected. If addr's epoch
-// is still expected, it moves addr to epoch next and quarantines it until now
-// + d, or longer if a server that may still hold a lease needs more (see
+// QuarantineNode records that addr lost the marker expected, or, with a
+// runID, that its Redis process was found restarted as runID. If addr's epoch
+// is still expected, or runID is not the process on record (so no server
+// has handled this restart yet, even if the epoch moved on for an earlier
+// one), it moves addr to epoch next, records runID, and quarantines it until
+// now + d, or longer if a server that may still hold a lease needs more (see
 // Heartbeat), or if a quarantine already running ends later, by Postgres'
 // clock, so every server sharing the nodes agrees on the end. (A loss during
 // a running quarantine restarts it: a server that knows the node under
@@ -59,7 +62,7 @@ RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 // addr's epoch and the time left of its quarantine after the statement (0 if
 // none), by Postgres' clock: a server's clock may be set differently, and
 // counts the time left instead. It implements service.Registry.
-func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next string, d time.Duration) (string, time.Duration, error) {
+func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (string, time.Duration, error) {
 	var cur string
 	var left float64
 	err := db.pool.QueryRow(ctx, `
@@ -68,9 +71,10 @@ UPDATE redfence_nodes
        quarantined_until = GREATEST(COALESCE(quarantined_until, now()),
            now() + make_interval(secs => GREATEST($4::bigint, `+liveNeedSQL+`)::float8 / 1000)),
        memory_losses = memory_losses + 1,
+       run_id = COALESCE(NULLIF($5, ''), run_id),
        updated_at = now()
- WHERE addr = $1 AND epoch = $2
-RETURNING epoch, `+leftSQL, addr, expected, next, ceilMillis(d)).Scan(&cur, &left)
+ WHERE addr = $1 AND (epoch = $2 OR ($5 <> '' AND run_id IS DISTINCT FROM $5))
+RETURNING epoch, `+leftSQL, addr, expected, next, ceilMillis(d), runID).Scan(&cur, &left)
 	if errors.Is(err, pgx.ErrNoRows) {
 		// Another server moved it first. Read it in a statement of its own:
 		// within the UPDATE's, a read would see the row as it was before
@@ -81,6 +85,50 @@ RETURNING epoch, `+leftSQL, addr, expected, next, ceilMillis(d)).Scan(&cur, &lef
 	}
 	if err != nil {
 		return "", 0, fmt.Errorf("store: quarantine node %s: %w", addr, classify(err))
+	}
+	return cur, millis(left), nil
+}
+
+// NodeProcess records that addr's Redis process is runID, as a server found
+// it when it had not been watching the node (at its start, or on its first
+// connection to a node that was down then). If the record names another
+// process, the node restarted unseen and may have come back from a snapshot
+// without the locks written since: unless durable (it fsyncs every write) or
+// no server may still hold a lease, it moves addr to epoch next and
+// quarantines it for as long as the servers that may hold leases need (see
+// Heartbeat), never shortening a running quarantine. A record without a
+// process just gets runID. It returns addr's epoch and the time left of its
+// quarantine after the statement (0 if none), by Postgres' clock; the epoch
+// is next if this call started the quarantine. It implements
+// service.Registry.
+func (db *DB) NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (string, time.Duration, error) {
+	// In SET, n.run_id and n.quarantined_until are the row's values before
+	// the statement. A concurrent call for the same restart waits for the
+	// row lock and then sees runID on record: it reports the quarantine
+	// the first one started instead of starting another.
+	const restarted = `(n.run_id IS NOT NULL AND n.run_id <> $2 AND NOT $4 AND r.need > 0)`
+	if runID == "" {
+		return "", 0, fmt.Errorf("store: record process of node %s: no run_id", addr)
+	}
+	var cur string
+	var left float64
+	err := db.pool.QueryRow(ctx, `
+UPDATE redfence_nodes AS n
+   SET epoch = CASE WHEN `+restarted+` THEN $3 ELSE n.epoch END,
+       quarantined_until = CASE WHEN `+restarted+`
+           THEN GREATEST(COALESCE(n.quarantined_until, now()), now() + make_interval(secs => r.need::float8 / 1000))
+           ELSE n.quarantined_until END,
+       memory_losses = n.memory_losses + CASE WHEN `+restarted+` THEN 1 ELSE 0 END,
+       updated_at = CASE WHEN `+restarted+` THEN now() ELSE n.updated_at END,
+       run_id = $2
+  FROM (SELECT `+liveNeedSQL+` AS need) r
+ WHERE n.addr = $1
+RETURNING n.epoch, `+leftSQL, addr, runID, next, durable).Scan(&cur, &left)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", 0, fmt.Errorf("store: record process of node %s: node not registered", addr)
+	}
+	if err != nil {
+		return "", 0, fmt.Errorf("store: record process of node %s: %w", addr, classify(err))
 	}
 	return cur, millis(left), nil
 }

@@ -1,0 +1,214 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+)
+
+// proc is the Redis process behind a memNode, shared by every Locker's view
+// of the node (procNode).
+type proc struct {
+	mu   sync.Mutex
+	id   string // "" while the node is down
+	down bool
+}
+
+// procNode is one Locker's view of a memNode with a process behind it: it
+// names the process (serverIdentifier) and reports new ones to that Locker
+// when the test says the Locker connected to the node (restartWatcher).
+type procNode struct {
+	*memNode
+	p    *proc
+	mu   sync.Mutex
+	hook func(ctx context.Context, runID string, durable bool) error
+}
+
+func (n *procNode) ServerID(ctx context.Context) (string, bool, error) {
+	n.p.mu.Lock()
+	defer n.p.mu.Unlock()
+	if n.p.down {
+		return "", false, errors.New("connection refused")
+	}
+	return n.p.id, false, nil
+}
+
+func (n *procNode) WatchRestarts(f func(ctx context.Context, runID string, durable bool) error) {
+	n.mu.Lock()
+	n.hook = f
+	n.mu.Unlock()
+}
+
+// connect is a new connection of this Locker to the node: its hook learns
+// the process behind it.
+func (n *procNode) connect(t *testing.T) {
+	t.Helper()
+	n.mu.Lock()
+	f := n.hook
+	n.mu.Unlock()
+	n.p.mu.Lock()
+	id := n.p.id
+	n.p.mu.Unlock()
+	if err := f(t.Context(), id, false); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// snapshotRestart restarts the process as id from a snapshot that holds the
+// node's marker but not the lock key rkey.
+func snapshotRestart(m *memNode, p *proc, id string) {
+	p.mu.Lock()
+	p.id, p.down = id, false
+	p.mu.Unlock()
+	m.mu.Lock()
+	delete(m.vals, rkey)
+	delete(m.ttl, rkey)
+	m.mu.Unlock()
+}
+
+// recovered waits until node i's recoveries in l have all run.
+func recovered(l *Locker, i int) {
+	m := l.members[i]
+	m.mu.Lock()
+	done := m.recovery
+	m.mu.Unlock()
+	if done != nil {
+		<-done
+	}
+}
+
+// procCluster is 5 memNodes with processes, and one view of them per Locker.
+type procCluster struct {
+	ms    []*memNode
+	procs []*proc
+}
+
+func newProcCluster() *procCluster {
+	_, ms := nodes(5)
+	c := &procCluster{ms: ms}
+	for i := range ms {
+		c.procs = append(c.procs, &proc{id: "R1-" + ms[i].addr})
+	}
+	return c
+}
+
+// locker starts a Locker on its own view of the nodes.
+func (c *procCluster) locker(t *testing.T, reg Registry, clk *clock) (*Locker, []*procNode) {
+	t.Helper()
+	var ns []Node
+	var views []*procNode
+	for i, m := range c.ms {
+		v := &procNode{memNode: m, p: c.procs[i]}
+		ns, views = append(ns, v), append(views, v)
+	}
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now, MaxTTL: time.Minute})
+	if err := l.Init(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return l, views
+}
+
+// holdOnFirstThree makes l hold key on nodes 0-2 only.
+func (c *procCluster) holdOnFirstThree(t *testing.T, l *Locker) {
+	t.Helper()
+	for _, m := range c.ms[3:] {
+		m.set(rkey, "other", time.Second)
+	}
+	if _, err := l.Acquire(t.Context(), key, Request{TTL: 30 * time.Second}); err != nil {
+		t.Fatalf("A: %v", err)
+	}
+	settle(c.ms)
+	for _, m := range c.ms[3:] {
+		m.set(rkey, "", 0)
+	}
+}
+
+// TestLocker_SecondRestartSeenBehind: server A handles node 0's restart
+// from a snapshot (R1 to R2) and its quarantine runs out; server B, cut off
+// from the node meanwhile, still has the old epoch. The node then restarts
+// from a snapshot again (R3), losing A's lock but keeping the marker A
+// wrote. B, which sees R3, must not take it for the restart A handled (the
+// record names R2): it quarantines the node, and does not grant the lock A
+// holds.
+func TestLocker_SecondRestartSeenBehind(t *testing.T) {
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := newRegistry(clk)
+	c := newProcCluster()
+	a, av := c.locker(t, reg, clk)
+	b, bv := c.locker(t, reg, clk)
+	epochB, _ := b.members[0].state()
+
+	snapshotRestart(c.ms[0], c.procs[0], "R2")
+	av[0].connect(t) // A sees R2; B does not
+	recovered(a, 0)
+	if epoch, until := a.members[0].state(); epoch == epochB || !until.After(clk.Now()) {
+		t.Fatalf("A after R2: epoch %q, quarantined until %v; want a new epoch and a quarantine", epoch, until)
+	}
+	clk.Advance(2 * time.Minute)
+
+	c.holdOnFirstThree(t, a)
+	snapshotRestart(c.ms[0], c.procs[0], "R3")
+	bv[0].connect(t)
+	recovered(b, 0)
+	if b.counts(0, clk.Now()) {
+		t.Fatal("B counts node 0 after a restart no server handled (R3; the record names R2)")
+	}
+	_, err := b.Acquire(t.Context(), key, Request{TTL: time.Second})
+	var e *Error
+	if !errors.As(err, &e) || e.Nodes[0].Outcome != Quarantined {
+		t.Fatalf("B = %v; want refused with node 0 quarantined while A holds the lock", err)
+	}
+	// A, on its next connection, agrees: the restart it finds is on record.
+	av[0].connect(t)
+	recovered(a, 0)
+	if a.counts(0, clk.Now()) {
+		t.Error("A counts node 0 during the quarantine B started")
+	}
+}
+
+// TestLocker_RestartUnseenFirstSight: node 0 is down when server B starts;
+// it comes back from a snapshot (a process not on record) while A holds a
+// lock it no longer has. B's first connection to it finds the process is not
+// the one on record: B counts the node out from that moment, and the
+// Registry's answer keeps it out.
+func TestLocker_RestartUnseenFirstSight(t *testing.T) {
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := newRegistry(clk)
+	c := newProcCluster()
+	a, _ := c.locker(t, reg, clk)
+	c.holdOnFirstThree(t, a)
+	c.procs[0].mu.Lock()
+	c.procs[0].down = true
+	c.procs[0].mu.Unlock()
+	b, bv := c.locker(t, reg, clk)
+	snapshotRestart(c.ms[0], c.procs[0], "R2")
+	bv[0].connect(t)
+	if b.counts(0, clk.Now()) {
+		t.Fatal("B counts node 0 before the Registry has answered for its first process")
+	}
+	recovered(b, 0)
+	if b.counts(0, clk.Now()) {
+		t.Fatal("B counts node 0 after its unseen restart")
+	}
+	if _, err := b.Acquire(t.Context(), key, Request{TTL: time.Second}); err == nil {
+		t.Fatal("B granted the lock A holds")
+	}
+
+	// The process on record, first seen by a server that started while
+	// the node was down: it counts once the Registry has answered.
+	clk.Advance(2 * time.Minute)
+	c.procs[1].mu.Lock()
+	c.procs[1].down = true
+	c.procs[1].mu.Unlock()
+	d, dv := c.locker(t, reg, clk)
+	c.procs[1].mu.Lock()
+	c.procs[1].down = false
+	c.procs[1].mu.Unlock()
+	dv[1].connect(t)
+	recovered(d, 1)
+	if !d.counts(1, clk.Now()) {
+		t.Error("D does not count node 1, whose process is the one on record")
+	}
+}
