@@ -219,7 +219,7 @@ func (h *Handler) newRouter() *chi.Mux {
 	r.Use(h.front)
 	r.NotFound(func(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
-			Detail: "no route " + r.URL.EscapedPath(), Instance: r.URL.EscapedPath(), RequestID: requestID(r.Context())})
+			Detail: "no route " + apikey.Redact(r.URL.EscapedPath()), Instance: r.URL.EscapedPath(), RequestID: requestID(r.Context())})
 	})
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		var allow []string
@@ -366,7 +366,7 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 		if errors.As(err, &mbe) {
 			return nil, &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", mbe.Limit)}
 		}
-		return nil, invalid("could not read the body: " + err.Error())
+		return nil, invalid("could not read the body: "+err.Error(), InvalidParam{Name: "body", Reason: "could not be read: " + err.Error()})
 	}
 	if len(bytes.TrimSpace(body)) == 0 {
 		if optional {
@@ -477,8 +477,10 @@ func jsonField(t reflect.Type, name string) (int, bool) {
 }
 
 // unknownField is the reason given for an unknown member, its quoted name
-// (the client's) cut short: it goes into the answer and the log.
+// (the client's) cut short and without the secret of an API key pasted
+// into it: it goes into the answer and the log.
 func unknownField(quoted string) string {
+	quoted = apikey.Redact(quoted)
 	if len(quoted) > maxQuotedField {
 		quoted = strings.ToValidUTF8(quoted[:maxQuotedField], "") + `…"`
 	}

@@ -14,6 +14,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"testing/iotest"
 	"time"
 
 	"github.com/go-chi/chi/v5"
@@ -432,6 +433,66 @@ func TestRefusedInputNotLogged(t *testing.T) {
 		if want := map[bool]string{true: "", false: "orders"}[i == 3]; l["name"] != want {
 			t.Errorf("audit line %d names %q; want %q", i, l["name"], want)
 		}
+	}
+}
+
+// TestPastedKeyNotLogged: an API key pasted by mistake into a path, a field
+// name or an owner reaches neither the log nor an error's detail with its
+// secret; the key's id, which is not secret, stays.
+func TestPastedKeyNotLogged(t *testing.T) {
+	e := newFakeEnv(t, true)
+	e.logs = &testutil.Buffer{}
+	e.h.raw = slog.NewJSONHandler(e.logs, nil)
+	e.h.log = slog.New(principalLog{e.h.raw})
+	key, id := apikey.New()
+	secret := key[len(key)-20:]
+	auth := []string{"Authorization", "Bearer " + benchAPIKey}
+	for _, tc := range []struct{ method, path, body string }{
+		{http.MethodPost, "/v1/locks/orders", `{"` + key + `":1}`},
+		{http.MethodPut, "/v1/resources/orders", `{"fencing_token":1,"data":1,"` + key + `":1}`},
+		{http.MethodPost, "/v1/locks/" + key, `{"owner":"w"}`},
+		{http.MethodPost, "/v1/locks/orders", `{"owner":"` + key + `"}`},
+		{http.MethodGet, "/v1/locks/" + key, ""},
+		{http.MethodGet, "/v1/nope/" + key, ""},
+	} {
+		w := e.do(e.h, tc.method, tc.path, tc.body, auth...)
+		var p struct {
+			Detail        string         `json:"detail"`
+			InvalidParams []InvalidParam `json:"invalid_params"`
+		}
+		_ = json.Unmarshal(w.Body.Bytes(), &p)
+		if strings.Contains(p.Detail, secret) || strings.Contains(fmt.Sprint(p.InvalidParams), secret) {
+			t.Errorf("%s %.30s… %.30s…: the error quotes the key's secret: %s", tc.method, tc.path, tc.body, w.Body)
+		}
+	}
+	if strings.Contains(e.logs.String(), secret) {
+		t.Errorf("the log holds a pasted API key's secret:\n%s", e.logs)
+	}
+	if !strings.Contains(e.logs.String(), apikey.Prefix+id+"_[redacted]") {
+		t.Errorf("the log does not name the pasted key by its id:\n%s", e.logs)
+	}
+}
+
+// TestUnreadableBody: a body that ends before its Content-Length is a 400
+// that names the body in invalid_params, as every other 400 names what it
+// refuses, and acquires nothing.
+func TestUnreadableBody(t *testing.T) {
+	e := newFakeEnv(t, true)
+	r := httptest.NewRequest(http.MethodPost, "/v1/locks/orders", io.MultiReader(strings.NewReader("{"), iotest.ErrReader(io.ErrUnexpectedEOF)))
+	r.Header.Set("Content-Type", "application/json")
+	r.Header.Set("Authorization", "Bearer "+benchAPIKey)
+	w := httptest.NewRecorder()
+	e.h.ServeHTTP(w, r)
+	var p struct {
+		Type          string         `json:"type"`
+		InvalidParams []InvalidParam `json:"invalid_params"`
+	}
+	if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != http.StatusBadRequest ||
+		len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "body" {
+		t.Fatalf("truncated body = %d %s; want 400 with invalid_params naming body", w.Code, w.Body)
+	}
+	if g := e.do(e.h, http.MethodGet, "/v1/locks/orders", "", "Authorization", "Bearer "+benchAPIKey); g.Code != http.StatusOK || !strings.Contains(g.Body.String(), `"held":false`) {
+		t.Errorf("GET after the refused acquire = %d %s; want not held", g.Code, g.Body)
 	}
 }
 

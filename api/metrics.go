@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/apikey"
 	"github.com/redfence/redfence/service"
 )
 
@@ -546,7 +547,7 @@ func (h *Handler) audit(r *http.Request, level slog.Level, msg, name, owner stri
 	}
 	var buf [7]slog.Attr
 	attrs := append(buf[:0], slog.Bool("audit", true), slog.String("request_id", requestID(ctx)),
-		slog.String("name", name), slog.String("owner", owner))
+		slog.String("name", apikey.Redact(name)), slog.String("owner", apikey.Redact(owner)))
 	if token.Valid() {
 		attrs = append(attrs, slog.Int64("fencing_token", int64(token)))
 	}

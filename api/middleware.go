@@ -280,7 +280,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 	h.logRecord(r.Context(), end, nil, slog.LevelInfo, "http request",
 		slog.String("request_id", id),
 		slog.String("method", r.Method),
-		slog.String("path", r.URL.EscapedPath()),
+		slog.String("path", apikey.Redact(r.URL.EscapedPath())),
 		slog.String("route", route),
 		slog.Int("status", status),
 		slog.Int("bytes", sent),

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"errors"
 	"io"
 	"net"
@@ -62,6 +63,28 @@ func TestServer_Hardening(t *testing.T) {
 		_, err = io.ReadAll(conn)
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			t.Fatal("the server never closed a connection whose headers did not end")
+		}
+	})
+
+	t.Run("OptionsStar", func(t *testing.T) {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		if _, err := io.WriteString(conn, "OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); err != nil {
+			t.Fatal(err)
+		}
+		if err := conn.SetReadDeadline(time.Now().Add(waitTimeout)); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode < 400 || resp.Header.Get("Content-Type") != "application/problem+json" || resp.Header.Get("X-Request-Id") == "" {
+			t.Errorf("OPTIONS * = %d %v; want a problem+json error with a request ID", resp.StatusCode, resp.Header)
 		}
 	})
 

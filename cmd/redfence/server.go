@@ -169,7 +169,10 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		MaxHeaderBytes: 2 * cfg.MaxHeaderBytes,
 		ErrorLog:       slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 		BaseContext:    func(net.Listener) context.Context { return base },
-		TLSConfig:      s.tls,
+		// "OPTIONS *" reaches the API too (a problem+json answer with a
+		// request ID and an access-log line), not net/http's own 200.
+		DisableGeneralOptionsHandler: true,
+		TLSConfig:                    s.tls,
 	}
 	if cfg.H2C && s.tls == nil {
 		// Many requests share one connection, and their frames share writes.

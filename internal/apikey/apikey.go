@@ -130,6 +130,41 @@ func ParseID(key string) (string, bool) {
 	return id, true
 }
 
+// Redact returns s with the secret of every well-formed API key in it
+// replaced by "[redacted]" (the id, which is not secret, stays to name the
+// key), for text a client sent that is logged or echoed: a key pasted into a
+// path or a field name by mistake. s is returned as is if it holds none.
+func Redact(s string) string {
+	if !strings.Contains(s, Prefix) {
+		return s
+	}
+	var b strings.Builder
+	found := false
+	rest := s
+	for {
+		i := strings.Index(rest, Prefix)
+		if i < 0 {
+			break
+		}
+		if i+Len <= len(rest) {
+			if _, ok := ParseID(rest[i : i+Len]); ok {
+				found = true
+				b.WriteString(rest[:i+len(Prefix)+idLen+1])
+				b.WriteString("[redacted]")
+				rest = rest[i+Len:]
+				continue
+			}
+		}
+		b.WriteString(rest[:i+len(Prefix)])
+		rest = rest[i+len(Prefix):]
+	}
+	if !found {
+		return s
+	}
+	b.WriteString(rest)
+	return b.String()
+}
+
 // ValidID reports whether id can be the id of an API key: 16 lower-case hex
 // digits.
 func ValidID(id string) bool {

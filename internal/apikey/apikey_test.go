@@ -135,3 +135,23 @@ func TestValidTenant(t *testing.T) {
 		}
 	}
 }
+
+func TestRedact(t *testing.T) {
+	key, id := New()
+	key2, id2 := New()
+	for _, tc := range []struct{ in, want string }{
+		{"", ""},
+		{"/v1/locks/orders", "/v1/locks/orders"},
+		{"rf_", "rf_"},
+		{"rf_short", "rf_short"},
+		{key, Prefix + id + "_[redacted]"},
+		{"/v1/locks/" + key, "/v1/locks/" + Prefix + id + "_[redacted]"},
+		{`"` + key + `x"`, `"` + Prefix + id + `_[redacted]x"`},
+		{"rf_rf_" + key + "/" + key2, "rf_rf_" + Prefix + id + "_[redacted]/" + Prefix + id2 + "_[redacted]"},
+		{key[:Len-1], key[:Len-1]}, // cut short: not a key
+	} {
+		if got := Redact(tc.in); got != tc.want {
+			t.Errorf("Redact(%q) = %q; want %q", tc.in, got, tc.want)
+		}
+	}
+}
