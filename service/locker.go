@@ -65,13 +65,15 @@ type Registry interface {
 	// running quarantine). It returns addr's epoch and the time left of its
 	// quarantine after that (0 if none).
 	QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (cur string, left time.Duration, err error)
-	// NodeProcess records that addr's Redis process is runID, as found by a
-	// server that was not watching the node before. If the record names
-	// another process, the node restarted unseen (perhaps from a snapshot
-	// without the locks written since): unless durable, or no server may
-	// still hold a lease, it sets next as the epoch and quarantines addr for
-	// as long as the servers that may hold leases need. It returns addr's
-	// epoch and the time left of its quarantine (0 if none).
+	// NodeProcess records that addr's Redis process is runID, durable (it
+	// fsyncs every write) or not, as found by a server that was not
+	// watching the node before, or that saw it restart with every write
+	// kept. If the record names another process, the node restarted (perhaps
+	// from a snapshot without the locks written since): unless both that
+	// process and runID are durable, or no server may still hold a lease,
+	// it sets next as the epoch and quarantines addr for as long as the
+	// servers that may hold leases need. It returns addr's epoch and the
+	// time left of its quarantine (0 if none).
 	NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (cur string, left time.Duration, err error)
 	// Heartbeat records that the server id runs and that its leases need a
 	// quarantine of at least quarantine. QuarantineNode then quarantines
@@ -501,49 +503,47 @@ type restartWatcher interface {
 }
 
 // seen notes that node i's server process is id, durable or not (see
-// RedisNode.WatchRestarts). A process other than the one seen before means
-// the node restarted, and unless it fsyncs every write it may have come back
-// from an RDB snapshot or an AOF that missed the last writes: without locks
-// written since, its epoch marker still there. Its votes then stop counting
-// at once, before the new connection carries a command, and the node is
-// recovered as one that lost its memory (a quarantine recorded for every
-// server, a new epoch). A first process seen after Init (the node was down
-// then) is checked against the one on record the same way: its votes count
-// once the Registry has answered that it is the process on record, or that
-// no quarantine is needed.
+// RedisNode.WatchRestarts; watched only with a Registry). A process other than the one seen before means
+// the node restarted, and unless both it and the process before it fsync
+// every write, it may have come back from an RDB snapshot or an AOF that
+// missed the last writes: without locks written since, its epoch marker
+// still there. (A process that fsyncs every write may have been started on
+// the data of one that did not, or on a restored copy.) Its votes then stop
+// counting at once, before the new connection carries a command, and the
+// node is recovered as one that lost its memory (a quarantine recorded for
+// every server, a new epoch). A first process seen after Init (the node was
+// down then), and a restart that kept every write, are checked against the
+// process on record (Registry.NodeProcess): the node's votes count again
+// once the Registry has answered that no quarantine is needed.
 func (l *Locker) seen(i int, id string, durable bool) {
 	m := l.members[i]
 	m.mu.Lock()
-	prev := m.runID
+	prev, prevDurable := m.runID, m.durable
 	m.runID, m.durable = id, durable
 	epoch := m.epoch
-	if prev == id || (prev == "" && (l.opts.Registry == nil || epoch == "")) {
+	if prev == id || (prev == "" && epoch == "") {
 		// Before Init has registered the node (epoch ""), Init checks the
 		// process itself.
 		m.mu.Unlock()
 		return
 	}
-	if prev == "" || durable {
-		if !durable {
-			if until := l.opts.Now().Add(l.quarantineFor()); until.After(m.until) {
-				m.until = until // until the Registry has answered
-			}
-		}
-		m.mu.Unlock()
-		if prev != "" {
-			l.opts.Logger.Info("node restarted with appendfsync always: it kept every lease it acknowledged", slog.String("node", m.Addr()))
+	kept := prev != "" && durable && prevDurable
+	until := l.opts.Now().Add(l.quarantineFor())
+	if until.After(m.until) {
+		m.until = until // or until the Registry has answered
+	}
+	m.mu.Unlock()
+	if prev == "" || kept {
+		if kept {
+			l.opts.Logger.Info("node restarted with appendfsync always, as it ran before: it kept every lease it acknowledged", slog.String("node", m.Addr()))
 		}
 		l.recover(i, recoveryReq{runID: id, durable: durable, unseen: true})
 		return
 	}
-	until := l.opts.Now().Add(l.quarantineFor())
-	if until.After(m.until) {
-		m.until = until
-	}
-	m.mu.Unlock()
-	// With a Registry, the recovery reports the quarantine if one runs:
-	// another server may have handled this restart already (its quarantine
-	// over), and then the node counts again as soon as the record is read.
+	// The recovery reports the quarantine if one runs: another server may
+	// have handled this restart already (its quarantine over), and then the
+	// node counts again as soon as the record is read. (nil: the Locker is
+	// closed.)
 	if l.recover(i, recoveryReq{seen: epoch, runID: id}) == nil {
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node restarted (new run_id): its votes do not count until every lease it may have forgotten has expired",
@@ -1685,9 +1685,13 @@ func (l *Locker) retryAfter(t *tally) time.Duration {
 // ttl from now (a renewal never shortens a lease). It succeeds only if the
 // grant's token was the newest issued for key when Extend began, and a
 // majority renewed within the new validity (which no newer grant can follow
-// on: see below); the fencing token stays the same. On ErrLost the partial
-// renewals are deleted again: the lock is gone and the client must acquire
-// anew. On any other error the lease runs at least until its old deadline.
+// on: see below); the fencing token stays the same. On ErrLost the client
+// must acquire anew: after a round that a majority refused, the partial
+// renewals are deleted again (the lock is gone); when a newer token exists
+// (the grant is fenced out), nothing is deleted and the lease runs until its
+// old deadline or its release, so no other client wins the name while this
+// one may still be at work. On any other error the lease runs at least until
+// its old deadline.
 func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duration) (*Grant, error) {
 	if err := l.CheckTTL(ttl); err != nil {
 		return nil, err
@@ -1700,8 +1704,12 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Cause: err}
 	}
 	if rec.Holder != HolderID(token) {
-		l.releaseAll(ctx, rkey, token, true)
-		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Cause: errors.New("the lock token is not that of the newest grant (a newer grant exists, or this token never held the name)")}
+		// Fenced out, but not deleted: if the token holds the name (a newer
+		// token was issued for a try that was never granted), its lease
+		// runs to the deadline its client was given, or until the client
+		// releases it. Deleting it now would let another client win the
+		// name before this one has heard that it lost it.
+		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Cause: errors.New("the lock token is not that of the newest grant (a newer token was issued, or this token never held the name): its lease cannot be renewed, and runs until its deadline or its release")}
 	}
 	// A majority renewed by compare-and-pexpire after the read proves no
 	// newer grant since: one would have needed the key gone from a

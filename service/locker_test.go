@@ -747,19 +747,46 @@ func TestLocker_Extend(t *testing.T) {
 			}
 		}
 	})
-	t.Run("NewerGrantExists", func(t *testing.T) {
-		ns, _ := nodes(3)
+	t.Run("NewerTokenExists", func(t *testing.T) {
+		// A newer token was issued (here for a try that is never granted,
+		// as when a stalled try's issuance commits late): the grant is
+		// fenced out and cannot be renewed, but its lease still runs until
+		// its deadline, or until its holder releases it. Ending it early
+		// would let another client win the name before the holder has
+		// heard that it lost it.
+		ns, ms := nodes(3)
 		iss := &memIssuer{}
 		l := newLocker(t, ns, iss, Options{})
-		g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+		g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
 		if err != nil {
 			t.Fatal(err)
 		}
+		settle(ms)
 		if _, err := iss.Issue(ctx, fencing.Claim{Key: key, Holder: "someone else"}); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := l.Extend(ctx, key, g.Token, time.Second); !errors.Is(err, ErrLost) {
 			t.Fatalf("Extend = %v; want ErrLost", err)
+		}
+		for i, m := range ms {
+			if !m.has(rkey) {
+				t.Errorf("node%d: the fenced-out grant's lease was ended before its deadline", i)
+			}
+		}
+		if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); !errors.Is(err, ErrHeld) {
+			t.Errorf("another acquire during the lease = %v; want ErrHeld", err)
+		}
+		if err := l.Release(ctx, key, g.Token); err != nil {
+			t.Errorf("the holder's release after the refused extend = %v", err)
+		}
+		// The release returned once a majority answered; the others follow.
+		for i, m := range ms {
+			testutil.WaitFor(t, 10*time.Second, fmt.Sprintf("node%d's release", i), func() (bool, error) {
+				return len(m.released()) == 1, nil
+			})
+			if m.has(rkey) {
+				t.Errorf("node%d holds the key after the release", i)
+			}
 		}
 	})
 	t.Run("NoQuorum", func(t *testing.T) {
@@ -889,11 +916,12 @@ type memRegistry struct {
 	epochs  map[string]string
 	until   map[string]time.Time
 	runIDs  map[string]string        // the process on record ("" none)
+	durable map[string]bool          // it fsyncs every write
 	servers map[string]time.Duration // server id -> the quarantine it needs
 }
 
 func newRegistry(clk *clock) *memRegistry {
-	return &memRegistry{clk: clk, epochs: map[string]string{}, until: map[string]time.Time{}, runIDs: map[string]string{}}
+	return &memRegistry{clk: clk, epochs: map[string]string{}, until: map[string]time.Time{}, runIDs: map[string]string{}, durable: map[string]bool{}}
 }
 
 // marked returns a channel that receives each time n is marked: the last step
@@ -932,7 +960,7 @@ func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next, 
 	if r.epochs[addr] == expected || (runID != "" && r.runIDs[addr] != runID) {
 		r.quarantine(addr, next, d)
 		if runID != "" {
-			r.runIDs[addr] = runID
+			r.runIDs[addr], r.durable[addr] = runID, false
 		}
 	}
 	return r.epochs[addr], r.left(addr), nil
@@ -945,10 +973,10 @@ func (r *memRegistry) NodeProcess(ctx context.Context, addr, runID, next string,
 	for _, q := range r.servers {
 		need = max(need, q)
 	}
-	if was := r.runIDs[addr]; was != "" && was != runID && !durable && need > 0 {
+	if was := r.runIDs[addr]; was != "" && was != runID && !(durable && r.durable[addr]) && need > 0 {
 		r.quarantine(addr, next, 0)
 	}
-	r.runIDs[addr] = runID
+	r.runIDs[addr], r.durable[addr] = runID, durable
 	return r.epochs[addr], r.left(addr), nil
 }
 

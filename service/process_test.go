@@ -11,9 +11,10 @@ import (
 // proc is the Redis process behind a memNode, shared by every Locker's view
 // of the node (procNode).
 type proc struct {
-	mu   sync.Mutex
-	id   string // "" while the node is down
-	down bool
+	mu      sync.Mutex
+	id      string // "" while the node is down
+	down    bool
+	durable bool // appendfsync always
 }
 
 // procNode is one Locker's view of a memNode with a process behind it: it
@@ -32,7 +33,7 @@ func (n *procNode) ServerID(ctx context.Context) (string, bool, error) {
 	if n.p.down {
 		return "", false, errors.New("connection refused")
 	}
-	return n.p.id, false, nil
+	return n.p.id, n.p.durable, nil
 }
 
 func (n *procNode) WatchRestarts(f func(ctx context.Context, runID string, durable bool) error) {
@@ -49,9 +50,9 @@ func (n *procNode) connect(t *testing.T) {
 	f := n.hook
 	n.mu.Unlock()
 	n.p.mu.Lock()
-	id := n.p.id
+	id, durable := n.p.id, n.p.durable
 	n.p.mu.Unlock()
-	if err := f(t.Context(), id, false); err != nil {
+	if err := f(t.Context(), id, durable); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -211,4 +212,58 @@ func TestLocker_RestartUnseenFirstSight(t *testing.T) {
 	if !d.counts(1, clk.Now()) {
 		t.Error("D does not count node 1, whose process is the one on record")
 	}
+}
+
+// TestLocker_DurableRestart: a node that restarts with appendfsync always
+// kept every lease it acknowledged only if the process before it fsynced
+// every write too. Started on the data of one that did not (its AOF lost the
+// last writes), it is quarantined; after a restart from durable to durable
+// it counts again as soon as the Registry has answered.
+func TestLocker_DurableRestart(t *testing.T) {
+	t.Run("FromNotDurable", func(t *testing.T) {
+		clk := &clock{t: time.Unix(1000, 0)}
+		reg := newRegistry(clk)
+		c := newProcCluster()
+		a, av := c.locker(t, reg, clk)
+		b, bv := c.locker(t, reg, clk)
+		c.holdOnFirstThree(t, a)
+		c.procs[0].durable = true
+		snapshotRestart(c.ms[0], c.procs[0], "R2") // the lock lost with the writes the AOF missed
+		av[0].connect(t)
+		recovered(a, 0)
+		if a.counts(0, clk.Now()) {
+			t.Fatal("A counts node 0, restarted durable on the data of a process that was not")
+		}
+		bv[0].connect(t)
+		recovered(b, 0)
+		_, err := b.Acquire(t.Context(), key, Request{TTL: time.Second})
+		var e *Error
+		if !errors.As(err, &e) || e.Nodes[0].Outcome != Quarantined {
+			t.Fatalf("B = %v; want refused with node 0 quarantined while A holds the lock", err)
+		}
+	})
+	t.Run("DurableToDurable", func(t *testing.T) {
+		clk := &clock{t: time.Unix(1000, 0)}
+		reg := newRegistry(clk)
+		c := newProcCluster()
+		for _, p := range c.procs {
+			p.durable = true
+		}
+		a, av := c.locker(t, reg, clk)
+		c.holdOnFirstThree(t, a)
+		c.procs[0].mu.Lock()
+		c.procs[0].id = "R2" // every write kept: the lock is still there
+		c.procs[0].mu.Unlock()
+		av[0].connect(t)
+		if a.counts(0, clk.Now()) {
+			t.Error("A counts node 0 before the Registry has answered for its restart")
+		}
+		recovered(a, 0)
+		if !a.counts(0, clk.Now()) {
+			t.Error("A does not count node 0 after a restart that kept every write")
+		}
+		if _, err := a.Acquire(t.Context(), key, Request{TTL: time.Second}); !errors.Is(err, ErrHeld) {
+			t.Errorf("acquire of the held name = %v; want ErrHeld", err)
+		}
+	})
 }

@@ -53,7 +53,8 @@ RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 // runID, that its Redis process was found restarted as runID. If addr's epoch
 // is still expected, or runID is not the process on record (so no server
 // has handled this restart yet, even if the epoch moved on for an earlier
-// one), it moves addr to epoch next, records runID, and quarantines it until
+// one), it moves addr to epoch next, records runID (as a process not known
+// to fsync every write), and quarantines it until
 // now + d, or longer if a server that may still hold a lease needs more (see
 // Heartbeat), or if a quarantine already running ends later, by Postgres'
 // clock, so every server sharing the nodes agrees on the end. (A loss during
@@ -72,6 +73,7 @@ UPDATE redfence_nodes
            now() + make_interval(secs => GREATEST($4::bigint, `+liveNeedSQL+`)::float8 / 1000)),
        memory_losses = memory_losses + 1,
        run_id = COALESCE(NULLIF($5, ''), run_id),
+       run_durable = run_durable AND $5 = '',
        updated_at = now()
  WHERE addr = $1 AND (epoch = $2 OR ($5 <> '' AND run_id IS DISTINCT FROM $5))
 RETURNING epoch, `+leftSQL, addr, expected, next, ceilMillis(d), runID).Scan(&cur, &left)
@@ -89,12 +91,13 @@ RETURNING epoch, `+leftSQL, addr, expected, next, ceilMillis(d), runID).Scan(&cu
 	return cur, millis(left), nil
 }
 
-// NodeProcess records that addr's Redis process is runID, as a server found
-// it when it had not been watching the node (at its start, or on its first
-// connection to a node that was down then). If the record names another
-// process, the node restarted unseen and may have come back from a snapshot
-// without the locks written since: unless durable (it fsyncs every write) or
-// no server may still hold a lease, it moves addr to epoch next and
+// NodeProcess records that addr's Redis process is runID, durable (it fsyncs
+// every write) or not, as a server found it when it had not been watching
+// the node (at its start, or on its first connection to a node that was down
+// then) or saw it restart with every write kept. If the record names another
+// process, the node restarted and may have come back from a snapshot without
+// the locks written since: unless both that process and runID are durable,
+// or no server may still hold a lease, it moves addr to epoch next and
 // quarantines it for as long as the servers that may hold leases need (see
 // Heartbeat), never shortening a running quarantine. A record without a
 // process just gets runID. It returns addr's epoch and the time left of its
@@ -106,7 +109,7 @@ func (db *DB) NodeProcess(ctx context.Context, addr, runID, next string, durable
 	// the statement. A concurrent call for the same restart waits for the
 	// row lock and then sees runID on record: it reports the quarantine
 	// the first one started instead of starting another.
-	const restarted = `(n.run_id IS NOT NULL AND n.run_id <> $2 AND NOT $4 AND r.need > 0)`
+	const restarted = `(n.run_id IS NOT NULL AND n.run_id <> $2 AND NOT ($4 AND n.run_durable) AND r.need > 0)`
 	if runID == "" {
 		return "", 0, fmt.Errorf("store: record process of node %s: no run_id", addr)
 	}
@@ -120,7 +123,8 @@ UPDATE redfence_nodes AS n
            ELSE n.quarantined_until END,
        memory_losses = n.memory_losses + CASE WHEN `+restarted+` THEN 1 ELSE 0 END,
        updated_at = CASE WHEN `+restarted+` THEN now() ELSE n.updated_at END,
-       run_id = $2
+       run_id = $2,
+       run_durable = $4
   FROM (SELECT `+liveNeedSQL+` AS need) r
  WHERE n.addr = $1
 RETURNING n.epoch, `+leftSQL, addr, runID, next, durable).Scan(&cur, &left)

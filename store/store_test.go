@@ -922,17 +922,33 @@ func TestDB_NodeRunID(t *testing.T) {
 	if err := db.Heartbeat(ctx, "s", time.Minute, time.Second); err != nil {
 		t.Fatal(err)
 	}
-	// The same process again, or a restart that fsyncs every write: no
-	// quarantine, the process recorded.
+	// The same process again: no quarantine.
 	if epoch, left, err := db.NodeProcess(ctx, addr, "R2", "x", false); err != nil || epoch != "e1" || left != 0 {
 		t.Fatalf("NodeProcess(same) = %q, %v, %v; want e1, no quarantine", epoch, left, err)
 	}
+	// A restart from a durable process (appendfsync always) to a durable
+	// one kept every write: no quarantine.
+	if epoch, left, err := db.NodeProcess(ctx, addr, "R2", "x", true); err != nil || epoch != "e1" || left != 0 {
+		t.Fatalf("NodeProcess(same, now durable) = %q, %v, %v; want e1, no quarantine", epoch, left, err)
+	}
 	if epoch, left, err := db.NodeProcess(ctx, addr, "R3", "x", true); err != nil || epoch != "e1" || left != 0 {
-		t.Fatalf("NodeProcess(durable restart) = %q, %v, %v; want e1, no quarantine", epoch, left, err)
+		t.Fatalf("NodeProcess(durable restart of a durable process) = %q, %v, %v; want e1, no quarantine", epoch, left, err)
+	}
+	// A durable process started on the data of one that was not: the
+	// writes it missed may hold leases.
+	if _, err := db.pool.Exec(ctx, `UPDATE redfence_nodes SET run_durable = false WHERE addr = $1`, addr); err != nil {
+		t.Fatal(err)
+	}
+	epoch, left, err := db.NodeProcess(ctx, addr, "R3b", "e1b", true)
+	if err != nil || epoch != "e1b" || left <= 0 {
+		t.Fatalf("NodeProcess(durable restart of a process that was not) = %q, %v, %v; want e1b and a quarantine", epoch, left, err)
+	}
+	if _, err := db.pool.Exec(ctx, `UPDATE redfence_nodes SET quarantined_until = NULL, epoch = 'e1' WHERE addr = $1`, addr); err != nil {
+		t.Fatal(err)
 	}
 	// An unseen restart while a server may hold a lease: quarantined for
 	// what that server needs, under the new epoch; once only.
-	epoch, left, err := db.NodeProcess(ctx, addr, "R4", "e2", false)
+	epoch, left, err = db.NodeProcess(ctx, addr, "R4", "e2", false)
 	if err != nil || epoch != "e2" || left <= 0 || left > time.Minute {
 		t.Fatalf("NodeProcess(unseen restart) = %q, %v, %v; want e2 with up to a minute left", epoch, left, err)
 	}

@@ -924,8 +924,11 @@ type ClientInterface interface {
 	// majority of nodes kept, which is longer than `ttl_ms` where more was
 	// left.
 	//
-	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
+	// A 409 `lock-lost` means the lease expired or a newer token exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
+	// A lease fenced out by a newer token is not ended before its deadline
+	// (no other client is granted the name meanwhile): release it to free the
+	// name at once.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
 	// (`fencing-unavailable`) answered; your old deadline still holds
 	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
@@ -945,8 +948,11 @@ type ClientInterface interface {
 	// majority of nodes kept, which is longer than `ttl_ms` where more was
 	// left.
 	//
-	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
+	// A 409 `lock-lost` means the lease expired or a newer token exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
+	// A lease fenced out by a newer token is not ended before its deadline
+	// (no other client is granted the name meanwhile): release it to free the
+	// name at once.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
 	// (`fencing-unavailable`) answered; your old deadline still holds
 	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
@@ -1194,8 +1200,11 @@ func (c *Client) AcquireLock(ctx context.Context, name Name, params *AcquireLock
 // majority of nodes kept, which is longer than `ttl_ms` where more was
 // left.
 //
-// A 409 `lock-lost` means the lease expired or a newer grant exists: the
+// A 409 `lock-lost` means the lease expired or a newer token exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
+// A lease fenced out by a newer token is not ended before its deadline
+// (no other client is granted the name meanwhile): release it to free the
+// name at once.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
 // (`fencing-unavailable`) answered; your old deadline still holds
 // (`fencing-unavailable` changed no node; a renewal that reached some nodes
@@ -1225,8 +1234,11 @@ func (c *Client) ExtendLockWithBody(ctx context.Context, name Name, params *Exte
 // majority of nodes kept, which is longer than `ttl_ms` where more was
 // left.
 //
-// A 409 `lock-lost` means the lease expired or a newer grant exists: the
+// A 409 `lock-lost` means the lease expired or a newer token exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
+// A lease fenced out by a newer token is not ended before its deadline
+// (no other client is granted the name meanwhile): release it to free the
+// name at once.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
 // (`fencing-unavailable`) answered; your old deadline still holds
 // (`fencing-unavailable` changed no node; a renewal that reached some nodes
@@ -2060,8 +2072,11 @@ type ClientWithResponsesInterface interface {
 	// majority of nodes kept, which is longer than `ttl_ms` where more was
 	// left.
 	//
-	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
+	// A 409 `lock-lost` means the lease expired or a newer token exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
+	// A lease fenced out by a newer token is not ended before its deadline
+	// (no other client is granted the name meanwhile): release it to free the
+	// name at once.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
 	// (`fencing-unavailable`) answered; your old deadline still holds
 	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
@@ -2081,8 +2096,11 @@ type ClientWithResponsesInterface interface {
 	// majority of nodes kept, which is longer than `ttl_ms` where more was
 	// left.
 	//
-	// A 409 `lock-lost` means the lease expired or a newer grant exists: the
+	// A 409 `lock-lost` means the lease expired or a newer token exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
+	// A lease fenced out by a newer token is not ended before its deadline
+	// (no other client is granted the name meanwhile): release it to free the
+	// name at once.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
 	// (`fencing-unavailable`) answered; your old deadline still holds
 	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
@@ -3789,8 +3807,11 @@ func (c *ClientWithResponses) AcquireLockWithResponse(ctx context.Context, name 
 // majority of nodes kept, which is longer than `ttl_ms` where more was
 // left.
 //
-// A 409 `lock-lost` means the lease expired or a newer grant exists: the
+// A 409 `lock-lost` means the lease expired or a newer token exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
+// A lease fenced out by a newer token is not ended before its deadline
+// (no other client is granted the name meanwhile): release it to free the
+// name at once.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
 // (`fencing-unavailable`) answered; your old deadline still holds
 // (`fencing-unavailable` changed no node; a renewal that reached some nodes
@@ -3816,8 +3837,11 @@ func (c *ClientWithResponses) ExtendLockWithBodyWithResponse(ctx context.Context
 // majority of nodes kept, which is longer than `ttl_ms` where more was
 // left.
 //
-// A 409 `lock-lost` means the lease expired or a newer grant exists: the
+// A 409 `lock-lost` means the lease expired or a newer token exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
+// A lease fenced out by a newer token is not ended before its deadline
+// (no other client is granted the name meanwhile): release it to free the
+// name at once.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
 // (`fencing-unavailable`) answered; your old deadline still holds
 // (`fencing-unavailable` changed no node; a renewal that reached some nodes

@@ -113,8 +113,11 @@ export interface paths {
          *     majority of nodes kept, which is longer than `ttl_ms` where more was
          *     left.
          *
-         *     A 409 `lock-lost` means the lease expired or a newer grant exists: the
+         *     A 409 `lock-lost` means the lease expired or a newer token exists: the
          *     lock is gone, stop writing, and acquire again to get a new fencing token.
+         *     A lease fenced out by a newer token is not ended before its deadline
+         *     (no other client is granted the name meanwhile): release it to free the
+         *     name at once.
          *     A 503 means too few nodes (`quorum-unavailable`) or Postgres
          *     (`fencing-unavailable`) answered; your old deadline still holds
          *     (`fencing-unavailable` changed no node; a renewal that reached some nodes
@@ -797,8 +800,9 @@ export interface components {
             };
         };
         /**
-         * @description `lock-lost`: the lease expired or a newer grant exists. The lock is gone:
+         * @description `lock-lost`: the lease expired or a newer token exists. The lock is gone:
          *     stop writing under it and acquire again (you get a new fencing token).
+         *     A lease fenced out by a newer token runs to its deadline unless released.
          */
         LockLost: {
             headers: {
