@@ -87,18 +87,18 @@ func (l *Locker) noteEviction(i int, policy string) {
 	was := m.evicting
 	m.evicting = policy
 	if policy != "" || was != "" {
-		if until := now.Add(l.quarantineFor()); until.After(m.until) {
-			m.until = until
-		}
+		// No answer of the Registry about other news ends it.
+		m.evictEnd = later(m.evictEnd, now.Add(l.quarantineFor()))
 	}
-	until, epoch := m.until, m.epoch
+	until, epoch := m.end(), m.epoch
 	// Recorded once per evicting spell, as soon as the node's epoch is known
 	// (Init registered it).
 	record := policy != "" && !m.evictRecorded && epoch != ""
 	m.evictRecorded = policy != "" && (m.evictRecorded || record)
+	req := recoveryReq{seen: epoch, runID: m.runID, durable: m.durable}
 	m.mu.Unlock()
 	if record {
-		l.recover(i, recoveryReq{seen: epoch}) // a quarantine for the other servers too
+		l.recover(i, req, false) // a quarantine for the other servers too
 	}
 	switch {
 	case policy != "" && was == "":

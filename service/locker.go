@@ -58,13 +58,14 @@ type Registry interface {
 	// (it may be a known node under another address, just restarted).
 	RegisterNode(ctx context.Context, addr, epoch string) (cur string, left time.Duration, created bool, err error)
 	// QuarantineNode records that addr no longer holds the marker expected,
-	// or, with a runID, that its Redis process restarted as runID: if
-	// addr's epoch is still expected, or runID is not the process on record
-	// (no server handled this restart yet), it sets next as the epoch,
-	// records runID and quarantines addr for d from now (never shortening a
-	// running quarantine). It returns addr's epoch and the time left of its
-	// quarantine after that (0 if none).
-	QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (cur string, left time.Duration, err error)
+	// or, with a runID, that its Redis process restarted as runID (durable:
+	// it fsyncs every write): if addr's epoch is still expected, or runID is
+	// not the process on record (no server handled this restart yet), it
+	// sets next as the epoch, records runID and durable, and quarantines
+	// addr for d from now (never shortening a running quarantine). It
+	// returns addr's epoch and the time left of its quarantine after that
+	// (0 if none).
+	QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (cur string, left time.Duration, err error)
 	// NodeProcess records that addr's Redis process is runID, durable (it
 	// fsyncs every write) or not, as found by a server that was not
 	// watching the node before, or that saw it restart with every write
@@ -215,7 +216,13 @@ type member struct {
 	Node
 	mu    sync.Mutex
 	epoch string    // the marker the node must hold; "" checks nothing
-	until time.Time // votes do not count before this
+	until time.Time // votes do not count before this, as last recorded
+	// hold is a quarantine of this server's own that an answer of the
+	// Registry shortens only if it covers the node's current process (see
+	// recoverOnce): news of the node that could not be recorded. evictEnd
+	// is the end of the quarantine after an eviction spell, which no answer
+	// shortens. Votes count before neither.
+	hold, evictEnd time.Time
 	// recovery is closed when the node's recoveries (see recover) have all
 	// run (nil: none runs); running is the one under way and queued those
 	// behind it, run one at a time in order. Guarded by mu.
@@ -234,11 +241,17 @@ type member struct {
 	evictRecorded bool
 }
 
+// state returns the node's epoch and the end of its quarantine (the later
+// of until and hold).
 func (m *member) state() (epoch string, until time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.epoch, m.until
+	return m.epoch, m.end()
 }
+
+// end is the end of the node's quarantine: the latest of until, hold and
+// evictEnd. m.mu is held.
+func (m *member) end() time.Time { return later(later(m.until, m.hold), m.evictEnd) }
 
 // adopt sets the epoch on record and extends the quarantine to until.
 func (m *member) adopt(epoch string, until time.Time) {
@@ -467,7 +480,9 @@ func (l *Locker) Init(ctx context.Context) error {
 		if id == "" {
 			continue // down now: checked when first reached (see seen)
 		}
-		if done := l.recover(i, recoveryReq{runID: id, durable: durable, unseen: true}); done != nil {
+		// Counted out until the Registry has answered: if it cannot, the
+		// node stays out for the quarantine a restart would need.
+		if done := l.recover(i, recoveryReq{runID: id, durable: durable, unseen: true}, true); done != nil {
 			select {
 			case <-done:
 			case <-ctx.Done():
@@ -528,23 +543,23 @@ func (l *Locker) seen(i int, id string, durable bool) {
 		return
 	}
 	kept := prev != "" && durable && prevDurable
-	until := l.opts.Now().Add(l.quarantineFor())
-	if until.After(m.until) {
-		m.until = until // or until the Registry has answered
-	}
-	m.mu.Unlock()
+	// The node is counted out at once, until the Registry has answered
+	// (recover's provisional quarantine, set under the same lock as the
+	// new run_id: a connection whose hook finds that run_id already seen
+	// carries commands at once).
 	if prev == "" || kept {
+		l.recoverLocked(i, recoveryReq{runID: id, durable: durable, unseen: true}, true)
 		if kept {
 			l.opts.Logger.Info("node restarted with appendfsync always, as it ran before: it kept every lease it acknowledged", slog.String("node", m.Addr()))
 		}
-		l.recover(i, recoveryReq{runID: id, durable: durable, unseen: true})
 		return
 	}
 	// The recovery reports the quarantine if one runs: another server may
 	// have handled this restart already (its quarantine over), and then the
 	// node counts again as soon as the record is read. (nil: the Locker is
-	// closed.)
-	if l.recover(i, recoveryReq{seen: epoch, runID: id}) == nil {
+	// closed, and the provisional quarantine stands.)
+	if l.recoverLocked(i, recoveryReq{seen: epoch, runID: id, durable: durable}, true) == nil {
+		_, until := m.state()
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node restarted (new run_id): its votes do not count until every lease it may have forgotten has expired",
 			slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
@@ -697,11 +712,23 @@ func (l *Locker) quarantineFor() time.Duration {
 // Registry: the node lacks the epoch marker seen (runID ""); its process
 // restarted as runID (seen: the epoch this server had for it); or, unseen,
 // a server that was not watching the node found process runID behind it.
+// durable says that process fsyncs every write.
 type recoveryReq struct {
 	seen    string
 	runID   string
 	durable bool
 	unseen  bool
+}
+
+// lossReq is the recovery of the node found without the marker of epoch,
+// or counted out for another loss (eviction): it names the process behind
+// the node now, if known, so that the record covers it (a restart of it
+// that this server saw but could not record is recorded then, or found
+// handled).
+func (m *member) lossReq(epoch string) recoveryReq {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return recoveryReq{seen: epoch, runID: m.runID, durable: m.durable}
 }
 
 // recover records what req says of node i in the Registry (a quarantine
@@ -712,14 +739,28 @@ type recoveryReq struct {
 // same one runs or waits is not repeated. Meanwhile the node's answers count
 // as its quarantine says: a recovery with others queued behind it only
 // extends the quarantine, as they may have started a provisional one for
-// news it has not recorded. It returns a channel closed when the node's
-// recoveries have all run, or nil without a Registry.
-func (l *Locker) recover(i int, req recoveryReq) chan struct{} {
+// news it has not recorded. With provisional, the node is also counted out
+// for the quarantine a restart would need, from now until the Registry has
+// answered req (set as req is queued, so no earlier recovery ends it). It
+// returns a channel closed when the node's recoveries have all run, or nil
+// without a Registry or once the Locker is closed.
+func (l *Locker) recover(i int, req recoveryReq, provisional bool) chan struct{} {
+	l.members[i].mu.Lock()
+	return l.recoverLocked(i, req, provisional)
+}
+
+// recoverLocked is recover with node i's mu held; it unlocks it.
+func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan struct{} {
 	m := l.members[i]
 	if l.opts.Registry == nil {
+		m.mu.Unlock()
 		return nil
 	}
-	m.mu.Lock()
+	if provisional {
+		if until := l.opts.Now().Add(l.quarantineFor()); until.After(m.until) {
+			m.until = until
+		}
+	}
 	if done := m.recovery; done != nil {
 		if req != m.running && !slices.Contains(m.queued, req) {
 			m.queued = append(m.queued, req)
@@ -772,10 +813,15 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) {
 	if req.unseen {
 		cur, left, err = l.opts.Registry.NodeProcess(ctx, m.Addr(), req.runID, next, req.durable)
 	} else {
-		cur, left, err = l.opts.Registry.QuarantineNode(ctx, m.Addr(), req.seen, next, req.runID, l.quarantineFor())
+		cur, left, err = l.opts.Registry.QuarantineNode(ctx, m.Addr(), req.seen, next, req.runID, req.durable, l.quarantineFor())
 	}
 	if err != nil {
-		_, until := m.state() // this server's own quarantine stands
+		// This server's own quarantine (a provisional one, too) stands:
+		// no later answer about other news shortens it.
+		m.mu.Lock()
+		m.hold = later(m.hold, m.until)
+		until := m.hold
+		m.mu.Unlock()
 		if until.After(l.opts.Now()) {
 			l.opts.Observer.Quarantine(m.Addr(), until)
 		}
@@ -793,6 +839,11 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) {
 	m.epoch = cur
 	if len(m.queued) == 0 || until.After(m.until) {
 		m.until = until
+	}
+	if req.runID != "" && req.runID == m.runID {
+		// The record covers the process behind the node now, whatever
+		// news of it failed to be recorded before.
+		m.hold = time.Time{}
 	}
 	m.mu.Unlock()
 	now := l.opts.Now()
@@ -830,7 +881,7 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) {
 // that the node lost its memory (err matches ErrMemoryLost).
 func (l *Locker) noteLoss(i int, epoch string, err error) {
 	if errors.Is(err, ErrMemoryLost) {
-		l.recover(i, recoveryReq{seen: epoch})
+		l.recover(i, l.members[i].lossReq(epoch), false)
 	}
 }
 
@@ -839,7 +890,7 @@ func (l *Locker) counts(i int, now time.Time) bool {
 	m := l.members[i]
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.evicting == "" && !now.Before(m.until)
+	return m.evicting == "" && !now.Before(m.end())
 }
 
 // Quorum returns the number of nodes that must agree: N/2+1.
@@ -1948,7 +1999,7 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 		got, err := er.Epoch(ctx)
 		if err == nil && got != epoch {
 			found.Store(i, got)
-			if done := l.recover(i, recoveryReq{seen: epoch}); done != nil {
+			if done := l.recover(i, l.members[i].lossReq(epoch), false); done != nil {
 				recovering.Store(i, done)
 			}
 		}
@@ -1968,7 +2019,7 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}
 		m := l.members[i]
 		m.mu.Lock()
-		epoch, until := m.epoch, m.until
+		epoch, until := m.epoch, m.end()
 		if m.evicting != "" { // counted out for as long as it may evict, and then some
 			until = later(until, l.opts.Now().Add(l.quarantineFor()))
 		}

@@ -954,13 +954,13 @@ func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (str
 	return epoch, r.left(addr), true, nil
 }
 
-func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (string, time.Duration, error) {
+func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (string, time.Duration, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.epochs[addr] == expected || (runID != "" && r.runIDs[addr] != runID) {
 		r.quarantine(addr, next, d)
 		if runID != "" {
-			r.runIDs[addr], r.durable[addr] = runID, false
+			r.runIDs[addr], r.durable[addr] = runID, durable
 		}
 	}
 	return r.epochs[addr], r.left(addr), nil
@@ -973,10 +973,12 @@ func (r *memRegistry) NodeProcess(ctx context.Context, addr, runID, next string,
 	for _, q := range r.servers {
 		need = max(need, q)
 	}
-	if was := r.runIDs[addr]; was != "" && was != runID && !(durable && r.durable[addr]) && need > 0 {
+	was := r.runIDs[addr]
+	restarted := was != "" && was != runID && !(durable && r.durable[addr]) && need > 0
+	if restarted {
 		r.quarantine(addr, next, 0)
 	}
-	r.runIDs[addr], r.durable[addr] = runID, durable
+	r.runIDs[addr], r.durable[addr] = runID, durable && !restarted
 	return r.epochs[addr], r.left(addr), nil
 }
 
@@ -1191,7 +1193,7 @@ type blockingRegistry struct {
 	returned atomic.Bool
 }
 
-func (r *blockingRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (string, time.Duration, error) {
+func (r *blockingRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (string, time.Duration, error) {
 	r.entered <- struct{}{}
 	<-ctx.Done()
 	r.returned.Store(true)

@@ -126,6 +126,25 @@ func (c *procCluster) holdOnFirstThree(t *testing.T, l *Locker) {
 	}
 }
 
+// heldCluster is a procCluster with server A started on it, holding the
+// lock on nodes 0-2 only.
+func heldCluster(t *testing.T) (*clock, *memRegistry, *procCluster, *Locker) {
+	t.Helper()
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := newRegistry(clk)
+	c := newProcCluster()
+	a, _ := c.locker(t, reg, clk)
+	c.holdOnFirstThree(t, a)
+	return clk, reg, c, a
+}
+
+// setDown stops or starts node i's process (keeping its run_id).
+func (c *procCluster) setDown(i int, down bool) {
+	c.procs[i].mu.Lock()
+	c.procs[i].down = down
+	c.procs[i].mu.Unlock()
+}
+
 // TestLocker_SecondRestartSeenBehind: server A handles node 0's restart
 // from a snapshot (R1 to R2) and its quarantine runs out; server B, cut off
 // from the node meanwhile, still has the old epoch. The node then restarts
@@ -175,14 +194,8 @@ func TestLocker_SecondRestartSeenBehind(t *testing.T) {
 // the one on record: B counts the node out from that moment, and the
 // Registry's answer keeps it out.
 func TestLocker_RestartUnseenFirstSight(t *testing.T) {
-	clk := &clock{t: time.Unix(1000, 0)}
-	reg := newRegistry(clk)
-	c := newProcCluster()
-	a, _ := c.locker(t, reg, clk)
-	c.holdOnFirstThree(t, a)
-	c.procs[0].mu.Lock()
-	c.procs[0].down = true
-	c.procs[0].mu.Unlock()
+	clk, reg, c, _ := heldCluster(t)
+	c.setDown(0, true)
 	b, bv := c.locker(t, reg, clk)
 	snapshotRestart(c.ms[0], c.procs[0], "R2")
 	bv[0].connect(t)
@@ -200,13 +213,9 @@ func TestLocker_RestartUnseenFirstSight(t *testing.T) {
 	// The process on record, first seen by a server that started while
 	// the node was down: it counts once the Registry has answered.
 	clk.Advance(2 * time.Minute)
-	c.procs[1].mu.Lock()
-	c.procs[1].down = true
-	c.procs[1].mu.Unlock()
+	c.setDown(1, true)
 	d, dv := c.locker(t, reg, clk)
-	c.procs[1].mu.Lock()
-	c.procs[1].down = false
-	c.procs[1].mu.Unlock()
+	c.setDown(1, false)
 	dv[1].connect(t)
 	recovered(d, 1)
 	if !d.counts(1, clk.Now()) {
@@ -242,6 +251,31 @@ func TestLocker_DurableRestart(t *testing.T) {
 			t.Fatalf("B = %v; want refused with node 0 quarantined while A holds the lock", err)
 		}
 	})
+	t.Run("ThenDurableToDurable", func(t *testing.T) {
+		// Quarantined once for the lossy-to-durable restart, the node is
+		// on record as durable: its next restart, durable to durable, is
+		// not quarantined.
+		clk := &clock{t: time.Unix(1000, 0)}
+		reg := newRegistry(clk)
+		c := newProcCluster()
+		a, av := c.locker(t, reg, clk)
+		c.procs[0].durable = true
+		snapshotRestart(c.ms[0], c.procs[0], "R2")
+		av[0].connect(t)
+		recovered(a, 0)
+		if a.counts(0, clk.Now()) {
+			t.Fatal("A counts node 0 after the lossy-to-durable restart")
+		}
+		clk.Advance(2 * time.Minute)
+		c.procs[0].mu.Lock()
+		c.procs[0].id = "R3"
+		c.procs[0].mu.Unlock()
+		av[0].connect(t)
+		recovered(a, 0)
+		if !a.counts(0, clk.Now()) {
+			t.Error("A does not count node 0 after a durable-to-durable restart")
+		}
+	})
 	t.Run("DurableToDurable", func(t *testing.T) {
 		clk := &clock{t: time.Unix(1000, 0)}
 		reg := newRegistry(clk)
@@ -255,9 +289,6 @@ func TestLocker_DurableRestart(t *testing.T) {
 		c.procs[0].id = "R2" // every write kept: the lock is still there
 		c.procs[0].mu.Unlock()
 		av[0].connect(t)
-		if a.counts(0, clk.Now()) {
-			t.Error("A counts node 0 before the Registry has answered for its restart")
-		}
 		recovered(a, 0)
 		if !a.counts(0, clk.Now()) {
 			t.Error("A does not count node 0 after a restart that kept every write")
@@ -266,4 +297,113 @@ func TestLocker_DurableRestart(t *testing.T) {
 			t.Errorf("acquire of the held name = %v; want ErrHeld", err)
 		}
 	})
+}
+
+// failingProcess is a Registry whose NodeProcess fails for node0 (a
+// Postgres blip).
+type failingProcess struct{ *memRegistry }
+
+func (r failingProcess) NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (string, time.Duration, error) {
+	if addr == "node0" {
+		return "", 0, errors.New("postgres is down")
+	}
+	return r.memRegistry.NodeProcess(ctx, addr, runID, next, durable)
+}
+
+// TestLocker_InitProcessCheckFails: a server that starts while node 0 has
+// restarted from a snapshot unseen, and cannot check the node's process
+// against the record, counts the node out for the quarantine a restart would
+// need: it does not grant the lock whose lease the node lost.
+func TestLocker_InitProcessCheckFails(t *testing.T) {
+	clk, reg, c, _ := heldCluster(t)
+	snapshotRestart(c.ms[0], c.procs[0], "R2") // A, idle, does not see it
+	b, _ := c.locker(t, failingProcess{reg}, clk)
+	if b.counts(0, clk.Now()) {
+		t.Fatal("B counts node 0, whose process it could not check")
+	}
+	if _, err := b.Acquire(t.Context(), key, Request{TTL: time.Second}); err == nil {
+		t.Fatal("B granted the lock A holds")
+	}
+	clk.Advance(2 * time.Minute)
+	if !b.counts(0, clk.Now()) {
+		t.Error("B still counts node 0 out after the quarantine a restart needs")
+	}
+}
+
+// gatedRecord is a Registry that holds the recording of news of process
+// hold (NodeProcess or QuarantineNode naming it) until its gate is closed,
+// saying on entered when one starts.
+type gatedRecord struct {
+	*memRegistry
+	gates   map[string]chan struct{} // run_id -> gate
+	entered chan string
+}
+
+func (r *gatedRecord) wait(runID string) {
+	if g, ok := r.gates[runID]; ok {
+		select {
+		case r.entered <- runID:
+		default: // nobody listens any more (the test ended)
+		}
+		<-g
+	}
+}
+
+func (r *gatedRecord) NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (string, time.Duration, error) {
+	r.wait(runID)
+	return r.memRegistry.NodeProcess(ctx, addr, runID, next, durable)
+}
+
+func (r *gatedRecord) QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (string, time.Duration, error) {
+	r.wait(runID)
+	return r.memRegistry.QuarantineNode(ctx, addr, expected, next, runID, durable, d)
+}
+
+// TestLocker_RecoveryQueuedBehind: node 0 was down when server B started;
+// B's first sight of it (process R1, the one on record) is being checked
+// when the node restarts from a snapshot (R2). The check's answer, which
+// predates the restart, does not end the quarantine B started when it saw
+// R2: the node stays counted out until R2's restart is recorded, and then
+// for its quarantine.
+func TestLocker_RecoveryQueuedBehind(t *testing.T) {
+	clk, reg, c, _ := heldCluster(t) // A records R1 for every node
+	r1 := c.procs[0].id
+	c.setDown(0, true)
+	g := &gatedRecord{memRegistry: reg, entered: make(chan string, 4),
+		gates: map[string]chan struct{}{r1: make(chan struct{}), "R2": make(chan struct{})}}
+	b, bv := c.locker(t, g, clk)
+	open := func(id string) { close(g.gates[id]) }
+	t.Cleanup(func() { // before B's Close, which waits for its recoveries
+		for _, id := range []string{r1, "R2"} {
+			select {
+			case <-g.gates[id]:
+			default:
+				open(id)
+			}
+		}
+	})
+	c.setDown(0, false)
+	bv[0].connect(t) // first sight of R1: checked, held at the gate
+	if got := <-g.entered; got != r1 {
+		t.Fatalf("first recording names %q; want %q", got, r1)
+	}
+	snapshotRestart(c.ms[0], c.procs[0], "R2")
+	bv[0].connect(t) // the restart, queued behind the check of R1
+	open(r1)
+	if got := <-g.entered; got != "R2" {
+		t.Fatalf("second recording names %q; want R2", got)
+	}
+	// R1's check has answered (no restart, no quarantine): R2 is not
+	// recorded yet.
+	if b.counts(0, clk.Now()) {
+		t.Fatal("B counts node 0 after R1's check answered, before R2's restart is recorded")
+	}
+	open("R2")
+	recovered(b, 0)
+	if b.counts(0, clk.Now()) {
+		t.Error("B counts node 0 after its snapshot restart was recorded")
+	}
+	if _, err := b.Acquire(t.Context(), key, Request{TTL: time.Second}); err == nil {
+		t.Error("B granted the lock A holds")
+	}
 }

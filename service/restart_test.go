@@ -599,13 +599,13 @@ type gatedRegistry struct {
 	gate chan struct{}
 }
 
-func (r gatedRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (string, time.Duration, error) {
+func (r gatedRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (string, time.Duration, error) {
 	select {
 	case <-r.gate:
 	case <-ctx.Done():
 		return "", 0, ctx.Err()
 	}
-	return r.DB.QuarantineNode(ctx, addr, expected, next, runID, d)
+	return r.DB.QuarantineNode(ctx, addr, expected, next, runID, durable, d)
 }
 
 // quarantinedVotes reports every acquire answer counted as quarantined.

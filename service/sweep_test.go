@@ -338,7 +338,7 @@ func TestLocker_ExtendFencingDown(t *testing.T) {
 // failingRegistry is a Registry that cannot record quarantines.
 type failingRegistry struct{ *memRegistry }
 
-func (failingRegistry) QuarantineNode(context.Context, string, string, string, string, time.Duration) (string, time.Duration, error) {
+func (failingRegistry) QuarantineNode(context.Context, string, string, string, string, bool, time.Duration) (string, time.Duration, error) {
 	return "", 0, errors.New("postgres is down")
 }
 

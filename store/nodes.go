@@ -53,8 +53,8 @@ RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 // runID, that its Redis process was found restarted as runID. If addr's epoch
 // is still expected, or runID is not the process on record (so no server
 // has handled this restart yet, even if the epoch moved on for an earlier
-// one), it moves addr to epoch next, records runID (as a process not known
-// to fsync every write), and quarantines it until
+// one), it moves addr to epoch next, records runID and whether it fsyncs
+// every write (durable), and quarantines it until
 // now + d, or longer if a server that may still hold a lease needs more (see
 // Heartbeat), or if a quarantine already running ends later, by Postgres'
 // clock, so every server sharing the nodes agrees on the end. (A loss during
@@ -63,7 +63,7 @@ RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 // addr's epoch and the time left of its quarantine after the statement (0 if
 // none), by Postgres' clock: a server's clock may be set differently, and
 // counts the time left instead. It implements service.Registry.
-func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next, runID string, d time.Duration) (string, time.Duration, error) {
+func (db *DB) QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (string, time.Duration, error) {
 	var cur string
 	var left float64
 	err := db.pool.QueryRow(ctx, `
@@ -73,10 +73,10 @@ UPDATE redfence_nodes
            now() + make_interval(secs => GREATEST($4::bigint, `+liveNeedSQL+`)::float8 / 1000)),
        memory_losses = memory_losses + 1,
        run_id = COALESCE(NULLIF($5, ''), run_id),
-       run_durable = run_durable AND $5 = '',
+       run_durable = CASE WHEN $5 <> '' THEN $6 ELSE run_durable END,
        updated_at = now()
  WHERE addr = $1 AND (epoch = $2 OR ($5 <> '' AND run_id IS DISTINCT FROM $5))
-RETURNING epoch, `+leftSQL, addr, expected, next, ceilMillis(d), runID).Scan(&cur, &left)
+RETURNING epoch, `+leftSQL, addr, expected, next, ceilMillis(d), runID, durable).Scan(&cur, &left)
 	if errors.Is(err, pgx.ErrNoRows) {
 		// Another server moved it first. Read it in a statement of its own:
 		// within the UPDATE's, a read would see the row as it was before
@@ -124,7 +124,10 @@ UPDATE redfence_nodes AS n
        memory_losses = n.memory_losses + CASE WHEN `+restarted+` THEN 1 ELSE 0 END,
        updated_at = CASE WHEN `+restarted+` THEN now() ELSE n.updated_at END,
        run_id = $2,
-       run_durable = $4
+       -- A restart recorded here may be an observation older than the
+       -- record (taken before another server recorded a newer process):
+       -- its durability is not trusted for the next restart.
+       run_durable = CASE WHEN `+restarted+` THEN false ELSE $4 END
   FROM (SELECT `+liveNeedSQL+` AS need) r
  WHERE n.addr = $1
 RETURNING n.epoch, `+leftSQL, addr, runID, next, durable).Scan(&cur, &left)

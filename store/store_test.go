@@ -811,24 +811,24 @@ func TestDB_Nodes(t *testing.T) {
 		t.Fatalf("RegisterNode(known) = %q, %v, %v; want e1 kept, not created", epoch, created, err)
 	}
 	// A stale expectation changes nothing.
-	epoch, left, err = db.QuarantineNode(ctx, "n1:6379", "old", "e3", "", time.Minute)
+	epoch, left, err = db.QuarantineNode(ctx, "n1:6379", "old", "e3", "", false, time.Minute)
 	if err != nil || epoch != "e1" || left != 0 {
 		t.Fatalf("QuarantineNode(stale) = %q, %v, %v; want e1 unchanged, no quarantine", epoch, left, err)
 	}
-	epoch, left, err = db.QuarantineNode(ctx, "n1:6379", "e1", "e3", "", time.Minute)
+	epoch, left, err = db.QuarantineNode(ctx, "n1:6379", "e1", "e3", "", false, time.Minute)
 	if err != nil || epoch != "e3" || left <= 0 || left > time.Minute {
 		t.Fatalf("QuarantineNode = %q, %v, %v; want e3 with up to a minute left", epoch, left, err)
 	}
 	// A second loss during the quarantine restarts it, never shortening it.
-	epoch2, left2, err := db.QuarantineNode(ctx, "n1:6379", "e3", "e4", "", time.Hour)
+	epoch2, left2, err := db.QuarantineNode(ctx, "n1:6379", "e3", "e4", "", false, time.Hour)
 	if err != nil || epoch2 != "e4" || left2 <= time.Minute || left2 > time.Hour {
 		t.Fatalf("QuarantineNode(during) = %q, %v, %v; want e4 with up to an hour left", epoch2, left2, err)
 	}
-	if epoch, l, err := db.QuarantineNode(ctx, "n1:6379", "e4", "e5", "", time.Second); err != nil || epoch != "e5" || l <= time.Minute {
+	if epoch, l, err := db.QuarantineNode(ctx, "n1:6379", "e4", "e5", "", false, time.Second); err != nil || epoch != "e5" || l <= time.Minute {
 		t.Fatalf("QuarantineNode(shorter, during) = %q, %v, %v; want e5 with the hour kept", epoch, l, err)
 	}
 	// A server merely behind (a stale expectation) changes nothing.
-	if epoch, l, err := db.QuarantineNode(ctx, "n1:6379", "e3", "e9", "", 2*time.Hour); err != nil || epoch != "e5" || l > time.Hour {
+	if epoch, l, err := db.QuarantineNode(ctx, "n1:6379", "e3", "e9", "", false, 2*time.Hour); err != nil || epoch != "e5" || l > time.Hour {
 		t.Fatalf("QuarantineNode(behind) = %q, %v, %v; want e5 unchanged", epoch, l, err)
 	}
 	// A restarted server sees the running quarantine.
@@ -857,7 +857,7 @@ func TestDB_Heartbeat(t *testing.T) {
 		if _, _, _, err := db.RegisterNode(ctx, addr, "e1"); err != nil {
 			t.Fatal(err)
 		}
-		_, left, err := db.QuarantineNode(ctx, addr, "e1", "e2", "", 10*time.Second)
+		_, left, err := db.QuarantineNode(ctx, addr, "e1", "e2", "", false, 10*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -961,21 +961,21 @@ func TestDB_NodeRunID(t *testing.T) {
 	// A server that saw R4 itself, with e1 as its epoch, adopts the
 	// handled restart; one that finds R5 restarts the quarantine even
 	// though its epoch (e1) is behind the record's.
-	if epoch, _, err := db.QuarantineNode(ctx, addr, "e1", "x", "R4", time.Minute); err != nil || epoch != "e2" {
+	if epoch, _, err := db.QuarantineNode(ctx, addr, "e1", "x", "R4", false, time.Minute); err != nil || epoch != "e2" {
 		t.Fatalf("QuarantineNode(handled restart) = %q, %v; want e2 adopted", epoch, err)
 	}
 	if _, err := db.pool.Exec(ctx, `UPDATE redfence_nodes SET quarantined_until = NULL WHERE addr = $1`, addr); err != nil {
 		t.Fatal(err)
 	}
-	epoch, left, err = db.QuarantineNode(ctx, addr, "e1", "e3", "R5", time.Minute)
+	epoch, left, err = db.QuarantineNode(ctx, addr, "e1", "e3", "R5", false, time.Minute)
 	if err != nil || epoch != "e3" || left <= 0 {
 		t.Fatalf("QuarantineNode(second restart, server behind) = %q, %v, %v; want e3 and a quarantine", epoch, left, err)
 	}
 	// A lost marker (no run_id) keeps the process on record.
-	if epoch, _, err := db.QuarantineNode(ctx, addr, "e3", "e4", "", time.Minute); err != nil || epoch != "e4" {
+	if epoch, _, err := db.QuarantineNode(ctx, addr, "e3", "e4", "", false, time.Minute); err != nil || epoch != "e4" {
 		t.Fatalf("QuarantineNode(lost marker) = %q, %v; want e4", epoch, err)
 	}
-	if epoch, _, err := db.QuarantineNode(ctx, addr, "e1", "x", "R5", time.Minute); err != nil || epoch != "e4" {
+	if epoch, _, err := db.QuarantineNode(ctx, addr, "e1", "x", "R5", false, time.Minute); err != nil || epoch != "e4" {
 		t.Fatalf("QuarantineNode(R5 again) = %q, %v; want e4 adopted (R5 still on record)", epoch, err)
 	}
 }
@@ -1006,7 +1006,7 @@ func TestDB_QuarantineNodeRace(t *testing.T) {
 	}
 	done := make(chan answer, 1)
 	go func() {
-		epoch, left, err := db.QuarantineNode(ctx, "race:6379", "E", "NB", "", time.Minute)
+		epoch, left, err := db.QuarantineNode(ctx, "race:6379", "E", "NB", "", false, time.Minute)
 		done <- answer{epoch, left, err}
 	}()
 	testutil.WaitFor(t, 30*time.Second, "the second statement to wait on the row lock", func() (bool, error) {
