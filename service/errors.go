@@ -43,6 +43,10 @@ var (
 	// server: it would vote twice, and a majority of votes would no longer
 	// be a majority of servers.
 	ErrSameServer = errors.New("service: two nodes are one Redis server")
+	// ErrNodeShared reports a Node value that already serves another
+	// Locker: each Locker needs nodes of its own (NewRedisNode for each), as
+	// a node reports the restarts it sees to one Locker only.
+	ErrNodeShared = errors.New("service: the node serves another Locker")
 )
 
 // Outcome is what one node answered in one round.

@@ -217,12 +217,16 @@ type member struct {
 	mu    sync.Mutex
 	epoch string    // the marker the node must hold; "" checks nothing
 	until time.Time // votes do not count before this, as last recorded
-	// hold is a quarantine of this server's own that an answer of the
-	// Registry shortens only if it covers the node's current process (see
-	// recoverOnce): news of the node that could not be recorded. evictEnd
-	// is the end of the quarantine after an eviction spell, which no answer
-	// shortens. Votes count before neither.
-	hold, evictEnd time.Time
+	// unrecorded says news of the node (a restart, a process not checked
+	// against the record yet) is not recorded yet, or failed to be: its
+	// votes do not count until a recording that covers its current process
+	// succeeds (see recover, which retries). evictEnd is the end of the quarantine after an
+	// eviction spell, which no answer of the Registry shortens.
+	unrecorded bool
+	evictEnd   time.Time
+	// recordErr is why the last recording failed, while unrecorded; nil
+	// otherwise.
+	recordErr error
 	// recovery is closed when the node's recoveries (see recover) have all
 	// run (nil: none runs); running is the one under way and queued those
 	// behind it, run one at a time in order. Guarded by mu.
@@ -249,9 +253,9 @@ func (m *member) state() (epoch string, until time.Time) {
 	return m.epoch, m.end()
 }
 
-// end is the end of the node's quarantine: the latest of until, hold and
-// evictEnd. m.mu is held.
-func (m *member) end() time.Time { return later(later(m.until, m.hold), m.evictEnd) }
+// end is the end of the node's quarantine as far as it is known: the later
+// of until and evictEnd. m.mu is held.
+func (m *member) end() time.Time { return later(m.until, m.evictEnd) }
 
 // adopt sets the epoch on record and extends the quarantine to until.
 func (m *member) adopt(epoch string, until time.Time) {
@@ -438,12 +442,16 @@ func (l *Locker) Init(ctx context.Context) error {
 	for i, m := range l.members {
 		if rw, ok := m.Node.(restartWatcher); ok {
 			m.mu.Lock()
-			m.runID, m.durable = procs[i].id, procs[i].durable
+			if m.runID == "" { // a second Init must not go back to an older process
+				m.runID, m.durable = procs[i].id, procs[i].durable
+			}
 			m.mu.Unlock()
-			rw.WatchRestarts(func(_ context.Context, id string, durable bool) error {
+			if err := rw.WatchRestarts(l, func(_ context.Context, id string, durable bool) error {
 				l.seen(i, id, durable)
 				return nil
-			})
+			}); err != nil {
+				return fmt.Errorf("service: node %s: %w", m.Addr(), err)
+			}
 		}
 	}
 	for i, m := range l.members {
@@ -482,12 +490,18 @@ func (l *Locker) Init(ctx context.Context) error {
 		}
 		// Counted out until the Registry has answered: if it cannot, the
 		// node stays out for the quarantine a restart would need.
+		// A check that cannot be made in time is retried in the
+		// background; the node is counted out until it is.
 		if done := l.recover(i, recoveryReq{runID: id, durable: durable, unseen: true}, true); done != nil {
+			wait := time.NewTimer(l.opts.IssueTimeout + l.opts.NodeTimeout)
 			select {
 			case <-done:
+			case <-wait.C:
 			case <-ctx.Done():
+				wait.Stop()
 				return fmt.Errorf("service: record the process of node %s: %w", m.Addr(), ctx.Err())
 			}
+			wait.Stop()
 		}
 	}
 	if err := l.startHeartbeat(ctx); err != nil {
@@ -514,7 +528,7 @@ type process struct {
 // restartWatcher is a Node that reports the server process behind each new
 // connection before the connection is used (RedisNode.WatchRestarts).
 type restartWatcher interface {
-	WatchRestarts(f func(ctx context.Context, runID string, durable bool) error)
+	WatchRestarts(owner any, f func(ctx context.Context, runID string, durable bool) error) error
 }
 
 // seen notes that node i's server process is id, durable or not (see
@@ -740,8 +754,8 @@ func (m *member) lossReq(epoch string) recoveryReq {
 // as its quarantine says: a recovery with others queued behind it only
 // extends the quarantine, as they may have started a provisional one for
 // news it has not recorded. With provisional, the node is also counted out
-// for the quarantine a restart would need, from now until the Registry has
-// answered req (set as req is queued, so no earlier recovery ends it). It
+// from now until the Registry has answered req or a later request (set as
+// req is queued, so no earlier recovery ends it), however long that takes. It
 // returns a channel closed when the node's recoveries have all run, or nil
 // without a Registry or once the Locker is closed.
 func (l *Locker) recover(i int, req recoveryReq, provisional bool) chan struct{} {
@@ -757,9 +771,7 @@ func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan st
 		return nil
 	}
 	if provisional {
-		if until := l.opts.Now().Add(l.quarantineFor()); until.After(m.until) {
-			m.until = until
-		}
+		m.unrecorded = true // until req's answer (or a later one) covers it
 	}
 	if done := m.recovery; done != nil {
 		if req != m.running && !slices.Contains(m.queued, req) {
@@ -782,7 +794,22 @@ func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan st
 	go func() {
 		defer l.bg.Done()
 		for {
-			l.recoverOnce(i, req)
+			if !l.recoverOnce(i, req) {
+				// Retried until it is recorded (or the Locker closes):
+				// meanwhile the node does not count (unrecorded).
+				retry := time.NewTimer(recoveryRetry)
+				select {
+				case <-retry.C:
+					continue
+				case <-l.life.Done():
+					retry.Stop()
+					m.mu.Lock()
+					m.recovery, m.running, m.queued = nil, recoveryReq{}, nil
+					m.mu.Unlock()
+					close(done)
+					return
+				}
+			}
 			m.mu.Lock()
 			if len(m.queued) == 0 {
 				m.recovery, m.running = nil, recoveryReq{}
@@ -799,14 +826,19 @@ func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan st
 	return done
 }
 
-// recoverOnce runs one recovery of node i (see recover).
-func (l *Locker) recoverOnce(i int, req recoveryReq) {
+// recoveryRetry is how long a recovery that failed to be recorded waits
+// before it tries again.
+const recoveryRetry = time.Second
+
+// recoverOnce runs one recovery of node i (see recover); false if the
+// Registry could not record it.
+func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 	m := l.members[i]
 	ctx, cancel := context.WithTimeout(l.life, l.opts.IssueTimeout)
 	defer cancel()
 	next, err := newEpoch()
 	if err != nil {
-		return
+		return false
 	}
 	var cur string
 	var left time.Duration
@@ -816,22 +848,21 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) {
 		cur, left, err = l.opts.Registry.QuarantineNode(ctx, m.Addr(), req.seen, next, req.runID, req.durable, l.quarantineFor())
 	}
 	if err != nil {
-		// This server's own quarantine (a provisional one, too) stands:
-		// no later answer about other news shortens it.
+		// The node does not count until this is recorded (it is retried).
 		m.mu.Lock()
-		m.hold = later(m.hold, m.until)
-		until := m.hold
+		first := m.recordErr == nil
+		m.unrecorded, m.recordErr = true, err
+		until := later(m.end(), l.opts.Now().Add(l.quarantineFor()))
 		m.mu.Unlock()
-		if until.After(l.opts.Now()) {
+		if first {
 			l.opts.Observer.Quarantine(m.Addr(), until)
+			msg := "node lost its memory or restarted, and this could not be recorded: its votes do not count until it is (retried every second)"
+			if req.unseen {
+				msg = "could not check the node's Redis process against the record: its votes do not count until it is checked (retried every second)"
+			}
+			l.opts.Logger.Warn(msg, slog.String("node", m.Addr()), slog.String("error", err.Error()))
 		}
-		msg := "node lost its memory; could not record the quarantine"
-		if req.unseen {
-			msg = "could not check the node's Redis process against the record; its votes do not count until the quarantine a restart would need has passed"
-		}
-		l.opts.Logger.Warn(msg, slog.String("node", m.Addr()),
-			slog.Time("quarantined_until", until), slog.String("error", err.Error()))
-		return
+		return false
 	}
 	until := l.quarantineEnd(left)
 	m.mu.Lock()
@@ -840,10 +871,10 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) {
 	if len(m.queued) == 0 || until.After(m.until) {
 		m.until = until
 	}
-	if req.runID != "" && req.runID == m.runID {
+	if req.runID == m.runID {
 		// The record covers the process behind the node now, whatever
 		// news of it failed to be recorded before.
-		m.hold = time.Time{}
+		m.unrecorded, m.recordErr = false, nil
 	}
 	m.mu.Unlock()
 	now := l.opts.Now()
@@ -854,7 +885,7 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) {
 		// now could hide a restart since then; if the node lacks cur's
 		// marker, the next acquire finds that out and a new quarantine
 		// starts.
-		return
+		return true
 	}
 	l.opts.Observer.Quarantine(m.Addr(), until)
 	if cur != prev {
@@ -875,6 +906,7 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) {
 	if _, err := m.Mark(mctx, cur, cur == next); err != nil {
 		l.opts.Logger.Warn("could not mark node", slog.String("node", m.Addr()), slog.String("error", err.Error()))
 	}
+	return true
 }
 
 // noteLoss starts recovering node i when an acquire sent with epoch found
@@ -890,7 +922,7 @@ func (l *Locker) counts(i int, now time.Time) bool {
 	m := l.members[i]
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.evicting == "" && !now.Before(m.end())
+	return m.evicting == "" && !m.unrecorded && !now.Before(m.end())
 }
 
 // Quorum returns the number of nodes that must agree: N/2+1.
@@ -2007,23 +2039,35 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	}}, nil, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	l.drain(t, votes)
+	// A recovery that cannot be recorded is retried in the background:
+	// wait for it no longer than one recording may take.
+	wait := time.NewTimer(l.opts.IssueTimeout)
+	defer wait.Stop()
 	recovering.Range(func(_, v any) bool {
 		select {
 		case <-v.(chan struct{}):
+			return true
 		case <-ctx.Done():
+		case <-wait.C:
 		}
-		return true
+		return false
 	})
 	out := make([]NodeStatus, len(l.nodes))
 	for i, r := range t.results {
 		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}
 		m := l.members[i]
 		m.mu.Lock()
-		epoch, until := m.epoch, m.end()
-		if m.evicting != "" { // counted out for as long as it may evict, and then some
+		epoch, until, recErr := m.epoch, m.end(), m.recordErr
+		if m.evicting != "" || m.unrecorded { // counted out for as long as it may evict, and then some
 			until = later(until, l.opts.Now().Add(l.quarantineFor()))
 		}
 		m.mu.Unlock()
+		if recErr != nil {
+			// Counted out until what it was found with is recorded.
+			out[i].Up = false
+			out[i].Err = fmt.Errorf("the node restarted or lost its memory, and this could not be recorded yet (retrying; its votes do not count meanwhile): %w", recErr)
+			continue
+		}
 		if until.After(l.opts.Now()) {
 			out[i].QuarantinedUntil = until
 			continue

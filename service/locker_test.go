@@ -978,7 +978,7 @@ func (r *memRegistry) NodeProcess(ctx context.Context, addr, runID, next string,
 	if restarted {
 		r.quarantine(addr, next, 0)
 	}
-	r.runIDs[addr], r.durable[addr] = runID, durable && !restarted
+	r.runIDs[addr], r.durable[addr] = runID, durable
 	return r.epochs[addr], r.left(addr), nil
 }
 

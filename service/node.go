@@ -8,6 +8,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -147,6 +148,9 @@ type RedisNode struct {
 	// onConnect, if set (WatchRestarts), learns the run_id of the server
 	// behind every new connection before the connection is used.
 	onConnect atomic.Pointer[func(ctx context.Context, runID string, durable bool) error]
+	// watchMu guards watcher, the owner of onConnect (see WatchRestarts).
+	watchMu sync.Mutex
+	watcher any
 }
 
 var (
@@ -236,12 +240,20 @@ func (n *RedisNode) Addr() string { return n.addr }
 // connection, before the connection carries anything else: a Redis server
 // that restarted has dropped every connection, so f learns of the restart
 // before any command reaches the new process. durable reports that the
-// server fsyncs every write before answering (appendonly yes, appendfsync
-// always), so a restart keeps what it acknowledged; false when CONFIG is
-// refused. An error from f fails the connection. If the run_id cannot be
-// read (INFO refused), f is not called.
-func (n *RedisNode) WatchRestarts(f func(ctx context.Context, runID string, durable bool) error) {
+// server fsyncs every write before answering (see fsyncsAll); false when
+// CONFIG is refused. An error from f fails the connection. If the run_id cannot be
+// read (INFO refused), f is not called. A node reports to one watcher, owner
+// (its Locker): a call by another owner fails with ErrNodeShared; the same
+// owner's replaces its f.
+func (n *RedisNode) WatchRestarts(owner any, f func(ctx context.Context, runID string, durable bool) error) error {
+	n.watchMu.Lock()
+	defer n.watchMu.Unlock()
+	if n.watcher != nil && n.watcher != owner {
+		return ErrNodeShared
+	}
+	n.watcher = owner
 	n.onConnect.Store(&f)
+	return nil
 }
 
 // connected is the client's OnConnect hook (see WatchRestarts).
@@ -262,10 +274,12 @@ func (n *RedisNode) connected(ctx context.Context, cn *redis.Conn) error {
 }
 
 // fsyncsAll reports whether the server behind c fsyncs every write before
-// answering (appendonly yes, appendfsync always); false if CONFIG is refused.
+// answering (appendonly yes, appendfsync always, and no-appendfsync-on-rewrite
+// no: with it on, writes are not fsynced while a save or rewrite runs);
+// false if CONFIG is refused.
 func fsyncsAll(ctx context.Context, c redis.Cmdable) bool {
-	cfg, err := c.ConfigGet(ctx, "append*").Result()
-	return err == nil && cfg["appendonly"] == "yes" && cfg["appendfsync"] == "always"
+	cfg, err := c.ConfigGet(ctx, "*append*").Result()
+	return err == nil && cfg["appendonly"] == "yes" && cfg["appendfsync"] == "always" && cfg["no-appendfsync-on-rewrite"] == "no"
 }
 
 // runID returns the run_id of an INFO server answer, or "".

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -36,10 +37,11 @@ func (n *procNode) ServerID(ctx context.Context) (string, bool, error) {
 	return n.p.id, n.p.durable, nil
 }
 
-func (n *procNode) WatchRestarts(f func(ctx context.Context, runID string, durable bool) error) {
+func (n *procNode) WatchRestarts(_ any, f func(ctx context.Context, runID string, durable bool) error) error {
 	n.mu.Lock()
 	n.hook = f
 	n.mu.Unlock()
+	return nil
 }
 
 // connect is a new connection of this Locker to the node: its hook learns
@@ -299,12 +301,15 @@ func TestLocker_DurableRestart(t *testing.T) {
 	})
 }
 
-// failingProcess is a Registry whose NodeProcess fails for node0 (a
-// Postgres blip).
-type failingProcess struct{ *memRegistry }
+// failingProcess is a Registry whose NodeProcess fails for node0 while
+// down is set (Postgres unreachable from this server).
+type failingProcess struct {
+	*memRegistry
+	down atomic.Bool
+}
 
-func (r failingProcess) NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (string, time.Duration, error) {
-	if addr == "node0" {
+func (r *failingProcess) NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (string, time.Duration, error) {
+	if addr == "node0" && r.down.Load() {
 		return "", 0, errors.New("postgres is down")
 	}
 	return r.memRegistry.NodeProcess(ctx, addr, runID, next, durable)
@@ -312,21 +317,30 @@ func (r failingProcess) NodeProcess(ctx context.Context, addr, runID, next strin
 
 // TestLocker_InitProcessCheckFails: a server that starts while node 0 has
 // restarted from a snapshot unseen, and cannot check the node's process
-// against the record, counts the node out for the quarantine a restart would
-// need: it does not grant the lock whose lease the node lost.
+// against the record, counts the node out until it can: it does not grant
+// the lock whose lease the node lost. The check is retried, finds the
+// restart, and the node counts again once its quarantine ends.
 func TestLocker_InitProcessCheckFails(t *testing.T) {
 	clk, reg, c, _ := heldCluster(t)
 	snapshotRestart(c.ms[0], c.procs[0], "R2") // A, idle, does not see it
-	b, _ := c.locker(t, failingProcess{reg}, clk)
+	fp := &failingProcess{memRegistry: reg}
+	fp.down.Store(true)
+	b, _ := c.locker(t, fp, clk)
+	clk.Advance(10 * time.Minute) // however long the check fails
 	if b.counts(0, clk.Now()) {
 		t.Fatal("B counts node 0, whose process it could not check")
 	}
 	if _, err := b.Acquire(t.Context(), key, Request{TTL: time.Second}); err == nil {
 		t.Fatal("B granted the lock A holds")
 	}
+	fp.down.Store(false)
+	recovered(b, 0) // the check, retried, finds the unseen restart
+	if b.counts(0, clk.Now()) {
+		t.Error("B counts node 0 once checked; want the restart's quarantine")
+	}
 	clk.Advance(2 * time.Minute)
 	if !b.counts(0, clk.Now()) {
-		t.Error("B still counts node 0 out after the quarantine a restart needs")
+		t.Error("B still counts node 0 out after the restart's quarantine")
 	}
 }
 
@@ -405,5 +419,51 @@ func TestLocker_RecoveryQueuedBehind(t *testing.T) {
 	}
 	if _, err := b.Acquire(t.Context(), key, Request{TTL: time.Second}); err == nil {
 		t.Error("B granted the lock A holds")
+	}
+}
+
+// downRegistry is a Registry that cannot record anything while down.
+type downRegistry struct {
+	*memRegistry
+	down atomic.Bool
+}
+
+func (r *downRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (string, time.Duration, error) {
+	if r.down.Load() {
+		return "", 0, errors.New("postgres is down")
+	}
+	return r.memRegistry.QuarantineNode(ctx, addr, expected, next, runID, durable, d)
+}
+
+// TestLocker_UnrecordedRestartRetried: a restart that cannot be recorded
+// (Postgres down) keeps the node counted out, however long that lasts, and
+// its recording is retried: once Postgres is back, the restart is recorded
+// (a quarantine for every server) and the node counts when it ends.
+func TestLocker_UnrecordedRestartRetried(t *testing.T) {
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := &downRegistry{memRegistry: newRegistry(clk)}
+	c := newProcCluster()
+	a, av := c.locker(t, reg, clk)
+	reg.down.Store(true)
+	snapshotRestart(c.ms[0], c.procs[0], "R2")
+	av[0].connect(t)
+	clk.Advance(10 * time.Minute) // far past any quarantine
+	if a.counts(0, clk.Now()) {
+		t.Fatal("A counts node 0, whose restart it could not record")
+	}
+	if st := a.Nodes(t.Context()); st[0].Up && st[0].QuarantinedUntil.IsZero() {
+		t.Errorf("Nodes reports node 0 %+v; want it down or quarantined while its restart is not recorded", st[0])
+	}
+	reg.down.Store(false)
+	recovered(a, 0) // the retry, a second later
+	if a.counts(0, clk.Now()) {
+		t.Error("A counts node 0 right after recording its restart; want the quarantine")
+	}
+	if _, left, _ := reg.QuarantineNode(t.Context(), "node0", "", "x", "R2", false, 0); left <= 0 {
+		t.Error("the registry records no quarantine for node 0's restart")
+	}
+	clk.Advance(2 * time.Minute)
+	if !a.counts(0, clk.Now()) {
+		t.Error("A does not count node 0 after the recorded quarantine")
 	}
 }

@@ -666,3 +666,58 @@ func TestLocker_RestartHandledElsewhere(t *testing.T) {
 		}
 	}
 }
+
+// TestRedisNode_Durability: a node counts as keeping every write it
+// acknowledged only with appendonly yes, appendfsync always and
+// no-appendfsync-on-rewrite no (with it on, writes are not fsynced while a
+// save or rewrite runs).
+func TestRedisNode_Durability(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, true)
+	n := service.NewRedisNode(e.nodes[0].Addr(), service.RedisOptions{})
+	t.Cleanup(func() { n.Close() })
+	ctx := t.Context()
+	if _, durable, err := n.ServerID(ctx); err != nil || !durable {
+		t.Fatalf("ServerID with appendfsync always = durable %v, %v; want durable", durable, err)
+	}
+	if err := e.raw[0].ConfigSet(ctx, "no-appendfsync-on-rewrite", "yes").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, durable, err := n.ServerID(ctx); err != nil || durable {
+		t.Errorf("ServerID with no-appendfsync-on-rewrite yes = durable %v, %v; want not durable", durable, err)
+	}
+}
+
+// TestLocker_SharedNodes: a node reports the restarts it sees to one Locker
+// only, so a second Locker given the same Node values is refused at Init
+// (ErrNodeShared) rather than left blind to restarts; a second Init of the
+// first is fine.
+func TestLocker_SharedNodes(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	var ns []service.Node
+	for _, n := range e.nodes {
+		rn := service.NewRedisNode(n.Addr(), service.RedisOptions{})
+		t.Cleanup(func() { rn.Close() })
+		ns = append(ns, rn)
+	}
+	opts := service.Options{Registry: e.db, MaxTTL: 3 * time.Second, NodeTimeout: time.Second}
+	var ls []*service.Locker
+	for range 2 {
+		l, err := service.New(ns, e.db, opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(l.Close)
+		ls = append(ls, l)
+	}
+	if err := ls[0].Init(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if err := ls[1].Init(t.Context()); !errors.Is(err, service.ErrNodeShared) {
+		t.Errorf("Init of a second Locker on the same nodes = %v; want ErrNodeShared", err)
+	}
+	if err := ls[0].Init(t.Context()); err != nil {
+		t.Errorf("second Init of the first Locker = %v", err)
+	}
+}

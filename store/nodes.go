@@ -124,10 +124,7 @@ UPDATE redfence_nodes AS n
        memory_losses = n.memory_losses + CASE WHEN `+restarted+` THEN 1 ELSE 0 END,
        updated_at = CASE WHEN `+restarted+` THEN now() ELSE n.updated_at END,
        run_id = $2,
-       -- A restart recorded here may be an observation older than the
-       -- record (taken before another server recorded a newer process):
-       -- its durability is not trusted for the next restart.
-       run_durable = CASE WHEN `+restarted+` THEN false ELSE $4 END
+       run_durable = $4
   FROM (SELECT `+liveNeedSQL+` AS need) r
  WHERE n.addr = $1
 RETURNING n.epoch, `+leftSQL, addr, runID, next, durable).Scan(&cur, &left)
