@@ -245,8 +245,8 @@ type member struct {
 	evictRecorded bool
 }
 
-// state returns the node's epoch and the end of its quarantine (the later
-// of until and hold).
+// state returns the node's epoch and the end of its quarantine as far as it
+// is known (see end; an unrecorded node does not count either).
 func (m *member) state() (epoch string, until time.Time) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -574,6 +574,7 @@ func (l *Locker) seen(i int, id string, durable bool) {
 	// closed, and the provisional quarantine stands.)
 	if l.recoverLocked(i, recoveryReq{seen: epoch, runID: id, durable: durable}, true) == nil {
 		_, until := m.state()
+		until = later(until, l.opts.Now().Add(l.quarantineFor()))
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node restarted (new run_id): its votes do not count until every lease it may have forgotten has expired",
 			slog.String("node", m.Addr()), slog.Time("quarantined_until", until))

@@ -63,16 +63,29 @@ func (e *restartEnv) lockerAt(t *testing.T, reg service.Registry, addrs []string
 	return e.lockerWith(t, addrs, service.Options{Registry: reg})
 }
 
-// lockerWith is lockerAt with options; MaxTTL and NodeTimeout are the
-// suite's (3s, 1s).
-func (e *restartEnv) lockerWith(t *testing.T, addrs []string, opts service.Options) *service.Locker {
+// redisNodes returns a RedisNode for each of addrs (e's nodes if none),
+// closed when the test ends.
+func (e *restartEnv) redisNodes(t *testing.T, addrs ...string) []service.Node {
 	t.Helper()
+	if len(addrs) == 0 {
+		for _, n := range e.nodes {
+			addrs = append(addrs, n.Addr())
+		}
+	}
 	var ns []service.Node
 	for _, addr := range addrs {
 		rn := service.NewRedisNode(addr, service.RedisOptions{})
 		t.Cleanup(func() { rn.Close() })
 		ns = append(ns, rn)
 	}
+	return ns
+}
+
+// lockerWith is lockerAt with options; MaxTTL and NodeTimeout are the
+// suite's (3s, 1s).
+func (e *restartEnv) lockerWith(t *testing.T, addrs []string, opts service.Options) *service.Locker {
+	t.Helper()
+	ns := e.redisNodes(t, addrs...)
 	opts.MaxTTL, opts.NodeTimeout = 3*time.Second, time.Second
 	l, err := service.New(ns, e.db, opts)
 	if err != nil {
@@ -349,10 +362,7 @@ func TestLocker_SnapshotRestartUnseen(t *testing.T) {
 	t.Parallel()
 	e := newRestartEnv(t, false)
 	ctx := t.Context()
-	var ns []service.Node
-	for _, n := range e.nodes {
-		ns = append(ns, service.NewRedisNode(n.Addr(), service.RedisOptions{}))
-	}
+	ns := e.redisNodes(t)
 	a, err := service.New(ns, e.db, service.Options{Registry: e.db, MaxTTL: 3 * time.Second, NodeTimeout: time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -695,12 +705,7 @@ func TestRedisNode_Durability(t *testing.T) {
 func TestLocker_SharedNodes(t *testing.T) {
 	t.Parallel()
 	e := newRestartEnv(t, false)
-	var ns []service.Node
-	for _, n := range e.nodes {
-		rn := service.NewRedisNode(n.Addr(), service.RedisOptions{})
-		t.Cleanup(func() { rn.Close() })
-		ns = append(ns, rn)
-	}
+	ns := e.redisNodes(t)
 	opts := service.Options{Registry: e.db, MaxTTL: 3 * time.Second, NodeTimeout: time.Second}
 	var ls []*service.Locker
 	for range 2 {
