@@ -228,10 +228,9 @@ type member struct {
 	// otherwise.
 	recordErr error
 	// recovery is closed when the node's recoveries (see recover) have all
-	// run (nil: none runs); running is the one under way and queued those
-	// behind it, run one at a time in order. Guarded by mu.
+	// run (nil: none runs); queued are those behind the one under way, run
+	// one at a time in order. Guarded by mu.
 	recovery chan struct{}
-	running  recoveryReq
 	queued   []recoveryReq
 	// runID is the run_id of the Redis process last seen behind the node
 	// ("" before the first), and durable whether it fsyncs every write; a
@@ -750,11 +749,10 @@ func (m *member) lossReq(epoch string) recoveryReq {
 // starts unless another server started it already or one is running, see
 // Registry), adopts the recorded epoch and quarantine, and marks the node
 // if this call started the quarantine. It runs in the background; a node's
-// recoveries run one at a time, in the order asked, and one asked while the
-// same one runs or waits is not repeated. Meanwhile the node's answers count
+// recoveries run one at a time, in the order asked. Meanwhile the node's answers count
 // as its quarantine says: a recovery with others queued behind it only
-// extends the quarantine, as they may have started a provisional one for
-// news it has not recorded. With provisional, the node is also counted out
+// extends the quarantine, as they may carry news it has not recorded. A
+// request the same as one queued is not queued again. With provisional, the node is also counted out
 // from now until the Registry has answered req or a later request (set as
 // req is queued, so no earlier recovery ends it), however long that takes. It
 // returns a channel closed when the node's recoveries have all run, or nil
@@ -775,7 +773,9 @@ func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan st
 		m.unrecorded = true // until req's answer (or a later one) covers it
 	}
 	if done := m.recovery; done != nil {
-		if req != m.running && !slices.Contains(m.queued, req) {
+		// Not compared with the one under way, which may have answered
+		// already: its answer predates what provisional just set.
+		if !slices.Contains(m.queued, req) {
 			m.queued = append(m.queued, req)
 		}
 		m.mu.Unlock()
@@ -790,7 +790,7 @@ func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan st
 	l.bg.Add(1)
 	l.bgMu.Unlock()
 	done := make(chan struct{})
-	m.recovery, m.running = done, req
+	m.recovery = done
 	m.mu.Unlock()
 	go func() {
 		defer l.bg.Done()
@@ -805,7 +805,7 @@ func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan st
 				case <-l.life.Done():
 					retry.Stop()
 					m.mu.Lock()
-					m.recovery, m.running, m.queued = nil, recoveryReq{}, nil
+					m.recovery, m.queued = nil, nil
 					m.mu.Unlock()
 					close(done)
 					return
@@ -813,14 +813,13 @@ func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan st
 			}
 			m.mu.Lock()
 			if len(m.queued) == 0 {
-				m.recovery, m.running = nil, recoveryReq{}
+				m.recovery = nil
 				m.mu.Unlock()
 				close(done)
 				return
 			}
 			req = m.queued[0]
 			m.queued = m.queued[1:]
-			m.running = req
 			m.mu.Unlock()
 		}
 	}()
@@ -851,6 +850,12 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 	if err != nil {
 		// The node does not count until this is recorded (it is retried).
 		m.mu.Lock()
+		if req.runID != m.runID {
+			// News of a process the node no longer runs: dropped, as the
+			// news of the current one (queued since) is what counts.
+			m.mu.Unlock()
+			return true
+		}
 		first := m.recordErr == nil
 		m.unrecorded, m.recordErr = true, err
 		until := later(m.end(), l.opts.Now().Add(l.quarantineFor()))

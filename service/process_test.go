@@ -467,3 +467,60 @@ func TestLocker_UnrecordedRestartRetried(t *testing.T) {
 		t.Error("A does not count node 0 after the recorded quarantine")
 	}
 }
+
+// TestLocker_RecoveryAskedAgainWhileReporting: a provisional recovery asked
+// again while the same one, already answered, is still reporting (marking
+// the node) runs again, so the node is not left counted out for good.
+func TestLocker_RecoveryAskedAgainWhileReporting(t *testing.T) {
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := newRegistry(clk)
+	c := newProcCluster()
+	a, av := c.locker(t, reg, clk)
+	epoch, _ := a.members[0].state()
+	marking, release := make(chan struct{}, 1), make(chan struct{})
+	c.ms[0].hook = func(_ context.Context, op string) error {
+		if op == "mark" {
+			marking <- struct{}{}
+			<-release
+		}
+		return nil
+	}
+	snapshotRestart(c.ms[0], c.procs[0], "R2")
+	av[0].connect(t) // recorded (a quarantine), then marks: held here
+	<-marking
+	a.recover(0, recoveryReq{seen: epoch, runID: "R2"}, true) // the same news again
+	c.ms[0].hook = nil
+	close(release)
+	recovered(a, 0)
+	clk.Advance(2 * time.Minute)
+	if !a.counts(0, clk.Now()) {
+		t.Error("node 0 is counted out for good after its restart was recorded twice")
+	}
+}
+
+// TestLocker_StaleRecoveryFails: a recovery naming a process the node no
+// longer runs (queued before the node restarted again) that fails to be
+// recorded does not leave the node counted out: the current process's news
+// is what counts.
+func TestLocker_StaleRecoveryFails(t *testing.T) {
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := &downRegistry{memRegistry: newRegistry(clk)}
+	c := newProcCluster()
+	a, av := c.locker(t, reg, clk)
+	r1 := c.procs[0].id
+	epoch, _ := a.members[0].state()
+	snapshotRestart(c.ms[0], c.procs[0], "R2")
+	av[0].connect(t)
+	recovered(a, 0)
+	clk.Advance(2 * time.Minute)
+	if !a.counts(0, clk.Now()) {
+		t.Fatal("node 0 not counted after its recorded quarantine")
+	}
+	reg.down.Store(true)
+	done := a.recover(0, recoveryReq{seen: epoch, runID: r1}, false) // news of R1, late
+	<-done
+	reg.down.Store(false)
+	if !a.counts(0, clk.Now()) {
+		t.Error("a failed recording of a process the node no longer runs counts the node out")
+	}
+}
