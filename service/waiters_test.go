@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -149,6 +150,9 @@ func TestLocker_WaitersDoNotOvertake(t *testing.T) {
 	var mu sync.Mutex
 	tries := map[string]int{}
 	aTried := make(chan struct{}, 1024)
+	// overtakes counts b's tries while no node holds the key: before a got
+	// it (once a holds it, b is first and tries as it should).
+	var overtakes atomic.Int32
 	ms[0].hook = func(ctx context.Context, op string) error {
 		if op == "acquire" {
 			who, _ := ctx.Value(whoKey{}).(string)
@@ -157,6 +161,9 @@ func TestLocker_WaitersDoNotOvertake(t *testing.T) {
 			mu.Unlock()
 			if who == "a" {
 				aTried <- struct{}{}
+			}
+			if who == "b" && !slices.ContainsFunc(ms, func(m *memNode) bool { return m.has(rkey) }) {
+				overtakes.Add(1)
 			}
 		}
 		return nil
@@ -211,7 +218,7 @@ func TestLocker_WaitersDoNotOvertake(t *testing.T) {
 	if ra.err != nil || ra.g.Fencing != 2 {
 		t.Fatalf("first waiter: %+v; want fencing token 2", ra)
 	}
-	if n := count("b"); n != 0 {
+	if n := overtakes.Load(); n != 0 {
 		t.Fatalf("b tried %d times before a got the lock; want 0", n)
 	}
 	if err := l.Release(ctx, key, ra.g.Token); err != nil {
