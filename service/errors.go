@@ -47,6 +47,9 @@ var (
 	// Locker: each Locker needs nodes of its own (NewRedisNode for each), as
 	// a node reports the restarts it sees to one Locker only.
 	ErrNodeShared = errors.New("service: the node serves another Locker")
+	// ErrCommandRefused reports a node that answered a command with an
+	// error reply, such as an ACL that does not allow it (NOPERM).
+	ErrCommandRefused = errors.New("service: the node refused the command")
 )
 
 // Outcome is what one node answered in one round.

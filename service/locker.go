@@ -584,14 +584,23 @@ func (l *Locker) seen(i int, id string, durable bool) {
 // answer as one server (an address spelt two ways, or a proxy in front of
 // one server): that server would vote twice. Nodes that do not answer
 // within NodeTimeout are not checked. It returns the process found behind
-// each node (a zero one for those).
+// each node (a zero one for those). A node that refuses INFO (an ACL
+// without +info) is logged: neither this check, nor the run_id that finds
+// a restart from a snapshot, nor the eviction check can see it.
 func (l *Locker) checkDistinct(ctx context.Context) ([]process, error) {
 	procs := make([]process, len(l.nodes))
 	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
-		if si, ok := n.(serverIdentifier); ok {
-			if id, durable, err := si.ServerID(ctx); err == nil {
-				procs[i] = process{id: id, durable: durable}
-			}
+		si, ok := n.(serverIdentifier)
+		if !ok {
+			return
+		}
+		id, durable, err := si.ServerID(ctx)
+		switch {
+		case err == nil:
+			procs[i] = process{id: id, durable: durable}
+		case errors.Is(err, ErrCommandRefused):
+			l.opts.Logger.Warn("node refused INFO: a restart from a snapshot, the same server listed twice and an evicting maxmemory-policy cannot be found on it; allow the Redis user +info and +config|get (see README, Security)",
+				slog.String("node", n.Addr()), slog.String("error", err.Error()))
 		}
 	})
 	first := make(map[string]int, len(procs))

@@ -159,6 +159,16 @@ var (
 	_ restartWatcher   = (*RedisNode)(nil)
 )
 
+// RedisACL is the least a Redis ACL user needs for Redfence, in ACL
+// SETUSER syntax (add "on" and a password): its keys and Pub/Sub channels,
+// the commands of the connection, the lock scripts and the commands they
+// call, the epoch marker, and INFO and CONFIG GET, which find restarts,
+// durability and an evicting maxmemory-policy.
+const RedisACL = "resetkeys ~redfence:* resetchannels &redfence:released:* -@all " +
+	"+hello +auth +ping +subscribe +unsubscribe " +
+	"+evalsha +eval +get +set +del +exists +incr +pexpire +pttl +publish " +
+	"+info +config|get"
+
 // RedisOptions configures NewRedisNode. The zero value is usable.
 type RedisOptions struct {
 	// Username and Password authenticate to the node (ACL user or requirepass).
@@ -280,6 +290,15 @@ func (n *RedisNode) connected(ctx context.Context, cn *redis.Conn) error {
 func fsyncsAll(ctx context.Context, c redis.Cmdable) bool {
 	cfg, err := c.ConfigGet(ctx, "*append*").Result()
 	return err == nil && cfg["appendonly"] == "yes" && cfg["appendfsync"] == "always" && cfg["no-appendfsync-on-rewrite"] == "no"
+}
+
+// refusal returns err, matching ErrCommandRefused too if it is the node's
+// error reply (not a network error or a timeout).
+func refusal(err error) error {
+	if rerr, ok := errors.AsType[redis.Error](err); ok && !errors.Is(err, redis.Nil) {
+		return fmt.Errorf("%w: %w", ErrCommandRefused, rerr)
+	}
+	return err
 }
 
 // runID returns the run_id of an INFO server answer, or "".
@@ -532,7 +551,7 @@ func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
 func (n *RedisNode) ServerID(ctx context.Context) (id string, durable bool, err error) {
 	info, err := n.client.Info(ctx, "server").Result()
 	if err != nil {
-		return "", false, fmt.Errorf("info server: %w", err)
+		return "", false, fmt.Errorf("info server: %w", refusal(err))
 	}
 	if id = runID(info); id == "" {
 		return "", false, errors.New("info server: no run_id")

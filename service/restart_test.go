@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
 	"strings"
@@ -724,5 +725,122 @@ func TestLocker_SharedNodes(t *testing.T) {
 	}
 	if err := ls[0].Init(t.Context()); err != nil {
 		t.Errorf("second Init of the first Locker = %v", err)
+	}
+}
+
+// waitStarts reports every start of a wait of a blocking acquire.
+type waitStarts struct{ started chan struct{} }
+
+func (w waitStarts) Waiting(delta int) {
+	if delta > 0 {
+		w.started <- struct{}{}
+	}
+}
+func (waitStarts) NodeOp(string, string, service.Outcome, time.Duration) {}
+func (waitStarts) Quarantine(string, time.Time)                          {}
+
+// aclNodes creates the ACL user name on every node of e with rules, and
+// returns a RedisNode for each that logs in as it.
+func (e *restartEnv) aclNodes(t *testing.T, name, rules string) []service.Node {
+	t.Helper()
+	const password = "acl-test-password"
+	args := []any{"acl", "setuser", name, "reset", "on", ">" + password}
+	for r := range strings.FieldsSeq(rules) {
+		args = append(args, r)
+	}
+	var ns []service.Node
+	for i, c := range e.raw {
+		if err := c.Do(t.Context(), args...).Err(); err != nil {
+			t.Fatalf("ACL SETUSER %s: %v", name, err)
+		}
+		rn := service.NewRedisNode(e.nodes[i].Addr(), service.RedisOptions{Username: name, Password: password})
+		t.Cleanup(func() { rn.Close() })
+		ns = append(ns, rn)
+	}
+	return ns
+}
+
+// TestLocker_ACLUser: a Redis user with service.RedisACL (the rules README
+// gives) can do everything: Init finds every process (no warning), locks
+// are acquired, extended and released, and a waiter of another Locker is
+// woken by the release's Pub/Sub message (its own retry delay is longer
+// than its wait). A user without INFO gets a warning naming each node at
+// Init, and locks still work.
+func TestLocker_ACLUser(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	newLocker := func(ns []service.Node, log *testutil.Buffer, retry time.Duration, obs service.Observer) *service.Locker {
+		t.Helper()
+		l, err := service.New(ns, e.db, service.Options{
+			Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second,
+			RetryDelayMin: retry, RetryDelayMax: retry, Observer: obs,
+			Logger: slog.New(slog.NewTextHandler(log, nil)),
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(l.Close)
+		if err := l.Init(t.Context()); err != nil {
+			t.Fatalf("Init: %v", err)
+		}
+		return l
+	}
+	var log1, log2 testutil.Buffer
+	waiting := waitStarts{make(chan struct{}, 1)}
+	l1 := newLocker(e.aclNodes(t, "redfence", service.RedisACL), &log1, 10*time.Millisecond, nil)
+	l2 := newLocker(e.aclNodes(t, "redfence", service.RedisACL), &log2, time.Hour, waiting)
+	for i, st := range l1.Nodes(t.Context()) {
+		if st.Err != nil || !st.Up {
+			t.Errorf("node %d with the ACL user: up %v, %v", i, st.Up, st.Err)
+		}
+	}
+	ctx := t.Context()
+	g, err := l1.Acquire(ctx, "acl", service.Request{TTL: 10 * time.Second})
+	if err != nil {
+		t.Fatalf("acquire as the ACL user: %v", err)
+	}
+	if _, err := l1.Extend(ctx, "acl", g.Token, 20*time.Second); err != nil {
+		t.Fatalf("extend as the ACL user: %v", err)
+	}
+	waited := make(chan error, 1)
+	go func() {
+		// Ended by its context rather than its wait, which would make a
+		// last try as the wait ends.
+		wctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		w, err := l2.Acquire(wctx, "acl", service.Request{TTL: 10 * time.Second, Wait: 50 * time.Second})
+		if err == nil && w.Fencing <= g.Fencing {
+			err = fmt.Errorf("waiter's token %d not above the holder's %d", w.Fencing, g.Fencing)
+		}
+		waited <- err
+	}()
+	// The waiter's first try is refused (held); its next comes only with
+	// the release's message.
+	<-waiting.started
+	if err := l1.Release(ctx, "acl", g.Token); err != nil {
+		t.Fatalf("release as the ACL user: %v", err)
+	}
+	if err := <-waited; err != nil {
+		t.Fatalf("waiter on another Locker, woken only by Pub/Sub: %v", err)
+	}
+	for _, log := range []*testutil.Buffer{&log1, &log2} {
+		if strings.Contains(log.String(), "refused") {
+			t.Errorf("log with service.RedisACL:\n%s", log)
+		}
+	}
+
+	var log3 testutil.Buffer
+	l3 := newLocker(e.aclNodes(t, "noinfo", service.RedisACL+" -info"), &log3, 10*time.Millisecond, nil)
+	for _, n := range e.nodes {
+		if !strings.Contains(log3.String(), "node refused INFO") || !strings.Contains(log3.String(), n.Addr()) {
+			t.Errorf("no warning for node %s refusing INFO; log:\n%s", n.Addr(), log3.String())
+		}
+	}
+	g3, err := l3.Acquire(ctx, "acl-noinfo", service.Request{TTL: time.Second})
+	if err != nil {
+		t.Fatalf("acquire without INFO: %v", err)
+	}
+	if err := l3.Release(ctx, "acl-noinfo", g3.Token); err != nil {
+		t.Fatalf("release without INFO: %v", err)
 	}
 }
