@@ -16,7 +16,7 @@ import (
 
 // Config is every setting, read from REDFENCE_* environment variables.
 type Config struct {
-	ListenAddr        string        `split_words:"true" default:":8080" desc:"HTTP listen address"`
+	ListenAddr        string        `split_words:"true" default:":8080" desc:"HTTP listen address (redfence dev: 127.0.0.1:8080; its --addr wins)"`
 	RedisAddrs        []string      `split_words:"true" desc:"comma-separated host:port of the independent Redis masters (serve: required)"`
 	DatabaseURL       string        `envconfig:"DATABASE_URL" desc:"Postgres URL, e.g. postgres://user:pass@host:5432/db (serve, migrate, keys: required)"`
 	MaxTTL            time.Duration `envconfig:"MAX_TTL" default:"60s" desc:"longest TTL or extension; also how long a node that lost its memory is distrusted"`

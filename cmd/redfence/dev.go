@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,6 +16,24 @@ import (
 	"github.com/redfence/redfence/internal/cluster"
 )
 
+// devDefaultAddr is where dev listens when neither --addr nor
+// REDFENCE_LISTEN_ADDR says: loopback only, as its API key has every scope.
+const devDefaultAddr = "127.0.0.1:8080"
+
+// devAddr returns dev's listen address: --addr when given (flagAddr), else
+// REDFENCE_LISTEN_ADDR when set (lookup), else devDefaultAddr.
+func devAddr(fs *flag.FlagSet, flagAddr string, lookup func(string) (string, bool)) string {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == "addr" })
+	if given {
+		return flagAddr
+	}
+	if env, ok := lookup("REDFENCE_LISTEN_ADDR"); ok && env != "" {
+		return env
+	}
+	return devDefaultAddr
+}
+
 func cmdDev(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flags("dev", `Starts local servers and serves on them, for trying Redfence out:
 with no REDFENCE_REDIS_ADDRS / REDFENCE_DATABASE_URL it starts its own
@@ -22,10 +41,10 @@ redis-server nodes and a throwaway Postgres on free loopback ports (local
 binaries, or Docker through dockertest when they are missing), migrates, and
 serves. Ctrl-C stops everything it started and removes its temporary data.
 
-Unlike serve, dev listens on --addr (REDFENCE_LISTEN_ADDR is ignored) and logs
-text unless REDFENCE_LOG_FORMAT is set; the settings below are otherwise the
-same.`, stderr)
-	addr := fs.String("addr", "127.0.0.1:8080", "HTTP listen address")
+Unlike serve, dev listens on loopback unless told otherwise (--addr, or
+else REDFENCE_LISTEN_ADDR) and logs text unless REDFENCE_LOG_FORMAT is set;
+the settings below are otherwise the same.`, stderr)
+	addr := fs.String("addr", devDefaultAddr, "HTTP listen address (default: REDFENCE_LISTEN_ADDR if set)")
 	n := fs.Int("nodes", 5, "number of Redis nodes to start")
 	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
@@ -40,7 +59,7 @@ same.`, stderr)
 	if err != nil {
 		return err
 	}
-	cfg.ListenAddr = *addr
+	cfg.ListenAddr = devAddr(fs, *addr, os.LookupEnv)
 	logw := newAsyncWriter(stderr)
 	defer logw.Close()
 	log := cfg.logger(logw)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"os"
 	"os/exec"
 	"strings"
@@ -176,5 +177,38 @@ func TestDev_InterruptedWhileStarting(t *testing.T) {
 	var ee *exitError
 	if !errors.As(err, &ee) || ee.code != 130 || !strings.Contains(stderr.String(), "interrupted while starting") {
 		t.Errorf("cmdDev after Ctrl-C = %v, stderr %q; want exit status 130 and one line", err, stderr.String())
+	}
+}
+
+// TestDevAddr: dev listens on --addr when given, else on
+// REDFENCE_LISTEN_ADDR when set, else on loopback.
+func TestDevAddr(t *testing.T) {
+	t.Parallel()
+	env := func(v string) func(string) (string, bool) {
+		return func(k string) (string, bool) {
+			if k == "REDFENCE_LISTEN_ADDR" && v != "" {
+				return v, true
+			}
+			return "", false
+		}
+	}
+	for _, tc := range []struct {
+		args []string
+		env  string
+		want string
+	}{
+		{nil, "", "127.0.0.1:8080"},
+		{nil, "127.0.0.1:9191", "127.0.0.1:9191"},
+		{[]string{"--addr", "127.0.0.1:9292"}, "127.0.0.1:9191", "127.0.0.1:9292"},
+		{[]string{"--addr", "127.0.0.1:8080"}, "127.0.0.1:9191", "127.0.0.1:8080"},
+	} {
+		fs := flag.NewFlagSet("dev", flag.ContinueOnError)
+		addr := fs.String("addr", devDefaultAddr, "")
+		if err := fs.Parse(tc.args); err != nil {
+			t.Fatal(err)
+		}
+		if got := devAddr(fs, *addr, env(tc.env)); got != tc.want {
+			t.Errorf("devAddr(%q, REDFENCE_LISTEN_ADDR=%q) = %q; want %q", tc.args, tc.env, got, tc.want)
+		}
 	}
 }

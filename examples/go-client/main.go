@@ -1,5 +1,5 @@
 // Command go-client is the README's Go client example: it takes the lock
-// "orders" with a watchdog-renewed lease and writes to Redfence's reference
+// "invoices" with a watchdog-renewed lease and writes to Redfence's reference
 // store with the lease's fencing token.
 //
 //	REDFENCE_SERVER=http://127.0.0.1:8080 REDFENCE_API_KEY=$KEY go run ./examples/go-client
@@ -33,10 +33,10 @@ func run(ctx context.Context, server, apiKey string) error {
 	}
 	// Do acquires (waiting up to 5 s), renews the lease every TTL/3 while fn
 	// runs, cancels fn's ctx the moment the lease is lost, and always releases.
-	err = c.Do(ctx, "orders", &client.LockOptions{TTL: 10 * time.Second, Wait: 5 * time.Second},
+	err = c.Do(ctx, "invoices", &client.LockOptions{TTL: 10 * time.Second, Wait: 5 * time.Second},
 		func(ctx context.Context, l *client.Lease) error {
 			fmt.Printf("holding %q with fencing token %d until %s\n", l.Name(), l.FencingToken(), l.Deadline().Format(time.RFC3339Nano))
-			res, err := c.PutResource(ctx, "orders", l.FencingToken(), map[string]int{"total": 42})
+			res, err := c.PutResource(ctx, "invoices", l.FencingToken(), map[string]int{"total": 42})
 			if err != nil {
 				return err
 			}
