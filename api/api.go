@@ -54,6 +54,11 @@ type Store interface {
 	Ping(ctx context.Context) error
 }
 
+// answerTimeout bounds writing the answer of a blocking acquire (which may
+// outlast the server's WriteTimeout), and the release of a grant whose
+// client left.
+const answerTimeout = 10 * time.Second
+
 // LockTokenHeader carries the lock token to extend and release.
 const LockTokenHeader = "Lock-Token"
 
@@ -645,11 +650,27 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 	}
 	start := time.Now()
 	g, err := h.locker.Acquire(r.Context(), key, sreq)
+	if wait > 0 {
+		// The server's WriteTimeout ran from the request's arrival, and a
+		// wait can outlast it: the answer gets a deadline of its own.
+		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(answerTimeout))
+	}
 	if err != nil {
 		if ae := (*authError)(nil); errors.As(err, &ae) {
 			return ae
 		}
 		return serviceBounds(err)
+	}
+	if err := r.Context().Err(); err != nil {
+		// The client left as the grant was made: nobody will learn the
+		// lock token, so the lease is released rather than left to hold
+		// the name for its TTL. Its fencing token is spent.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), answerTimeout)
+		defer cancel()
+		if rerr := h.locker.Release(rctx, key, g.Token); rerr != nil {
+			return errors.Join(err, rerr)
+		}
+		return err
 	}
 	h.m.acquire("granted")
 	h.m.acquireSeconds.Observe(time.Since(start).Seconds())

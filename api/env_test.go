@@ -53,6 +53,8 @@ type envOptions struct {
 	// registry records the nodes' epochs in the env's store, as a server
 	// does, so that a node that loses its memory is found out.
 	registry bool
+	// writeTimeout is the test server's http.Server.WriteTimeout (0: none).
+	writeTimeout time.Duration
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -107,7 +109,9 @@ func newEnv(t *testing.T, o envOptions) *env {
 		}
 	}
 	h := api.NewHandler(e.locker, db, api.Options{OpenAPI: redfence.OpenAPI, Logger: slog.New(slog.DiscardHandler)})
-	e.srv = httptest.NewServer(h)
+	e.srv = httptest.NewUnstartedServer(h)
+	e.srv.Config.WriteTimeout = o.writeTimeout
+	e.srv.Start()
 	t.Cleanup(e.srv.Close)
 	v := openapitest.New(t, redfence.OpenAPI)
 	e.client = v.Client(t)

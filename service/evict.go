@@ -40,7 +40,7 @@ type evictionReader interface {
 func (n *RedisNode) EvictionPolicy(ctx context.Context) (string, error) {
 	info, err := n.client.Info(ctx, "memory").Result()
 	if err != nil {
-		return "", fmt.Errorf("info memory: %w", err)
+		return "", fmt.Errorf("info memory: %w", refusal(err))
 	}
 	return evictionPolicy(info)
 }
@@ -65,13 +65,22 @@ func evictionPolicy(info string) (string, error) {
 	return policy, nil
 }
 
+// policyRefused is noted as the eviction policy of a node that refuses
+// INFO: it may evict, for all Redfence can tell.
+const policyRefused = "unknown (INFO refused: allow the Redis user +info)"
+
 // checkEviction reads every node's eviction policy in parallel, each within
 // NodeTimeout, and notes it. A node that does not answer keeps its state.
 func (l *Locker) checkEviction(ctx context.Context) {
 	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
 		if er, ok := n.(evictionReader); ok {
-			if policy, err := er.EvictionPolicy(ctx); err == nil {
+			policy, err := er.EvictionPolicy(ctx)
+			switch {
+			case err == nil:
 				l.noteEviction(i, policy)
+			case errors.Is(err, ErrCommandRefused):
+				// Unknown, so counted out as if it evicted.
+				l.noteEviction(i, policyRefused)
 			}
 		}
 	})

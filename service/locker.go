@@ -582,13 +582,15 @@ func (l *Locker) seen(i int, id string, durable bool) {
 
 // checkDistinct returns an error matching ErrSameServer when two nodes
 // answer as one server (an address spelt two ways, or a proxy in front of
-// one server): that server would vote twice. Nodes that do not answer
-// within NodeTimeout are not checked. It returns the process found behind
-// each node (a zero one for those). A node that refuses INFO (an ACL
-// without +info) is logged: neither this check, nor the run_id that finds
-// a restart from a snapshot, nor the eviction check can see it.
+// one server): that server would vote twice, and one matching
+// ErrCommandRefused when a node refuses INFO (an ACL without +info):
+// neither this check, nor the run_id that finds a restart from a snapshot,
+// nor the eviction check could see it. Nodes that do not answer within
+// NodeTimeout are not checked. It returns the process found behind each
+// node (a zero one for those).
 func (l *Locker) checkDistinct(ctx context.Context) ([]process, error) {
 	procs := make([]process, len(l.nodes))
+	refused := make([]error, len(l.nodes))
 	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
 		si, ok := n.(serverIdentifier)
 		if !ok {
@@ -599,10 +601,12 @@ func (l *Locker) checkDistinct(ctx context.Context) ([]process, error) {
 		case err == nil:
 			procs[i] = process{id: id, durable: durable}
 		case errors.Is(err, ErrCommandRefused):
-			l.opts.Logger.Warn("node refused INFO: a restart from a snapshot, the same server listed twice and an evicting maxmemory-policy cannot be found on it; allow the Redis user +info and +config|get (see README, Security)",
-				slog.String("node", n.Addr()), slog.String("error", err.Error()))
+			refused[i] = fmt.Errorf("service: node %s: %w; allow the Redis user +info (see service.RedisACL)", n.Addr(), err)
 		}
 	})
+	if err := errors.Join(refused...); err != nil {
+		return nil, err
+	}
 	first := make(map[string]int, len(procs))
 	for i, p := range procs {
 		if p.id == "" {
@@ -1722,6 +1726,12 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 			err = errors.Join(err, ctx.Err())
 		}
 		return nil, fail(ErrFencing, err)
+	}
+	if err := ctx.Err(); err != nil {
+		// The caller left during issuance (an inline batch does not
+		// stop for it): nobody would learn the lock token, and the name
+		// would stay held for the whole TTL. The token is spent.
+		return nil, fail(ErrQuorum, err)
 	}
 	if !l.opts.Now().Before(expires) {
 		return nil, fail(ErrExpired, nil)

@@ -126,11 +126,14 @@ if ARGV[2] == '1' or redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', K
 return 0`)
 	// releaseScript: compare-and-delete. A release is announced on the
 	// lock's channel (ARGV[2]) with the SHA-1 of the token (not the token,
-	// which is a secret), so servers with waiters for it wake them.
+	// which is a secret), so servers with waiters for it wake them. The
+	// announcement is best effort (pcall): a script is not rolled back, so
+	// a refused PUBLISH (an ACL without the channel) must not turn the
+	// delete that happened into an error.
 	releaseScript = newLuaScript(`
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], redis.sha1hex(ARGV[1]))
+  redis.pcall('PUBLISH', ARGV[2], redis.sha1hex(ARGV[1]))
   return 1
 end
 return 0`)
@@ -272,13 +275,16 @@ func (n *RedisNode) connected(ctx context.Context, cn *redis.Conn) error {
 	if f == nil {
 		return nil
 	}
+	// A connection whose server process is unknown is not used (the
+	// command that opened it fails): it could carry votes of a server
+	// restarted from a snapshot.
 	info, err := cn.Info(ctx, "server").Result()
 	if err != nil {
-		return nil // the epoch marker still finds a restart without data
+		return fmt.Errorf("new connection: info server: %w", refusal(err))
 	}
 	id := runID(info)
 	if id == "" {
-		return nil
+		return errors.New("new connection: info server: no run_id")
 	}
 	return (*f)(ctx, id, fsyncsAll(ctx, cn))
 }

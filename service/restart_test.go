@@ -26,12 +26,13 @@ type restartEnv struct {
 	nodes []*cluster.Redis
 	raw   []*redis.Client
 	db    *store.DB
+	url   string // db's
 }
 
 func newRestartEnv(t *testing.T, persist bool) *restartEnv {
 	t.Helper()
-	e := &restartEnv{nodes: clustertest.Redis(t, 5, cluster.RedisOptions{Persist: persist})}
-	db, err := store.Open(t.Context(), clustertest.Database(t), store.Options{})
+	e := &restartEnv{nodes: clustertest.Redis(t, 5, cluster.RedisOptions{Persist: persist}), url: clustertest.Database(t)}
+	db, err := store.Open(t.Context(), e.url, store.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,11 +84,16 @@ func (e *restartEnv) redisNodes(t *testing.T, addrs ...string) []service.Node {
 }
 
 // lockerWith is lockerAt with options; MaxTTL and NodeTimeout are the
-// suite's (3s, 1s).
+// suite's (3s, 1s) unless set.
 func (e *restartEnv) lockerWith(t *testing.T, addrs []string, opts service.Options) *service.Locker {
 	t.Helper()
 	ns := e.redisNodes(t, addrs...)
-	opts.MaxTTL, opts.NodeTimeout = 3*time.Second, time.Second
+	if opts.MaxTTL == 0 {
+		opts.MaxTTL = 3 * time.Second
+	}
+	if opts.NodeTimeout == 0 {
+		opts.NodeTimeout = time.Second
+	}
 	l, err := service.New(ns, e.db, opts)
 	if err != nil {
 		t.Fatal(err)
@@ -761,11 +767,12 @@ func (e *restartEnv) aclNodes(t *testing.T, name, rules string) []service.Node {
 }
 
 // TestLocker_ACLUser: a Redis user with service.RedisACL (the rules README
-// gives) can do everything: Init finds every process (no warning), locks
-// are acquired, extended and released, and a waiter of another Locker is
-// woken by the release's Pub/Sub message (its own retry delay is longer
-// than its wait). A user without INFO gets a warning naming each node at
-// Init, and locks still work.
+// gives) can do everything: Init finds every process, locks are acquired,
+// extended and released, and a waiter of another Locker is woken by the
+// release's Pub/Sub message (its own retry delay is longer than its wait).
+// Init refuses nodes that refuse INFO (ErrCommandRefused): restarts from a
+// snapshot, aliases and eviction could not be found on them. A user
+// without the channels can still release.
 func TestLocker_ACLUser(t *testing.T) {
 	t.Parallel()
 	e := newRestartEnv(t, false)
@@ -824,23 +831,86 @@ func TestLocker_ACLUser(t *testing.T) {
 		t.Fatalf("waiter on another Locker, woken only by Pub/Sub: %v", err)
 	}
 	for _, log := range []*testutil.Buffer{&log1, &log2} {
-		if strings.Contains(log.String(), "refused") {
+		if strings.Contains(log.String(), "level=WARN") {
 			t.Errorf("log with service.RedisACL:\n%s", log)
 		}
 	}
 
-	var log3 testutil.Buffer
-	l3 := newLocker(e.aclNodes(t, "noinfo", service.RedisACL+" -info"), &log3, 10*time.Millisecond, nil)
+	// A user without INFO: Init refuses, naming every node.
+	ns3 := e.aclNodes(t, "noinfo", service.RedisACL+" -info")
+	l3, err := service.New(ns3, e.db, service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l3.Close)
+	err = l3.Init(ctx)
+	if !errors.Is(err, service.ErrCommandRefused) {
+		t.Errorf("Init with nodes refusing INFO = %v; want ErrCommandRefused", err)
+	}
 	for _, n := range e.nodes {
-		if !strings.Contains(log3.String(), "node refused INFO") || !strings.Contains(log3.String(), n.Addr()) {
-			t.Errorf("no warning for node %s refusing INFO; log:\n%s", n.Addr(), log3.String())
+		if err == nil || !strings.Contains(err.Error(), n.Addr()) {
+			t.Errorf("Init's error does not name node %s: %v", n.Addr(), err)
 		}
 	}
-	g3, err := l3.Acquire(ctx, "acl-noinfo", service.Request{TTL: time.Second})
-	if err != nil {
-		t.Fatalf("acquire without INFO: %v", err)
+	var log3 testutil.Buffer
+	// Without the channels (Redis 7's default for a new user), the release
+	// script's PUBLISH is refused after its DEL, which a script does not
+	// roll back: the release still succeeds.
+	nochan := strings.Replace(service.RedisACL, "&redfence:released:* ", "", 1)
+	if nochan == service.RedisACL {
+		t.Fatal("service.RedisACL grants no channels")
 	}
-	if err := l3.Release(ctx, "acl-noinfo", g3.Token); err != nil {
-		t.Fatalf("release without INFO: %v", err)
+	l4 := newLocker(e.aclNodes(t, "nochannels", nochan), &log3, 10*time.Millisecond, nil)
+	g4, err := l4.Acquire(ctx, "acl-nochannels", service.Request{TTL: 10 * time.Second})
+	if err != nil {
+		t.Fatalf("acquire without channels: %v", err)
+	}
+	if err := l4.Release(ctx, "acl-nochannels", g4.Token); err != nil {
+		t.Fatalf("release without channels: %v", err)
+	}
+	if st, err := l4.Status(ctx, "acl-nochannels"); err != nil || st.Held {
+		t.Errorf("after the release without channels: held %v, %v", st != nil && st.Held, err)
+	}
+}
+
+// TestLocker_INFORevoked: a node whose user loses INFO after Init is not
+// used through new connections (whose server process would be unknown:
+// perhaps restarted from a snapshot), and its eviction policy, unknown, counts
+// it out; the other nodes grant on.
+func TestLocker_INFORevoked(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	ctx := t.Context()
+	l, err := service.New(e.aclNodes(t, "redfence", service.RedisACL), e.db,
+		service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	if err := l.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.raw[0].Do(ctx, "acl", "setuser", "redfence", "-info").Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.raw[0].Do(ctx, "client", "kill", "user", "redfence").Err(); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, 20*time.Second, "node 0 counted out", func() (bool, error) {
+		st := l.Nodes(ctx)[0]
+		return !st.Up || !st.QuarantinedUntil.IsZero(), nil
+	})
+	for i := range 3 {
+		key := fmt.Sprintf("info-revoked-%d", i)
+		g, err := l.Acquire(ctx, key, service.Request{TTL: 10 * time.Second})
+		if err != nil {
+			t.Fatalf("acquire on the 4 other nodes: %v", err)
+		}
+		if n, err := e.raw[0].Exists(ctx, keyspace.RedisKey(key)).Result(); err != nil || n != 0 {
+			t.Errorf("%s set on the node refusing INFO (exists %d, %v)", key, n, err)
+		}
+		if err := l.Release(ctx, key, g.Token); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
