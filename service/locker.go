@@ -1766,10 +1766,24 @@ func (l *Locker) undo(ctx context.Context, wg *sync.WaitGroup, i int, rkey, toke
 		}
 	}
 	if an, ok := l.nodes[i].(asyncNode); ok && an.async() {
-		an.releaseAsync(cctx, releaseArgs(rkey, token), done)
+		an.releaseAsync(cctx, withdrawArgs(rkey, token), done)
 		return
 	}
-	go func() { done(l.nodes[i].Release(cctx, rkey, token)) }()
+	go func() { done(withdraw(cctx, l.nodes[i], rkey, token)) }()
+}
+
+// withdrawer is a Node that can delete what a failed try set without
+// announcing a release (RedisNode; see withdrawArgs).
+type withdrawer interface {
+	Withdraw(ctx context.Context, key, token string) (bool, error)
+}
+
+// withdraw deletes key on n if it holds token, unannounced when n can.
+func withdraw(ctx context.Context, n Node, key, token string) (bool, error) {
+	if w, ok := n.(withdrawer); ok {
+		return w.Withdraw(ctx, key, token)
+	}
+	return n.Release(ctx, key, token)
 }
 
 // retryAfter is when enough holders' keys expire for a majority to be free:

@@ -125,15 +125,16 @@ return 0`)
 if ARGV[2] == '1' or redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) return 1 end
 return 0`)
 	// releaseScript: compare-and-delete. A release is announced on the
-	// lock's channel (ARGV[2]) with the SHA-1 of the token (not the token,
-	// which is a secret), so servers with waiters for it wake them. The
-	// announcement is best effort (pcall): a script is not rolled back, so
-	// a refused PUBLISH (an ACL without the channel) must not turn the
+	// lock's channel (ARGV[2]; '' announces nothing: a failed try's
+	// clean-up, see withdrawArgs) with the SHA-1 of the token (not the
+	// token, which is a secret), so servers with waiters for it wake them.
+	// The announcement is best effort (pcall): a script is not rolled back,
+	// so a refused PUBLISH (an ACL without the channel) must not turn the
 	// delete that happened into an error.
 	releaseScript = newLuaScript(`
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.pcall('PUBLISH', ARGV[2], redis.sha1hex(ARGV[1]))
+  if ARGV[2] ~= '' then redis.pcall('PUBLISH', ARGV[2], redis.sha1hex(ARGV[1])) end
   return 1
 end
 return 0`)
@@ -426,6 +427,14 @@ func releaseArgs(key, token string) *scriptArgs {
 	return &scriptArgs{keys: []any{key}, argv: []any{token, releasedChannel(key)}}
 }
 
+// withdrawArgs are the arguments of the release script deleting what a
+// failed try set, unannounced: the lock was never granted, and waiters
+// woken by it (the try's own among them) would try again at once, not
+// after their random delay, for as long as tries keep failing.
+func withdrawArgs(key, token string) *scriptArgs {
+	return &scriptArgs{keys: []any{key}, argv: []any{token, ""}}
+}
+
 func (n *RedisNode) async() bool { return n.pipe != nil }
 
 // evalAsync runs script with a's keys and arguments (and last, when not
@@ -505,6 +514,12 @@ func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Dura
 // Release implements Node.
 func (n *RedisNode) Release(ctx context.Context, key, token string) (bool, error) {
 	return releaseResult(n.eval(ctx, releaseScript, releaseArgs(key, token), nil))
+}
+
+// Withdraw is Release without the announcement of the release, for what a
+// failed try set (see withdrawArgs).
+func (n *RedisNode) Withdraw(ctx context.Context, key, token string) (bool, error) {
+	return releaseResult(n.eval(ctx, releaseScript, withdrawArgs(key, token), nil))
 }
 
 // TTL implements Node.

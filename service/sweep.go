@@ -211,7 +211,7 @@ func (s *sweeper) passNode(ctx context.Context, i int, keys []sweepKey) {
 	for _, k := range keys {
 		nctx, cancel := context.WithTimeout(ctx, s.l.opts.NodeTimeout)
 		t0 := time.Now()
-		ok, err := n.Release(nctx, k.rkey, k.token)
+		ok, err := withdraw(nctx, n, k.rkey, k.token) // the release, if any, was announced
 		cancel()
 		outcome := No
 		switch {
