@@ -342,7 +342,7 @@ func (q *issuer) run(batch []*issueReq, hook func([]fencing.Claim)) {
 	res := q.exec(ctx, batch)
 	if len(batch) > 1 && isDataException(res[0].err) {
 		// Postgres refused one claim's data (a NUL byte, a token past
-		// bigint...) and the statement changed nothing. Issue each claim
+		// 2^53-1...) and the statement changed nothing. Issue each claim
 		// alone so the others do not fail for it.
 		for i, r := range batch {
 			res[i] = q.exec(ctx, []*issueReq{r})[0]
@@ -365,7 +365,7 @@ func (q *issuer) run(batch []*issueReq, hook func([]fencing.Claim)) {
 // (SQLSTATE class 22, as classify tells ErrInvalidData).
 func isDataException(err error) bool {
 	var pe *pgconn.PgError
-	return errors.As(err, &pe) && strings.HasPrefix(pe.Code, "22")
+	return errors.As(err, &pe) && (strings.HasPrefix(pe.Code, "22") || pe.ConstraintName == tokenMaxConstraint)
 }
 
 // batchContext bounds a batch by the latest deadline of its callers, but

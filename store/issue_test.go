@@ -493,3 +493,42 @@ func TestDB_Issue_InvalidClaim(t *testing.T) {
 		t.Errorf("Last(b) = %+v, %v; want nothing issued", last, err)
 	}
 }
+
+// TestDB_Issue_TokenMax checks that fencing tokens stop at 2^53-1 (which
+// every JSON parser holds exactly): the claim past it fails alone with
+// ErrTokensExhausted, while the others of its batch get their tokens.
+func TestDB_Issue_TokenMax(t *testing.T) {
+	t.Parallel()
+	db, _ := newDB(t, Options{IssueCommitters: 1})
+	const max = 1<<53 - 1
+	if _, err := db.pool.Exec(t.Context(), `INSERT INTO redfence_fencing (key, token) VALUES ('full', $1)`, max-1); err != nil {
+		t.Fatal(err)
+	}
+	if tok, err := db.Issue(t.Context(), fencing.Claim{Key: "full"}); err != nil || tok != max {
+		t.Fatalf("Issue up to 2^53-1 = %d, %v; want %d", tok, err, int64(max))
+	}
+	p := newProbe(t, db)
+	first := holdFirst(t, t.Context(), db, p, "first")
+	var results []<-chan issued
+	for i, key := range []string{"a", "full", "c"} {
+		results = append(results, issueAsync(t.Context(), db, fencing.Claim{Key: key}))
+		p.waitQueued(t, i+1)
+	}
+	p.release()
+	recv(t, first, "the first Issue")
+	for _, ch := range results {
+		r := recv(t, ch, "an Issue")
+		if r.claim.Key == "full" {
+			if !errors.Is(r.err, ErrTokensExhausted) || !errors.Is(r.err, ErrUnavailable) || r.tok != 0 {
+				t.Errorf("Issue past 2^53-1 = %d, %v; want ErrTokensExhausted (and ErrUnavailable)", r.tok, r.err)
+			}
+			continue
+		}
+		if r.err != nil || r.tok != 1 {
+			t.Errorf("Issue(%q) beside the exhausted name = %d, %v; want 1", r.claim.Key, r.tok, r.err)
+		}
+	}
+	if last, err := db.Last(t.Context(), "full"); err != nil || last.Token != max {
+		t.Errorf("Last(full) = %+v, %v; want %d", last, err, int64(max))
+	}
+}

@@ -49,14 +49,24 @@ var (
 	// ErrInvalidData is returned when Postgres refuses the data itself (for
 	// example a JSON string holding \u0000, which jsonb cannot store).
 	ErrInvalidData = refstore.ErrInvalidData
+	// ErrTokensExhausted is returned (with ErrUnavailable) when a name's
+	// next fencing token would pass 2^53-1, the most every JSON parser
+	// holds exactly: the name is granted no more.
+	ErrTokensExhausted = errors.New("store: the name's fencing tokens are exhausted (2^53-1 issued)")
 )
 
 // classify wraps a failed statement's error with ErrInvalidData for data
 // exceptions (SQLSTATE class 22) and ErrUnavailable otherwise.
+// tokenMaxConstraint bounds fencing tokens (migration 00006).
+const tokenMaxConstraint = "redfence_fencing_token_max"
+
 func classify(err error) error {
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) && strings.HasPrefix(pe.Code, "22") {
 		return fmt.Errorf("%w: %s", ErrInvalidData, pe.Message)
+	}
+	if errors.As(err, &pe) && pe.ConstraintName == tokenMaxConstraint {
+		return fmt.Errorf("%w: %w", ErrUnavailable, ErrTokensExhausted)
 	}
 	if errors.Is(err, context.Canceled) {
 		return err

@@ -20,54 +20,6 @@ import (
 	openapi_types "github.com/oapi-codegen/runtime/types"
 )
 
-// Defines values for HealthStatus.
-const (
-	Ok          HealthStatus = "ok"
-	Ready       HealthStatus = "ready"
-	Unavailable HealthStatus = "unavailable"
-)
-
-// Valid indicates whether the value is a known member of the HealthStatus enum.
-func (e HealthStatus) Valid() bool {
-	switch e {
-	case Ok:
-		return true
-	case Ready:
-		return true
-	case Unavailable:
-		return true
-	default:
-		return false
-	}
-}
-
-// Defines values for NodeOutcomeOutcome.
-const (
-	Error       NodeOutcomeOutcome = "error"
-	No          NodeOutcomeOutcome = "no"
-	Quarantined NodeOutcomeOutcome = "quarantined"
-	Timeout     NodeOutcomeOutcome = "timeout"
-	Yes         NodeOutcomeOutcome = "yes"
-)
-
-// Valid indicates whether the value is a known member of the NodeOutcomeOutcome enum.
-func (e NodeOutcomeOutcome) Valid() bool {
-	switch e {
-	case Error:
-		return true
-	case No:
-		return true
-	case Quarantined:
-		return true
-	case Timeout:
-		return true
-	case Yes:
-		return true
-	default:
-		return false
-	}
-}
-
 // AcquireRequest Every field is optional.
 type AcquireRequest struct {
 	// Owner A label for humans (not a secret), shown by GET while the lock is held
@@ -106,7 +58,9 @@ type AcquireResponse struct {
 
 	// FencingToken Strictly increasing per name and never reused. Send it with every
 	// write made under this lock; storage must refuse older tokens. Extend
-	// keeps it.
+	// keeps it. At most 2^53−1, so a JavaScript number holds it exactly:
+	// a name whose counter reaches that is granted no more (503
+	// `fencing-unavailable`).
 	//
 	//
 	// Example: 34
@@ -165,12 +119,10 @@ type Health struct {
 	Postgres *PostgresHealth `json:"postgres,omitempty"`
 	Redis    *RedisHealth    `json:"redis,omitempty"`
 
-	// Status `ok` (healthz), `ready` or `unavailable` (readyz).
-	Status HealthStatus `json:"status"`
+	// Status `ok` (healthz), `ready` or `unavailable` (readyz); others may be
+	// added: only `ok` and `ready` mean healthy.
+	Status string `json:"status"`
 }
-
-// HealthStatus `ok` (healthz), `ready` or `unavailable` (readyz).
-type HealthStatus string
 
 // InvalidParam defines model for InvalidParam.
 type InvalidParam struct {
@@ -196,7 +148,8 @@ type InvalidParam struct {
 // Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
 type JsonValue = interface{}
 
-// LockResponse A grant: 201 from acquire (with `lock_token`), 200 from extend (without).
+// LockResponse A grant: 200 from extend; acquire's 201 (AcquireResponse) adds the
+// `lock_token`.
 type LockResponse struct {
 	// ExpiresAt The end of the lease on the server's clock (UTC, RFC 3339). For
 	// humans and logs; clients must use `validity_ms`.
@@ -207,18 +160,13 @@ type LockResponse struct {
 
 	// FencingToken Strictly increasing per name and never reused. Send it with every
 	// write made under this lock; storage must refuse older tokens. Extend
-	// keeps it.
+	// keeps it. At most 2^53−1, so a JavaScript number holds it exactly:
+	// a name whose counter reaches that is granted no more (503
+	// `fencing-unavailable`).
 	//
 	//
 	// Example: 34
 	FencingToken int64 `json:"fencing_token"`
-
-	// LockToken The holder's secret, needed to extend and release (header
-	// `Lock-Token`). Returned by acquire only; never shown again.
-	//
-	//
-	// Example: jzocnifUtgU-kaoMf0LY4Vtgw_c
-	LockToken *string `json:"lock_token,omitempty"`
 
 	// Name The lock's name.
 	//
@@ -334,22 +282,15 @@ type NodeOutcome struct {
 	// Example: context deadline exceeded
 	Error *string `json:"error,omitempty"`
 
-	// Outcome `yes`: did what was asked; `no`: answered but refused (held by another
+	// Outcome One of the values below; others may be added, so treat an unknown
+	// one as `error`. `yes`: did what was asked; `no`: answered but refused (held by another
 	// token, or not held); `error`: answered with an error or the connection
 	// failed; `timeout`: no answer within the per-node timeout;
 	// `quarantined`: the node restarted without its data recently, so its
 	// answer does not count until every lease it may have forgotten has
 	// expired, or it may evict keys (see `GET /v1/nodes`).
-	Outcome NodeOutcomeOutcome `json:"outcome"`
+	Outcome string `json:"outcome"`
 }
-
-// NodeOutcomeOutcome `yes`: did what was asked; `no`: answered but refused (held by another
-// token, or not held); `error`: answered with an error or the connection
-// failed; `timeout`: no answer within the per-node timeout;
-// `quarantined`: the node restarted without its data recently, so its
-// answer does not count until every lease it may have forgotten has
-// expired, or it may evict keys (see `GET /v1/nodes`).
-type NodeOutcomeOutcome string
 
 // PostgresHealth defines model for PostgresHealth.
 type PostgresHealth struct {
@@ -2160,14 +2101,14 @@ type ClientWithResponsesInterface interface {
 
 // HealthzResponse200Headers the declared response headers of an HTTP 200 response for Healthz
 type HealthzResponse200Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // HealthzResponseDefaultHeaders the declared response headers of an HTTP default response for Healthz
 type HealthzResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type HealthzResponse struct {
@@ -2224,41 +2165,41 @@ func (r HealthzResponse) ContentType() string {
 
 // MetricsResponse200Headers the declared response headers of an HTTP 200 response for Metrics
 type MetricsResponse200Headers struct {
-	XRequestId string
+	XRequestId *string
 }
 
 // MetricsResponse401Headers the declared response headers of an HTTP 401 response for Metrics
 type MetricsResponse401Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // MetricsResponse403Headers the declared response headers of an HTTP 403 response for Metrics
 type MetricsResponse403Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // MetricsResponse429Headers the declared response headers of an HTTP 429 response for Metrics
 type MetricsResponse429Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // MetricsResponse503Headers the declared response headers of an HTTP 503 response for Metrics
 type MetricsResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // MetricsResponseDefaultHeaders the declared response headers of an HTTP default response for Metrics
 type MetricsResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type MetricsResponse struct {
@@ -2344,13 +2285,13 @@ func (r MetricsResponse) ContentType() string {
 
 // OpenapiResponse200Headers the declared response headers of an HTTP 200 response for Openapi
 type OpenapiResponse200Headers struct {
-	XRequestId string
+	XRequestId *string
 }
 
 // OpenapiResponseDefaultHeaders the declared response headers of an HTTP default response for Openapi
 type OpenapiResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type OpenapiResponse struct {
@@ -2407,21 +2348,21 @@ func (r OpenapiResponse) ContentType() string {
 
 // ReadyzResponse200Headers the declared response headers of an HTTP 200 response for Readyz
 type ReadyzResponse200Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // ReadyzResponse503Headers the declared response headers of an HTTP 503 response for Readyz
 type ReadyzResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ReadyzResponseDefaultHeaders the declared response headers of an HTTP default response for Readyz
 type ReadyzResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type ReadyzResponse struct {
@@ -2487,54 +2428,54 @@ func (r ReadyzResponse) ContentType() string {
 
 // ReleaseLockResponse204Headers the declared response headers of an HTTP 204 response for ReleaseLock
 type ReleaseLockResponse204Headers struct {
-	XRequestId string
+	XRequestId *string
 }
 
 // ReleaseLockResponse400Headers the declared response headers of an HTTP 400 response for ReleaseLock
 type ReleaseLockResponse400Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // ReleaseLockResponse401Headers the declared response headers of an HTTP 401 response for ReleaseLock
 type ReleaseLockResponse401Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // ReleaseLockResponse403Headers the declared response headers of an HTTP 403 response for ReleaseLock
 type ReleaseLockResponse403Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // ReleaseLockResponse409Headers the declared response headers of an HTTP 409 response for ReleaseLock
 type ReleaseLockResponse409Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   *int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ReleaseLockResponse429Headers the declared response headers of an HTTP 429 response for ReleaseLock
 type ReleaseLockResponse429Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ReleaseLockResponse503Headers the declared response headers of an HTTP 503 response for ReleaseLock
 type ReleaseLockResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ReleaseLockResponseDefaultHeaders the declared response headers of an HTTP default response for ReleaseLock
 type ReleaseLockResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type ReleaseLockResponse struct {
@@ -2638,48 +2579,48 @@ func (r ReleaseLockResponse) ContentType() string {
 
 // GetLockResponse200Headers the declared response headers of an HTTP 200 response for GetLock
 type GetLockResponse200Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // GetLockResponse400Headers the declared response headers of an HTTP 400 response for GetLock
 type GetLockResponse400Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // GetLockResponse401Headers the declared response headers of an HTTP 401 response for GetLock
 type GetLockResponse401Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // GetLockResponse403Headers the declared response headers of an HTTP 403 response for GetLock
 type GetLockResponse403Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // GetLockResponse429Headers the declared response headers of an HTTP 429 response for GetLock
 type GetLockResponse429Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // GetLockResponse503Headers the declared response headers of an HTTP 503 response for GetLock
 type GetLockResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // GetLockResponseDefaultHeaders the declared response headers of an HTTP default response for GetLock
 type GetLockResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type GetLockResponse struct {
@@ -2781,68 +2722,68 @@ func (r GetLockResponse) ContentType() string {
 
 // AcquireLockResponse201Headers the declared response headers of an HTTP 201 response for AcquireLock
 type AcquireLockResponse201Headers struct {
-	CacheControl string
+	CacheControl *string
 	Location     string
-	XRequestId   string
+	XRequestId   *string
 }
 
 // AcquireLockResponse400Headers the declared response headers of an HTTP 400 response for AcquireLock
 type AcquireLockResponse400Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // AcquireLockResponse401Headers the declared response headers of an HTTP 401 response for AcquireLock
 type AcquireLockResponse401Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // AcquireLockResponse403Headers the declared response headers of an HTTP 403 response for AcquireLock
 type AcquireLockResponse403Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // AcquireLockResponse409Headers the declared response headers of an HTTP 409 response for AcquireLock
 type AcquireLockResponse409Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // AcquireLockResponse413Headers the declared response headers of an HTTP 413 response for AcquireLock
 type AcquireLockResponse413Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // AcquireLockResponse415Headers the declared response headers of an HTTP 415 response for AcquireLock
 type AcquireLockResponse415Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // AcquireLockResponse429Headers the declared response headers of an HTTP 429 response for AcquireLock
 type AcquireLockResponse429Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // AcquireLockResponse503Headers the declared response headers of an HTTP 503 response for AcquireLock
 type AcquireLockResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // AcquireLockResponseDefaultHeaders the declared response headers of an HTTP default response for AcquireLock
 type AcquireLockResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type AcquireLockResponse struct {
@@ -2971,67 +2912,67 @@ func (r AcquireLockResponse) ContentType() string {
 
 // ExtendLockResponse200Headers the declared response headers of an HTTP 200 response for ExtendLock
 type ExtendLockResponse200Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // ExtendLockResponse400Headers the declared response headers of an HTTP 400 response for ExtendLock
 type ExtendLockResponse400Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // ExtendLockResponse401Headers the declared response headers of an HTTP 401 response for ExtendLock
 type ExtendLockResponse401Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // ExtendLockResponse403Headers the declared response headers of an HTTP 403 response for ExtendLock
 type ExtendLockResponse403Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // ExtendLockResponse409Headers the declared response headers of an HTTP 409 response for ExtendLock
 type ExtendLockResponse409Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   *int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ExtendLockResponse413Headers the declared response headers of an HTTP 413 response for ExtendLock
 type ExtendLockResponse413Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // ExtendLockResponse415Headers the declared response headers of an HTTP 415 response for ExtendLock
 type ExtendLockResponse415Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // ExtendLockResponse429Headers the declared response headers of an HTTP 429 response for ExtendLock
 type ExtendLockResponse429Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ExtendLockResponse503Headers the declared response headers of an HTTP 503 response for ExtendLock
 type ExtendLockResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ExtendLockResponseDefaultHeaders the declared response headers of an HTTP default response for ExtendLock
 type ExtendLockResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type ExtendLockResponse struct {
@@ -3160,42 +3101,42 @@ func (r ExtendLockResponse) ContentType() string {
 
 // ListNodesResponse200Headers the declared response headers of an HTTP 200 response for ListNodes
 type ListNodesResponse200Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // ListNodesResponse401Headers the declared response headers of an HTTP 401 response for ListNodes
 type ListNodesResponse401Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // ListNodesResponse403Headers the declared response headers of an HTTP 403 response for ListNodes
 type ListNodesResponse403Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // ListNodesResponse429Headers the declared response headers of an HTTP 429 response for ListNodes
 type ListNodesResponse429Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ListNodesResponse503Headers the declared response headers of an HTTP 503 response for ListNodes
 type ListNodesResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // ListNodesResponseDefaultHeaders the declared response headers of an HTTP default response for ListNodes
 type ListNodesResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type ListNodesResponse struct {
@@ -3288,54 +3229,54 @@ func (r ListNodesResponse) ContentType() string {
 
 // GetResourceResponse200Headers the declared response headers of an HTTP 200 response for GetResource
 type GetResourceResponse200Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // GetResourceResponse400Headers the declared response headers of an HTTP 400 response for GetResource
 type GetResourceResponse400Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // GetResourceResponse401Headers the declared response headers of an HTTP 401 response for GetResource
 type GetResourceResponse401Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // GetResourceResponse403Headers the declared response headers of an HTTP 403 response for GetResource
 type GetResourceResponse403Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // GetResourceResponse404Headers the declared response headers of an HTTP 404 response for GetResource
 type GetResourceResponse404Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // GetResourceResponse429Headers the declared response headers of an HTTP 429 response for GetResource
 type GetResourceResponse429Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // GetResourceResponse503Headers the declared response headers of an HTTP 503 response for GetResource
 type GetResourceResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // GetResourceResponseDefaultHeaders the declared response headers of an HTTP default response for GetResource
 type GetResourceResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type GetResourceResponse struct {
@@ -3446,67 +3387,67 @@ func (r GetResourceResponse) ContentType() string {
 
 // PutResourceResponse200Headers the declared response headers of an HTTP 200 response for PutResource
 type PutResourceResponse200Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // PutResourceResponse400Headers the declared response headers of an HTTP 400 response for PutResource
 type PutResourceResponse400Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // PutResourceResponse401Headers the declared response headers of an HTTP 401 response for PutResource
 type PutResourceResponse401Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // PutResourceResponse403Headers the declared response headers of an HTTP 403 response for PutResource
 type PutResourceResponse403Headers struct {
-	CacheControl    string
+	CacheControl    *string
 	WWWAuthenticate string
-	XRequestId      string
+	XRequestId      *string
 }
 
 // PutResourceResponse409Headers the declared response headers of an HTTP 409 response for PutResource
 type PutResourceResponse409Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   *int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // PutResourceResponse413Headers the declared response headers of an HTTP 413 response for PutResource
 type PutResourceResponse413Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // PutResourceResponse415Headers the declared response headers of an HTTP 415 response for PutResource
 type PutResourceResponse415Headers struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 // PutResourceResponse429Headers the declared response headers of an HTTP 429 response for PutResource
 type PutResourceResponse429Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // PutResourceResponse503Headers the declared response headers of an HTTP 503 response for PutResource
 type PutResourceResponse503Headers struct {
-	CacheControl string
+	CacheControl *string
 	RetryAfter   int
-	XRequestId   string
+	XRequestId   *string
 }
 
 // PutResourceResponseDefaultHeaders the declared response headers of an HTTP default response for PutResource
 type PutResourceResponseDefaultHeaders struct {
-	CacheControl string
-	XRequestId   string
+	CacheControl *string
+	XRequestId   *string
 }
 
 type PutResourceResponse struct {
@@ -3963,34 +3904,34 @@ func ParseHealthzResponse(rsp *http.Response) (*HealthzResponse, error) {
 		var headers HealthzResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case true:
 		var headers HealthzResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4054,20 +3995,20 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		var headers MetricsResponse200Headers
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 401:
 		var headers MetricsResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4078,20 +4019,20 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers MetricsResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4102,20 +4043,20 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 429:
 		var headers MetricsResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4126,20 +4067,20 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers MetricsResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4150,27 +4091,27 @@ func ParseMetricsResponse(rsp *http.Response) (*MetricsResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers MetricsResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4213,27 +4154,27 @@ func ParseOpenapiResponse(rsp *http.Response) (*OpenapiResponse, error) {
 		var headers OpenapiResponse200Headers
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case true:
 		var headers OpenapiResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4283,27 +4224,27 @@ func ParseReadyzResponse(rsp *http.Response) (*ReadyzResponse, error) {
 		var headers ReadyzResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 503:
 		var headers ReadyzResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4314,27 +4255,27 @@ func ParseReadyzResponse(rsp *http.Response) (*ReadyzResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers ReadyzResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4415,37 +4356,37 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		var headers ReleaseLockResponse204Headers
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers204 = &headers
 	case rsp.StatusCode == 400:
 		var headers ReleaseLockResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers ReleaseLockResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4456,20 +4397,20 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers ReleaseLockResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4480,20 +4421,20 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 409:
 		var headers ReleaseLockResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4504,20 +4445,20 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers409 = &headers
 	case rsp.StatusCode == 429:
 		var headers ReleaseLockResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4528,20 +4469,20 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers ReleaseLockResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4552,27 +4493,27 @@ func ParseReleaseLockResponse(rsp *http.Response) (*ReleaseLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers ReleaseLockResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4650,44 +4591,44 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		var headers GetLockResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 400:
 		var headers GetLockResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers GetLockResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4698,20 +4639,20 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers GetLockResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4722,20 +4663,20 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 429:
 		var headers GetLockResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4746,20 +4687,20 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers GetLockResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4770,27 +4711,27 @@ func ParseGetLockResponse(rsp *http.Response) (*GetLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers GetLockResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -4889,10 +4830,10 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		var headers AcquireLockResponse201Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Location"); len(values) > 0 {
 			var value string
@@ -4903,37 +4844,37 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers201 = &headers
 	case rsp.StatusCode == 400:
 		var headers AcquireLockResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers AcquireLockResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4944,20 +4885,20 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers AcquireLockResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -4968,20 +4909,20 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 409:
 		var headers AcquireLockResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -4992,54 +4933,54 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers409 = &headers
 	case rsp.StatusCode == 413:
 		var headers AcquireLockResponse413Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers AcquireLockResponse415Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers415 = &headers
 	case rsp.StatusCode == 429:
 		var headers AcquireLockResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5050,20 +4991,20 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers AcquireLockResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5074,27 +5015,27 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers AcquireLockResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -5193,44 +5134,44 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		var headers ExtendLockResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 400:
 		var headers ExtendLockResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers ExtendLockResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5241,20 +5182,20 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers ExtendLockResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5265,20 +5206,20 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 409:
 		var headers ExtendLockResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5289,54 +5230,54 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers409 = &headers
 	case rsp.StatusCode == 413:
 		var headers ExtendLockResponse413Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers ExtendLockResponse415Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers415 = &headers
 	case rsp.StatusCode == 429:
 		var headers ExtendLockResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5347,20 +5288,20 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers ExtendLockResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5371,27 +5312,27 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers ExtendLockResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -5462,27 +5403,27 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		var headers ListNodesResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 401:
 		var headers ListNodesResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5493,20 +5434,20 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers ListNodesResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5517,20 +5458,20 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 429:
 		var headers ListNodesResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5541,20 +5482,20 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers ListNodesResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5565,27 +5506,27 @@ func ParseListNodesResponse(rsp *http.Response) (*ListNodesResponse, error) {
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers ListNodesResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -5670,44 +5611,44 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		var headers GetResourceResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 400:
 		var headers GetResourceResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers GetResourceResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5718,20 +5659,20 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers GetResourceResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5742,37 +5683,37 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 404:
 		var headers GetResourceResponse404Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers404 = &headers
 	case rsp.StatusCode == 429:
 		var headers GetResourceResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5783,20 +5724,20 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers GetResourceResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -5807,27 +5748,27 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers GetResourceResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}
@@ -5926,44 +5867,44 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		var headers PutResourceResponse200Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
 	case rsp.StatusCode == 400:
 		var headers PutResourceResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers400 = &headers
 	case rsp.StatusCode == 401:
 		var headers PutResourceResponse401Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5974,20 +5915,20 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers401 = &headers
 	case rsp.StatusCode == 403:
 		var headers PutResourceResponse403Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("WWW-Authenticate"); len(values) > 0 {
 			var value string
@@ -5998,20 +5939,20 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
 	case rsp.StatusCode == 409:
 		var headers PutResourceResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -6022,54 +5963,54 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers409 = &headers
 	case rsp.StatusCode == 413:
 		var headers PutResourceResponse413Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers PutResourceResponse415Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers415 = &headers
 	case rsp.StatusCode == 429:
 		var headers PutResourceResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -6080,20 +6021,20 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers429 = &headers
 	case rsp.StatusCode == 503:
 		var headers PutResourceResponse503Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
 			var value int
@@ -6104,27 +6045,27 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.Headers503 = &headers
 	case true:
 		var headers PutResourceResponseDefaultHeaders
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.CacheControl = value
+			headers.CacheControl = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
-			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
 				return nil, err
 			}
-			headers.XRequestId = value
+			headers.XRequestId = &value
 		}
 		response.HeadersDefault = &headers
 	}

@@ -7,7 +7,11 @@
 // unplanned 500 fails the test), and its declared headers, Content-Type and
 // body must match; a body where the spec declares none is an error. A request
 // the spec has no operation for must be answered 404 or 405 with a body that
-// matches components/schemas/Problem, when the spec has one. Requests are
+// matches components/schemas/Problem, when the spec has one. Response
+// objects may carry no member their schema does not list, and strings with
+// an x-extensible-enum no value it does not list, though the spec leaves
+// both open to clients (see closeResponses). A component schema without a
+// type accepts null, as OpenAPI 3.0.3 says. Requests are
 // checked too, unless SkipRequests is given. Failures are reported with
 // tb.Errorf, so a test sees all of them and goes on; the caller receives the
 // response unchanged, body included.
@@ -58,6 +62,8 @@ func New(tb testing.TB, spec []byte) *Validator {
 		tb.Fatalf("openapitest: invalid spec: %v", err)
 		return nil
 	}
+	typelessNullable(doc)
+	closeResponses(doc)
 	// Match on paths only, so that a server on any host:port (an httptest
 	// server on 127.0.0.1:random) is checked: with no servers the router
 	// accepts any scheme and host.
@@ -82,6 +88,97 @@ func New(tb testing.TB, spec []byte) *Validator {
 		v.problem = doc.Components.Schemas["Problem"]
 	}
 	return v
+}
+
+// typelessNullable lets every component schema without a type accept null
+// too, as OpenAPI 3.0.3 reads it (any value; nullable takes effect only
+// beside a type): kin-openapi refuses null unless nullable is set.
+func typelessNullable(doc *openapi3.T) {
+	if doc.Components == nil {
+		return
+	}
+	for _, ref := range doc.Components.Schemas {
+		s := ref.Value
+		if s != nil && (s.Type == nil || len(*s.Type) == 0) && len(s.AllOf)+len(s.AnyOf)+len(s.OneOf) == 0 && s.Not == nil {
+			s.Nullable = true
+		}
+	}
+}
+
+// closeResponses makes the response schemas of doc as strict as what the
+// server sends, where the spec leaves them open for clients' sake (members
+// and values may be added in later versions): an object schema with
+// properties and no additionalProperties accepts no other member (an allOf
+// of objects is merged into one object first, or each branch would refuse
+// the others' members), and a string's x-extensible-enum becomes its enum.
+// Request schemas are left as they are: the server must accept what they
+// accept.
+func closeResponses(doc *openapi3.T) {
+	seen := map[*openapi3.Schema]bool{}
+	var visit func(ref *openapi3.SchemaRef)
+	visit = func(ref *openapi3.SchemaRef) {
+		if ref == nil || ref.Value == nil || seen[ref.Value] {
+			return
+		}
+		if merged := mergeAllOf(ref.Value); merged != nil {
+			ref.Value = merged
+		}
+		s := ref.Value
+		seen[s] = true
+		if vals, ok := s.Extensions["x-extensible-enum"].([]any); ok && len(s.Enum) == 0 {
+			s.Enum = vals
+		}
+		if len(s.Properties) > 0 && s.AdditionalProperties.Has == nil && s.AdditionalProperties.Schema == nil {
+			closed := false
+			s.AdditionalProperties.Has = &closed
+		}
+		for _, p := range s.Properties {
+			visit(p)
+		}
+		visit(s.Items)
+		for _, b := range slices.Concat(s.AllOf, s.AnyOf, s.OneOf) {
+			visit(b)
+		}
+	}
+	for _, item := range doc.Paths.Map() {
+		for _, op := range item.Operations() {
+			for _, resp := range op.Responses.Map() {
+				if resp.Value == nil {
+					continue
+				}
+				for _, mt := range resp.Value.Content {
+					visit(mt.Schema)
+				}
+			}
+		}
+	}
+}
+
+// mergeAllOf returns a copy of s with its allOf branches merged into one
+// object schema (their properties and required members together), or nil
+// if s has no allOf or a branch is not a plain object schema.
+func mergeAllOf(s *openapi3.Schema) *openapi3.Schema {
+	if len(s.AllOf) == 0 {
+		return nil
+	}
+	m := *s
+	m.AllOf = nil
+	m.Type = &openapi3.Types{openapi3.TypeObject}
+	m.Properties = openapi3.Schemas{}
+	for name, p := range s.Properties {
+		m.Properties[name] = p
+	}
+	m.Required = slices.Clone(s.Required)
+	for _, b := range s.AllOf {
+		if b.Value == nil || len(b.Value.AllOf)+len(b.Value.AnyOf)+len(b.Value.OneOf) > 0 || !b.Value.Type.Permits(openapi3.TypeObject) {
+			return nil
+		}
+		for name, p := range b.Value.Properties {
+			m.Properties[name] = p
+		}
+		m.Required = append(m.Required, b.Value.Required...)
+	}
+	return &m
 }
 
 // Operations returns "METHOD /path/{param}" for every operation in the spec,

@@ -34,6 +34,25 @@ paths:
                   status: {type: string}
         default:
           $ref: '#/components/responses/Problem'
+  /open:
+    get:
+      operationId: open
+      responses:
+        '200':
+          description: open for clients, closed in tests
+          content:
+            application/json:
+              schema:
+                allOf:
+                  - type: object
+                    required: [a]
+                    properties:
+                      a: {type: string}
+                  - type: object
+                    properties:
+                      b: {type: string, x-extensible-enum: [x, y]}
+        default:
+          $ref: '#/components/responses/Problem'
   /things/{name}:
     parameters:
       - name: name
@@ -53,6 +72,7 @@ paths:
               properties:
                 n: {type: integer}
                 data: {nullable: true, description: any JSON value}
+                any: {$ref: '#/components/schemas/Any'}
       responses:
         '200':
           description: the thing
@@ -81,6 +101,8 @@ components:
           schema:
             $ref: '#/components/schemas/Problem'
   schemas:
+    Any:
+      description: any JSON value, null included
     Problem:
       type: object
       required: [type, status]
@@ -143,6 +165,14 @@ func TestValidator_Client(t *testing.T) {
 			method: "GET", path: "/healthz", want: `property "status" is missing`},
 		{name: "UnknownField", handler: reply(200, "application/json", `{"status":"ok","extra":1}`),
 			method: "GET", path: "/healthz", want: `"extra"`},
+		{name: "OpenSchemaValid", handler: reply(200, "application/json", `{"a":"1","b":"x"}`),
+			method: "GET", path: "/open"},
+		{name: "OpenSchemaUnknownMember", handler: reply(200, "application/json", `{"a":"1","c":1}`),
+			method: "GET", path: "/open", want: `"c"`},
+		{name: "OpenSchemaUnknownValue", handler: reply(200, "application/json", `{"a":"1","b":"z"}`),
+			method: "GET", path: "/open", want: `allowed values`},
+		{name: "OpenSchemaMissingMember", handler: reply(200, "application/json", `{"b":"x"}`),
+			method: "GET", path: "/open", want: `property "a" is missing`},
 		{name: "WrongContentType", handler: reply(200, "text/plain", `{"status":"ok"}`),
 			method: "GET", path: "/healthz", want: "Content-Type"},
 		{name: "UndocumentedStatus", handler: reply(418, "application/problem+json", `{"type":"x","status":418}`),
@@ -159,6 +189,10 @@ func TestValidator_Client(t *testing.T) {
 			method: "PUT", path: "/things/abc", body: `{"n":1,"data":null}`, ct: "application/json"},
 		{name: "AnyJSONScalars", handler: reply(200, "application/json", `{"n":1,"data":"s"}`),
 			method: "PUT", path: "/things/abc", body: `{"n":1,"data":[true,1.5,"x",null]}`, ct: "application/json"},
+		{name: "TypelessComponentNull", handler: reply(204, "", ""),
+			method: "PUT", path: "/things/abc", body: `{"n":1,"any":null}`, ct: "application/json"},
+		{name: "TypelessComponentArrayOfNull", handler: reply(204, "", ""),
+			method: "PUT", path: "/things/abc", body: `{"n":1,"any":[null,1,"x",{"a":null}]}`, ct: "application/json"},
 		{name: "InvalidRequestBody", handler: reply(400, "application/problem+json", `{"type":"x","status":400}`),
 			method: "PUT", path: "/things/abc", body: `{"n":"one"}`, ct: "application/json", want: "request does not match"},
 		{name: "InvalidPathParam", handler: reply(400, "application/problem+json", `{"type":"x","status":400}`),
@@ -234,7 +268,7 @@ func TestValidator_Client(t *testing.T) {
 
 func TestValidator_Operations(t *testing.T) {
 	got := New(t, []byte(testSpec)).Operations()
-	want := []string{"GET /healthz", "PUT /things/{name}"}
+	want := []string{"GET /healthz", "GET /open", "PUT /things/{name}"}
 	if !slices.Equal(got, want) {
 		t.Errorf("Operations() = %q; want %q", got, want)
 	}
