@@ -224,7 +224,7 @@ func (h *Handler) newRouter() *chi.Mux {
 	r.Use(h.front)
 	r.NotFound(func(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
-			Detail: "no route " + apikey.Redact(r.URL.EscapedPath()), Instance: r.URL.EscapedPath(), RequestID: requestID(r.Context())})
+			Detail: "no route " + instance(r), Instance: instance(r), RequestID: requestID(r.Context())})
 	})
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		var allow []string
@@ -236,7 +236,7 @@ func (h *Handler) newRouter() *chi.Mux {
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeProblem(w, &Problem{Type: kMethod.typ, Title: kMethod.title, Status: kMethod.status,
 			Detail:   fmt.Sprintf("%s is not allowed here; use %s", req.Method, strings.Join(allow, ", ")),
-			Instance: req.URL.EscapedPath(), RequestID: requestID(req.Context())})
+			Instance: instance(req), RequestID: requestID(req.Context())})
 	})
 
 	// get routes GET, and HEAD to the same handler: net/http sends no body

@@ -437,8 +437,9 @@ func TestRefusedInputNotLogged(t *testing.T) {
 }
 
 // TestPastedKeyNotLogged: an API key pasted by mistake into a path, a field
-// name or an owner reaches neither the log nor an error's detail with its
-// secret; the key's id, which is not secret, stays.
+// name, an owner or a method reaches neither the log nor an error's detail,
+// invalid_params or instance with its secret, even spelt partly
+// percent-encoded; the key's id, which is not secret, stays.
 func TestPastedKeyNotLogged(t *testing.T) {
 	e := newFakeEnv(t, true)
 	e.logs = &testutil.Buffer{}
@@ -454,15 +455,29 @@ func TestPastedKeyNotLogged(t *testing.T) {
 		{http.MethodPost, "/v1/locks/orders", `{"owner":"` + key + `"}`},
 		{http.MethodGet, "/v1/locks/" + key, ""},
 		{http.MethodGet, "/v1/nope/" + key, ""},
+		{http.MethodGet, "/v1/nonexistent/" + key, ""},
+		{http.MethodPost, "/v1/locks/t1%20" + key, ""},
+		{http.MethodPost, "/v1/locks/" + key, `{"owner":"w"}`}, // held: 409, and an error logged
+		{http.MethodPut, "/v1/resources/" + key, `{"fencing_token":1,"data":1}`},
+		{http.MethodPatch, "/v1/locks/" + key, ""},
+		{key, "/v1/locks/x", ""},
+		{http.MethodGet, "/v1/nope/" + key[:25] + "%" + fmt.Sprintf("%02X", key[25]) + key[26:], ""},
+		{http.MethodGet, "/v1/nope/%72" + key[1:], ""},
 	} {
 		w := e.do(e.h, tc.method, tc.path, tc.body, auth...)
 		var p struct {
 			Detail        string         `json:"detail"`
+			Instance      string         `json:"instance"`
 			InvalidParams []InvalidParam `json:"invalid_params"`
 		}
-		_ = json.Unmarshal(w.Body.Bytes(), &p)
-		if strings.Contains(p.Detail, secret) || strings.Contains(fmt.Sprint(p.InvalidParams), secret) {
+		if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil && w.Code >= 400 {
+			t.Errorf("%s %.30s…: %d %s", tc.method, tc.path, w.Code, w.Body)
+		}
+		if strings.Contains(p.Detail, secret) || strings.Contains(fmt.Sprint(p.InvalidParams), secret) || w.Code >= 400 && strings.Contains(w.Body.String(), secret) {
 			t.Errorf("%s %.30s… %.30s…: the error quotes the key's secret: %s", tc.method, tc.path, tc.body, w.Body)
+		}
+		if w.Code >= 400 && strings.Contains(tc.path, id[1:]) && !strings.Contains(p.Instance, apikey.Prefix+id+"_[redacted]") {
+			t.Errorf("%s %.30s…: instance %q; want the path with the key as %s_[redacted]", tc.method, tc.path, p.Instance, apikey.Prefix+id)
 		}
 	}
 	if strings.Contains(e.logs.String(), secret) {

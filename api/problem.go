@@ -6,11 +6,14 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/apikey"
 	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/service"
 )
@@ -277,7 +280,7 @@ func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) 
 // writeErrorTree is writeError with err's tree flattened by the caller.
 func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err error, tree errTree) {
 	k := tree.classify()
-	p := &Problem{Type: k.typ, Title: k.title, Status: k.status, Instance: r.URL.EscapedPath(), RequestID: requestID(r.Context())}
+	p := &Problem{Type: k.typ, Title: k.title, Status: k.status, Instance: instance(r), RequestID: requestID(r.Context())}
 	re, isRE := asErr[*requestError](tree)
 	ae, isAE := asErr[*authError](tree)
 	stale, isStale := asErr[*fencing.StaleError](tree)
@@ -374,17 +377,59 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 	if k == kInternal {
 		level = slog.LevelError
 	}
-	// err never carries a lock token: service errors name keys and nodes only.
+	// err never carries a lock token: service errors name keys and nodes
+	// only. A key's name is the client's, and may be an API key.
 	if ctx := r.Context(); h.raw.Enabled(ctx, level) {
 		h.logRecord(ctx, time.Now(), PrincipalFrom(ctx), level, "request failed", slog.String("request_id", p.RequestID),
-			slog.String("problem", k.slug), slog.String("error", err.Error()))
+			slog.String("problem", k.slug), slog.String("error", apikey.Redact(err.Error())))
 	}
 	writeProblem(w, p)
 }
 
 func writeProblem(w http.ResponseWriter, p *Problem) {
+	redactProblem(p)
 	buf := getBuf()
 	defer putBuf(buf)
 	*buf = appendProblem(*buf, p)
 	writeBody(w, p.Status, "application/problem+json", *buf)
+}
+
+// redactProblem replaces the secret of any API key p quotes with
+// "[redacted]" (apikey.Redact): a key pasted into the path, a field name or
+// an owner may be quoted by the detail, the invalid_params and the
+// instance, and a key's name by a node's error.
+func redactProblem(p *Problem) {
+	p.Instance = apikey.Redact(p.Instance)
+	p.Detail = apikey.Redact(p.Detail)
+	copied := false
+	for i, ip := range p.InvalidParams {
+		name, reason := apikey.Redact(ip.Name), apikey.Redact(ip.Reason)
+		if name == ip.Name && reason == ip.Reason {
+			continue
+		}
+		if !copied { // the slice may be a requestError's
+			p.InvalidParams, copied = slices.Clone(p.InvalidParams), true
+		}
+		p.InvalidParams[i] = InvalidParam{Name: name, Reason: reason}
+	}
+	for i := range p.Nodes {
+		p.Nodes[i].Error = apikey.Redact(p.Nodes[i].Error)
+	}
+}
+
+// instance is the problem's instance, and the path the access log shows:
+// the request's path as sent, with the secret of an API key in it redacted,
+// even when the path spells part of the key percent-encoded.
+func instance(r *http.Request) string {
+	p := r.URL.EscapedPath()
+	if !strings.Contains(r.URL.Path, apikey.Prefix) { // the decoded path holds any key the sent one does
+		return p
+	}
+	red := apikey.Redact(p)
+	if u, err := url.PathUnescape(red); err == nil && apikey.Redact(u) == u {
+		return red
+	}
+	// A key spelt partly percent-encoded: the decoded path, redacted, in
+	// the canonical spelling, with the mark as Redact writes it elsewhere.
+	return strings.ReplaceAll((&url.URL{Path: apikey.Redact(r.URL.Path)}).EscapedPath(), "%5Bredacted%5D", "[redacted]")
 }
