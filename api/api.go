@@ -24,6 +24,7 @@ import (
 	"sync"
 	"time"
 	"unicode"
+	"unicode/utf8"
 
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
@@ -737,9 +738,13 @@ func (a grantAnswer) ready() bool {
 	}
 }
 
+// maxOwner is the most characters (code points) an owner may have, as
+// openapi.yaml's maxLength counts them.
+const maxOwner = 256
+
 func validOwner(s string) string {
-	if len(s) > 256 {
-		return "must be at most 256 bytes"
+	if len(s) > maxOwner && utf8.RuneCountInString(s) > maxOwner {
+		return "must be at most 256 characters (Unicode code points)"
 	}
 	for _, c := range s {
 		if c == unicode.ReplacementChar || !unicode.IsPrint(c) {

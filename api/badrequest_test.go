@@ -1,6 +1,7 @@
 package api_test
 
 import (
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -69,6 +70,7 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"WaitAboveMax", "POST", "/v1/locks/x", `{"wait_ms":3600000}`, json, nil, 400, "invalid-request"},
 		{"OwnerNotString", "POST", "/v1/locks/x", `{"owner":5}`, json, nil, 400, "invalid-request"},
 		{"OwnerTooLong", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("o", 257) + `"}`, json, nil, 400, "invalid-request"},
+		{"OwnerTooManyCharacters", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("é", 257) + `"}`, json, nil, 400, "invalid-request"},
 		{"OwnerControlChar", "POST", "/v1/locks/x", `{"owner":"bell\u0007"}`, json, nil, 400, "invalid-request"},
 		{"WrongContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/plain", nil, 415, "unsupported-media-type"},
 		{"NoContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "", nil, 415, "unsupported-media-type"},
@@ -174,5 +176,18 @@ func TestAPI_BadRequests(t *testing.T) {
 	}
 	if after := e.snapshot(); after != before {
 		t.Errorf("bad requests changed state:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+}
+
+// TestAPI_OwnerCountsCharacters: owner is at most 256 characters (code
+// points), as openapi.yaml's maxLength counts them, not 256 bytes.
+func TestAPI_OwnerCountsCharacters(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	for i, owner := range []string{strings.Repeat("é", 200), strings.Repeat("é", 256), strings.Repeat("日", 255) + "x"} {
+		g := e.mustAcquire(fmt.Sprintf("owner-%d", i), map[string]any{"owner": owner})
+		if g.Owner != owner {
+			t.Errorf("owner %q; want %q", g.Owner, owner)
+		}
 	}
 }
