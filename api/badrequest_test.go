@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 
@@ -70,7 +71,6 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"WaitAboveMax", "POST", "/v1/locks/x", `{"wait_ms":3600000}`, json, nil, 400, "invalid-request"},
 		{"OwnerNotString", "POST", "/v1/locks/x", `{"owner":5}`, json, nil, 400, "invalid-request"},
 		{"OwnerTooLong", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("o", 257) + `"}`, json, nil, 400, "invalid-request"},
-		{"OwnerTooManyCharacters", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("é", 257) + `"}`, json, nil, 400, "invalid-request"},
 		{"OwnerControlChar", "POST", "/v1/locks/x", `{"owner":"bell\u0007"}`, json, nil, 400, "invalid-request"},
 		{"WrongContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/plain", nil, 415, "unsupported-media-type"},
 		{"NoContentType", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "", nil, 415, "unsupported-media-type"},
@@ -112,13 +112,86 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"GetExtend", "GET", "/v1/locks/held/extend", "", "", nil, 405, "method-not-allowed"},
 		{"UnknownRoute", "GET", "/v1/nope", "", "", nil, 404, "not-found"},
 		{"EmptyName", "POST", "/v1/locks/", "", "", nil, 404, "not-found"},
+		// every problem of a request, named in one answer
+		{"AllTTLWait", "POST", "/v1/locks/x", `{"ttl_ms":-1,"wait_ms":-1}`, json, nil, 400, "invalid-request"},
+		{"AllTTLWaitOwner", "POST", "/v1/locks/x", `{"ttl_ms":99999999,"wait_ms":99999999,"owner":"\n"}`, json, nil, 400, "invalid-request"},
+		{"AllTTLOwner", "POST", "/v1/locks/x", `{"ttl_ms":1,"owner":"\n"}`, json, nil, 400, "invalid-request"},
+		{"AllNameTTL", "POST", "/v1/locks/a%20b", `{"ttl_ms":1}`, json, nil, 400, "invalid-request"},
+		{"AllTypes", "POST", "/v1/locks/x", `{"ttl_ms":"1","wait_ms":1.5,"owner":5}`, json, nil, 400, "invalid-request"},
+		{"AllUnknown", "POST", "/v1/locks/x", `{"ttl":1000,"wait_ms":-1,"Owner":"w"}`, json, nil, 400, "invalid-request"},
+		{"AllNullTwiceTrailing", "POST", "/v1/locks/x", `{"owner":null,"ttl_ms":5,"ttl_ms":6} {}`, json, nil, 400, "invalid-request"},
+		{"AllExtend", "POST", "/v1/locks/a%20b/extend", `{"ttl_ms":1}`, json, nil, 400, "invalid-request"},
+		{"AllRelease", "DELETE", "/v1/locks/a%20b", "", "", []string{api.LockTokenHeader, "abc"}, 400, "invalid-request"},
+		{"AllPutTokenData", "PUT", "/v1/resources/held", `{"fencing_token":0,"data":"\u0000"}`, json, nil, 400, "invalid-request"},
+		{"AllPutEmptyObject", "PUT", "/v1/resources/held", `{}`, json, nil, 400, "invalid-request"},
+		{"AllPutNameTokenUnknown", "PUT", "/v1/resources/a%20b", `{"fencing_token":"1","data":1,"v":2}`, json, nil, 400, "invalid-request"},
+		// what each reason says
+		{"PutTokenNullRequired", "PUT", "/v1/resources/held", `{"fencing_token":null,"data":{}}`, json, nil, 400, "invalid-request"},
+		{"TTLAboveDay", "POST", "/v1/locks/x", `{"ttl_ms":99999999}`, json, nil, 400, "invalid-request"},
+		{"TTLDay", "POST", "/v1/locks/x", `{"ttl_ms":86400000}`, json, nil, 400, "invalid-request"},
+		{"TTLBeyondInt64", "POST", "/v1/locks/x", `{"ttl_ms":99999999999999999999}`, json, nil, 400, "invalid-request"},
+		{"WaitAboveDay", "POST", "/v1/locks/x", `{"wait_ms":99999999}`, json, nil, 400, "invalid-request"},
+		{"ExtendTTLAboveDay", "POST", "/v1/locks/held/extend", `{"ttl_ms":99999999}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"UnknownFieldNamed", "POST", "/v1/locks/x", `{"ttl":1000}`, json, nil, 400, "invalid-request"},
+		{"OwnerTooManyCharacters", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("é", 257) + `"}`, json, nil, 400, "invalid-request"},
 	}
 	// The invalid_params name of some refusals: the field at fault, "body"
 	// only for the body as a whole.
 	wantParam := map[string]string{
 		"TTLString": "ttl_ms", "TTLFraction": "ttl_ms", "TTLOverflow": "ttl_ms", "TTLNull": "ttl_ms",
 		"FieldTwice": "ttl_ms", "TTLNegative": "ttl_ms", "OwnerNotString": "owner", "PutTokenString": "fencing_token",
-		"NotJSON": "body", "UnknownField": "body", "ArrayBody": "body",
+		"NotJSON": "body", "UnknownField": "bogus", "ArrayBody": "body",
+	}
+	// Every invalid_params name of some refusals, in order (the path's, the
+	// headers', the body's as JSON in body order, then the values'): each
+	// problem of the request, not the first only. The detail names each too.
+	wantParams := map[string][]string{
+		"AllTTLWait":             {"ttl_ms", "wait_ms"},
+		"AllTTLWaitOwner":        {"ttl_ms", "wait_ms", "owner"},
+		"AllTTLOwner":            {"ttl_ms", "owner"},
+		"AllNameTTL":             {"name", "ttl_ms"},
+		"AllTypes":               {"ttl_ms", "wait_ms", "owner"},
+		"AllUnknown":             {"ttl", "Owner", "wait_ms"},
+		"AllNullTwiceTrailing":   {"owner", "ttl_ms", "body", "ttl_ms"},
+		"AllExtend":              {"name", api.LockTokenHeader, "ttl_ms"},
+		"AllRelease":             {"name", api.LockTokenHeader},
+		"AllPutTokenData":        {"fencing_token", "data"},
+		"AllPutEmptyObject":      {"fencing_token", "data"},
+		"AllPutNameTokenUnknown": {"name", "fencing_token", "v"},
+		"PutNoToken":             {"fencing_token"},
+		"PutTokenNullRequired":   {"fencing_token"},
+		"UnknownFieldNamed":      {"ttl"},
+	}
+	// What the reason of the first invalid_params says (a substring), and,
+	// after a "!", what it must not say. A bound is the server's
+	// configured one, in milliseconds, whatever the value.
+	o := e.locker.Options()
+	ttlBounds := fmt.Sprintf("from %d to %d ", o.MinTTL.Milliseconds(), o.MaxTTL.Milliseconds())
+	waitBounds := fmt.Sprintf("from 0 to %d ", o.MaxWait.Milliseconds())
+	wantReason := map[string]string{
+		"PutTokenNullRequired":   "required: a positive integer!default",
+		"PutNoToken":             "required: a positive integer",
+		"PutTokenZero":           "positive integer",
+		"TTLNull":                "leave it out for the default",
+		"OwnerNull":              "leave it out for the default",
+		"TTLAboveDay":            ttlBounds + "!24 hours",
+		"TTLDay":                 ttlBounds,
+		"TTLBeyondInt64":         ttlBounds,
+		"TTLOverflow":            ttlBounds,
+		"TTLAboveMax":            ttlBounds,
+		"TTLBelowMin":            ttlBounds,
+		"TTLZero":                ttlBounds,
+		"TTLNegative":            ttlBounds,
+		"AllTTLWait":             ttlBounds,
+		"WaitAboveDay":           waitBounds,
+		"WaitAboveMax":           waitBounds,
+		"WaitNegative":           waitBounds,
+		"ExtendTTLAboveDay":      ttlBounds,
+		"ExtendTTLAboveMax":      ttlBounds,
+		"ExtendTTLTooShort":      ttlBounds,
+		"UnknownFieldNamed":      "unknown field",
+		"FieldCaseFolded":        `did you mean "ttl_ms"`,
+		"OwnerTooManyCharacters": "256 characters",
 	}
 	if len(tests) < 30 {
 		t.Fatalf("only %d cases; want at least 30", len(tests))
@@ -162,6 +235,30 @@ func TestAPI_BadRequests(t *testing.T) {
 			}
 			if want, ok := wantParam[tt.name]; ok && (len(p.InvalidParams) == 0 || p.InvalidParams[0].Name != want) {
 				t.Errorf("invalid_params = %+v; want the first named %q", p.InvalidParams, want)
+			}
+			if want, ok := wantParams[tt.name]; ok {
+				var got []string
+				for _, ip := range p.InvalidParams {
+					got = append(got, ip.Name)
+					if !strings.Contains(p.Detail, ip.Name) && !(ip.Name == "name" && strings.Contains(p.Detail, "name in the path")) {
+						t.Errorf("detail %q does not name %q", p.Detail, ip.Name)
+					}
+				}
+				if !slices.Equal(got, want) {
+					t.Errorf("invalid_params named %q; want %q: %s", got, want, r.body)
+				}
+			}
+			if want, ok := wantReason[tt.name]; ok {
+				want, not, _ := strings.Cut(want, "!")
+				if len(p.InvalidParams) == 0 || !strings.Contains(p.InvalidParams[0].Reason, want) ||
+					not != "" && strings.Contains(p.InvalidParams[0].Reason+p.Detail, not) {
+					t.Errorf("invalid_params = %+v (detail %q); want the first reason to say %q and not %q", p.InvalidParams, p.Detail, want, not)
+				}
+			}
+			for _, ip := range p.InvalidParams {
+				if strings.Contains(ip.Reason, "default") && ip.Name != "ttl_ms" && ip.Name != "wait_ms" && ip.Name != "owner" {
+					t.Errorf("invalid_params %+v: only a field with a default may speak of one", ip)
+				}
 			}
 			if strings.HasPrefix(tt.name, "ContentEncoding") && resp.Header.Get("Accept-Encoding") != "identity" {
 				t.Errorf("Accept-Encoding %q; want identity", resp.Header.Get("Accept-Encoding"))

@@ -115,16 +115,104 @@ func ProblemTypes() []string {
 type requestError struct {
 	kind   kind
 	detail string
+	// params and parts name each problem of an invalid-request: parts[i]
+	// is the sentence of params[i] (detail is them all).
 	params []InvalidParam
+	parts  []string
+	// unreadable: the body could not be read as a JSON object, so its
+	// fields were not judged.
+	unreadable bool
 	// identityOnly: the body had a content coding; the answer says only
 	// identity is accepted (Accept-Encoding).
 	identityOnly bool
+	// cause is logged, never shown: it may hold addresses or Go's wording.
+	cause error
 }
 
-func (e *requestError) Error() string { return e.detail }
+func (e *requestError) Error() string {
+	if e.cause == nil {
+		return e.detail
+	}
+	return e.detail + ": " + e.cause.Error()
+}
 
-func invalid(detail string, params ...InvalidParam) error {
-	return &requestError{kind: kInvalid, detail: detail, params: params}
+// invalid is an invalid-request with one problem: detail says it in a
+// sentence, p names it.
+func invalid(detail string, p InvalidParam) error {
+	return &requestError{kind: kInvalid, detail: detail, params: []InvalidParam{p}, parts: []string{detail}}
+}
+
+// unreadableBody is invalid for a body whose fields cannot be judged (not
+// read, not JSON, not an object).
+func unreadableBody(detail, reason string, cause error) error {
+	return &requestError{kind: kInvalid, detail: detail, params: []InvalidParam{{Name: "body", Reason: reason}},
+		parts: []string{detail}, unreadable: true, cause: cause}
+}
+
+// badRequest gathers the problems of a request, so that one
+// invalid-request answer names them all. Its zero value is empty and costs
+// nothing until a problem is added.
+type badRequest struct {
+	params []InvalidParam
+	parts  []string
+	// unreadable: the body's fields could not be read (see requestError).
+	unreadable bool
+	cause      error
+}
+
+// add records a problem: detail is its sentence, p names it.
+func (b *badRequest) add(detail string, p InvalidParam) {
+	b.params = append(b.params, p)
+	b.parts = append(b.parts, detail)
+}
+
+// merge records the problems of err, an error of validation (nil for
+// none). It returns err unrecorded when err is not an invalid-request: a
+// problem of the request as a whole (413, 415), which answers alone.
+func (b *badRequest) merge(err error) error {
+	if err == nil {
+		return nil
+	}
+	re, ok := err.(*requestError)
+	if !ok || re.kind != kInvalid {
+		return err
+	}
+	b.params = append(b.params, re.params...)
+	b.parts = append(b.parts, re.parts...)
+	b.unreadable = b.unreadable || re.unreadable
+	if b.cause == nil {
+		b.cause = re.cause
+	}
+	return nil
+}
+
+// has reports whether a problem names name.
+func (b *badRequest) has(name string) bool {
+	for i := range b.params {
+		if b.params[i].Name == name {
+			return true
+		}
+	}
+	return false
+}
+
+// err returns the invalid-request naming every problem, or nil for none.
+func (b *badRequest) err() error {
+	if len(b.params) == 0 {
+		return nil
+	}
+	detail := b.parts[0]
+	if len(b.parts) > 1 {
+		detail = strconv.Itoa(len(b.parts)) + " problems: " + strings.Join(b.parts, "; ")
+	}
+	return &requestError{kind: kInvalid, detail: detail, params: b.params, parts: b.parts, unreadable: b.unreadable, cause: b.cause}
+}
+
+// whole reports whether err, from reading a body, is about the request as
+// a whole (413, 415) and so answers alone, before any field.
+func whole(err error) bool {
+	re, ok := err.(*requestError)
+	return err != nil && (!ok || re.kind != kInvalid)
 }
 
 // errTree is the errors of an error tree in the order errors.Is and
