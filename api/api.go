@@ -372,13 +372,11 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 	body, err := readBody((*buf)[:0], r.Body, h.opts.MaxBodyBytes)
 	*buf = body
 	if err != nil {
-		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
-			return nil, &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", mbe.Limit)}
-		}
-		return nil, unreadableBody("could not read the body: "+err.Error(), "could not be read: "+err.Error(), nil)
+		return nil, bodyReadError(err)
 	}
-	if len(bytes.TrimSpace(body)) == 0 {
+	if len(body) == 0 {
+		// Only an empty body takes the defaults: whitespace is not a
+		// JSON text (it is refused below, as any non-object).
 		if optional {
 			return nil, nil
 		}
@@ -395,7 +393,7 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 	ct := header(r.Header, "Content-Type")
 	if ct != "application/json" { // what ParseMediaType would accept at once
 		mt, params, err := mime.ParseMediaType(ct)
-		if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
+		if err != nil || !jsonMediaType(mt) {
 			// The header's value is not quoted: it is the client's, and
 			// could be anything, a secret pasted by mistake included.
 			return nil, &requestError{kind: kMediaType, detail: "the Content-Type is not application/json"}
@@ -404,10 +402,57 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 			return nil, &requestError{kind: kMediaType, detail: "the Content-Type names a charset other than UTF-8; JSON is UTF-8 (RFC 8259)"}
 		}
 	}
-	if body := bytes.TrimSpace(body); body[0] != '{' {
+	if bytes.HasPrefix(body, utf8BOM) {
+		// RFC 8259 §8.1: a JSON text MUST NOT begin with a byte-order
+		// mark (a parser MAY ignore one); Redfence refuses it, as it
+		// refuses everything but one plain JSON object, so that what it
+		// accepts reads the same to every JSON parser.
+		return nil, unreadableBody("the body starts with a UTF-8 byte-order mark, which JSON text must not (RFC 8259 §8.1): send the JSON object without it",
+			"must not start with a byte-order mark", nil)
+	}
+	if i := skipJSONSpace(body, 0); i == len(body) {
+		detail := "the body holds only whitespace: send a JSON object"
+		if optional {
+			detail += ", or no body at all for the defaults"
+		}
+		return nil, unreadableBody(detail, "must be a JSON object", nil)
+	} else if body[i] != '{' {
 		return nil, unreadableBody("the body must be a JSON object", "must be a JSON object", nil)
 	}
 	return body, nil
+}
+
+// utf8BOM is the UTF-8 encoding of U+FEFF, the byte-order mark.
+var utf8BOM = []byte("\xef\xbb\xbf")
+
+// jsonMediaType reports whether mt, a media type as mime.ParseMediaType
+// returns it (lower case), is JSON: application/json, or a type/subtype
+// whose subtype has the +json suffix after a name (RFC 6839 §3.1).
+func jsonMediaType(mt string) bool {
+	typ, sub, ok := strings.Cut(mt, "/")
+	if !ok || typ == "" {
+		return false
+	}
+	if typ == "application" && sub == "json" {
+		return true
+	}
+	name, found := strings.CutSuffix(sub, "+json")
+	return found && name != ""
+}
+
+// bodyReadError is the answer to a body that could not be read: 413 past
+// the limit, else 400. Neither says why in Go's words, which name the
+// connection's addresses; the cause is logged.
+func bodyReadError(err error) error {
+	var mbe *http.MaxBytesError
+	switch {
+	case errors.As(err, &mbe):
+		return &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", mbe.Limit)}
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return unreadableBody("the body ended early: the connection closed before the bytes its Content-Length (or chunked encoding) announced arrived",
+			"ended early", err)
+	}
+	return unreadableBody("the body could not be read", "could not be read", err)
 }
 
 // decodeJSON decodes body, a JSON object, into v (a pointer to a struct of

@@ -1,8 +1,10 @@
 package api_test
 
 import (
+	"bufio"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -133,6 +135,18 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"WaitAboveDay", "POST", "/v1/locks/x", `{"wait_ms":99999999}`, json, nil, 400, "invalid-request"},
 		{"ExtendTTLAboveDay", "POST", "/v1/locks/held/extend", `{"ttl_ms":99999999}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
 		{"UnknownFieldNamed", "POST", "/v1/locks/x", `{"ttl":1000}`, json, nil, 400, "invalid-request"},
+		// RFC 8259 §8.1 lets a parser ignore a byte-order mark; Redfence
+		// refuses it, as it refuses all but one plain JSON object, and
+		// says so.
+		{"ByteOrderMark", "POST", "/v1/locks/x", "\ufeff{}", json, nil, 400, "invalid-request"},
+		{"ByteOrderMarkPut", "PUT", "/v1/resources/held", "\ufeff{\"fencing_token\":1,\"data\":1}", json, nil, 400, "invalid-request"},
+		// Only an empty body takes the defaults: whitespace is no JSON text.
+		{"WhitespaceBody", "POST", "/v1/locks/x", "   ", json, nil, 400, "invalid-request"},
+		{"WhitespaceBodyExtend", "POST", "/v1/locks/held/extend", "\n", json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"WhitespaceBodyPut", "PUT", "/v1/resources/held", " \t", json, nil, 400, "invalid-request"},
+		{"ContentTypeEmptySuffixName", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "application/+json", nil, 415, "unsupported-media-type"},
+		{"ContentTypeNoSlash", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "x+json", nil, 415, "unsupported-media-type"},
+		{"ContentTypeTextJSON", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/json", nil, 415, "unsupported-media-type"},
 		{"OwnerTooManyCharacters", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("é", 257) + `"}`, json, nil, 400, "invalid-request"},
 	}
 	// The invalid_params name of some refusals: the field at fault, "body"
@@ -161,6 +175,11 @@ func TestAPI_BadRequests(t *testing.T) {
 		"PutNoToken":             {"fencing_token"},
 		"PutTokenNullRequired":   {"fencing_token"},
 		"UnknownFieldNamed":      {"ttl"},
+		"ByteOrderMark":          {"body"},
+		"ByteOrderMarkPut":       {"body"},
+		"WhitespaceBody":         {"body"},
+		"WhitespaceBodyExtend":   {"body"},
+		"WhitespaceBodyPut":      {"body"},
 	}
 	// What the reason of the first invalid_params says (a substring), and,
 	// after a "!", what it must not say. A bound is the server's
@@ -191,6 +210,9 @@ func TestAPI_BadRequests(t *testing.T) {
 		"ExtendTTLTooShort":      ttlBounds,
 		"UnknownFieldNamed":      "unknown field",
 		"FieldCaseFolded":        `did you mean "ttl_ms"`,
+		"ByteOrderMark":          "byte-order mark",
+		"ByteOrderMarkPut":       "byte-order mark",
+		"WhitespaceBody":         "must be a JSON object",
 		"OwnerTooManyCharacters": "256 characters",
 	}
 	if len(tests) < 30 {
@@ -286,5 +308,64 @@ func TestAPI_OwnerCountsCharacters(t *testing.T) {
 		if g.Owner != owner {
 			t.Errorf("owner %q; want %q", g.Owner, owner)
 		}
+	}
+}
+
+// TestAPI_BodyCutShort: a body that stops before its Content-Length is
+// answered without the connection's addresses or Go's wording: 400 when
+// the client closes its side. Nothing is acquired.
+func TestAPI_BodyCutShort(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	srv := e.srv
+	for _, tc := range []struct {
+		name      string
+		closeSide bool
+		status    int
+		slug      string
+	}{
+		{"ClosedEarly", true, http.StatusBadRequest, "invalid-request"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			if _, err := io.WriteString(conn, "POST /v1/locks/cut HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"+
+				"Content-Length: 100\r\n\r\n{\""); err != nil {
+				t.Fatal(err)
+			}
+			if tc.closeSide {
+				if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			r := &response{status: resp.StatusCode, header: resp.Header}
+			r.body, _ = io.ReadAll(resp.Body)
+			p := r.problem(t)
+			if r.status != tc.status || p.Type != api.ProblemTypePrefix+tc.slug || p.Status != tc.status || p.Detail == "" {
+				t.Errorf("= %d %s; want %d %s", r.status, r.body, tc.status, tc.slug)
+			}
+			for _, leak := range []string{"127.0.0.1", "tcp", "i/o timeout", "EOF", conn.LocalAddr().String()} {
+				if strings.Contains(string(r.body), leak) {
+					t.Errorf("the answer says %q: %s", leak, r.body)
+				}
+			}
+			if tc.status == http.StatusBadRequest && (len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "body") {
+				t.Errorf("invalid_params = %+v; want body", p.InvalidParams)
+			}
+		})
+	}
+	var st api.LockStatus
+	if r := e.do(e.client, http.MethodGet, "/v1/locks/cut", nil); r.status != 200 {
+		t.Fatalf("GET = %d %s", r.status, r.body)
+	} else if r.decode(t, &st); st.Held {
+		t.Error("a request with a body cut short acquired the lock")
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"net/http/httptest"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"testing/iotest"
 	"time"
@@ -490,26 +491,49 @@ func TestPastedKeyNotLogged(t *testing.T) {
 	}
 }
 
-// TestUnreadableBody: a body that ends before its Content-Length is a 400
+// TestUnreadableBody: a body that cannot be read in full is refused in the
+// API's words, never Go's (which name the connection's addresses): a 400
 // that names the body in invalid_params, as every other 400 names what it
-// refuses, and acquires nothing.
+// refuses. The cause is logged. Nothing is acquired.
 func TestUnreadableBody(t *testing.T) {
-	e := newFakeEnv(t, true)
-	r := httptest.NewRequest(http.MethodPost, "/v1/locks/orders", io.MultiReader(strings.NewReader("{"), iotest.ErrReader(io.ErrUnexpectedEOF)))
-	r.Header.Set("Content-Type", "application/json")
-	r.Header.Set("Authorization", "Bearer "+benchAPIKey)
-	w := httptest.NewRecorder()
-	e.h.ServeHTTP(w, r)
-	var p struct {
-		Type          string         `json:"type"`
-		InvalidParams []InvalidParam `json:"invalid_params"`
-	}
-	if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != http.StatusBadRequest ||
-		len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "body" {
-		t.Fatalf("truncated body = %d %s; want 400 with invalid_params naming body", w.Code, w.Body)
-	}
-	if g := e.do(e.h, http.MethodGet, "/v1/locks/orders", "", "Authorization", "Bearer "+benchAPIKey); g.Code != http.StatusOK || !strings.Contains(g.Body.String(), `"held":false`) {
-		t.Errorf("GET after the refused acquire = %d %s; want not held", g.Code, g.Body)
+	addr := &net.TCPAddr{IP: net.IPv4(192, 0, 2, 7), Port: 18480}
+	for _, tc := range []struct {
+		name   string
+		err    error
+		status int
+		slug   string
+	}{
+		{"EndedEarly", io.ErrUnexpectedEOF, http.StatusBadRequest, "invalid-request"},
+		{"Reset", &net.OpError{Op: "read", Net: "tcp", Source: addr, Addr: addr, Err: syscall.ECONNRESET}, http.StatusBadRequest, "invalid-request"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newFakeEnv(t, true)
+			r := httptest.NewRequest(http.MethodPost, "/v1/locks/orders", io.MultiReader(strings.NewReader("{"), iotest.ErrReader(tc.err)))
+			r.Header.Set("Content-Type", "application/json")
+			r.Header.Set("Authorization", "Bearer "+benchAPIKey)
+			w := httptest.NewRecorder()
+			e.h.ServeHTTP(w, r)
+			var p struct {
+				Type          string         `json:"type"`
+				Detail        string         `json:"detail"`
+				InvalidParams []InvalidParam `json:"invalid_params"`
+			}
+			if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != tc.status || p.Type != ProblemTypePrefix+tc.slug || p.Detail == "" {
+				t.Fatalf("= %d %s; want %d %s", w.Code, w.Body, tc.status, tc.slug)
+			}
+			if tc.status == http.StatusBadRequest && (len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "body") {
+				t.Errorf("= %s; want invalid_params naming body", w.Body)
+			}
+			if strings.Contains(w.Body.String(), addr.String()) || strings.Contains(w.Body.String(), tc.err.Error()) {
+				t.Errorf("the answer quotes Go's error %q: %s", tc.err, w.Body)
+			}
+			if !strings.Contains(e.logs.String(), tc.err.Error()) {
+				t.Errorf("the log lacks the cause %q:\n%s", tc.err, e.logs)
+			}
+			if g := e.do(e.h, http.MethodGet, "/v1/locks/orders", "", "Authorization", "Bearer "+benchAPIKey); g.Code != http.StatusOK || !strings.Contains(g.Body.String(), `"held":false`) {
+				t.Errorf("GET after the refused acquire = %d %s; want not held", g.Code, g.Body)
+			}
+		})
 	}
 }
 
