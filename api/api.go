@@ -16,6 +16,7 @@ import (
 	"io"
 	"log/slog"
 	"mime"
+	"net"
 	"net/http"
 	"net/url"
 	"reflect"
@@ -441,13 +442,17 @@ func jsonMediaType(mt string) bool {
 }
 
 // bodyReadError is the answer to a body that could not be read: 413 past
-// the limit, else 400. Neither says why in Go's words, which name the
-// connection's addresses; the cause is logged.
+// the limit, 408 when the server's read timeout ran out first, else 400.
+// Neither says why in Go's words, which name the connection's addresses;
+// the cause is logged.
 func bodyReadError(err error) error {
 	var mbe *http.MaxBytesError
+	var ne net.Error
 	switch {
 	case errors.As(err, &mbe):
 		return &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", mbe.Limit)}
+	case errors.As(err, &ne) && ne.Timeout():
+		return &requestError{kind: kTimeout, detail: "the body did not arrive in full before the server's read timeout; nothing was done", cause: err}
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return unreadableBody("the body ended early: the connection closed before the bytes its Content-Length (or chunked encoding) announced arrived",
 			"ended early", err)
@@ -759,8 +764,8 @@ func (h *Handler) acquire(w http.ResponseWriter, r *http.Request) {
 
 // acquireRequest validates an acquire into sreq: the name (nameErr is its
 // problem), the body (bodyErr, decoded into req) and each field, every
-// problem named in one answer. A problem of the body as a whole (413, 415)
-// answers alone.
+// problem named in one answer. A problem of the body as a whole (413, 415,
+// 408) answers alone.
 func (h *Handler) acquireRequest(nameErr, bodyErr error, req *AcquireRequest, sreq *service.Request) error {
 	if whole(bodyErr) {
 		return bodyErr

@@ -6,9 +6,11 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redfence/redfence/api"
 )
@@ -312,18 +314,23 @@ func TestAPI_OwnerCountsCharacters(t *testing.T) {
 }
 
 // TestAPI_BodyCutShort: a body that stops before its Content-Length is
-// answered without the connection's addresses or Go's wording: 400 when
+// answered without the connection's addresses or Go's wording: 408
+// request-timeout when the server's read timeout runs out first, 400 when
 // the client closes its side. Nothing is acquired.
 func TestAPI_BodyCutShort(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
-	srv := e.srv
+	srv := httptest.NewUnstartedServer(e.srv.Config.Handler)
+	srv.Config.ReadTimeout = 2 * time.Second // the time the headers have to arrive in, too
+	srv.Start()
+	t.Cleanup(srv.Close)
 	for _, tc := range []struct {
 		name      string
 		closeSide bool
 		status    int
 		slug      string
 	}{
+		{"Timeout", false, http.StatusRequestTimeout, "request-timeout"},
 		{"ClosedEarly", true, http.StatusBadRequest, "invalid-request"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -356,6 +363,9 @@ func TestAPI_BodyCutShort(t *testing.T) {
 				if strings.Contains(string(r.body), leak) {
 					t.Errorf("the answer says %q: %s", leak, r.body)
 				}
+			}
+			if tc.status == http.StatusRequestTimeout && !resp.Close {
+				t.Error("408 without Connection: close: the rest of the body could still come")
 			}
 			if tc.status == http.StatusBadRequest && (len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "body") {
 				t.Errorf("invalid_params = %+v; want body", p.InvalidParams)

@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"regexp"
 	"strings"
 	"syscall"
@@ -492,8 +493,9 @@ func TestPastedKeyNotLogged(t *testing.T) {
 }
 
 // TestUnreadableBody: a body that cannot be read in full is refused in the
-// API's words, never Go's (which name the connection's addresses): a 400
-// that names the body in invalid_params, as every other 400 names what it
+// API's words, never Go's (which name the connection's addresses): 408
+// request-timeout when the server's read deadline passed, else a 400 that
+// names the body in invalid_params, as every other 400 names what it
 // refuses. The cause is logged. Nothing is acquired.
 func TestUnreadableBody(t *testing.T) {
 	addr := &net.TCPAddr{IP: net.IPv4(192, 0, 2, 7), Port: 18480}
@@ -504,6 +506,7 @@ func TestUnreadableBody(t *testing.T) {
 		slug   string
 	}{
 		{"EndedEarly", io.ErrUnexpectedEOF, http.StatusBadRequest, "invalid-request"},
+		{"Timeout", &net.OpError{Op: "read", Net: "tcp", Source: addr, Addr: addr, Err: os.ErrDeadlineExceeded}, http.StatusRequestTimeout, "request-timeout"},
 		{"Reset", &net.OpError{Op: "read", Net: "tcp", Source: addr, Addr: addr, Err: syscall.ECONNRESET}, http.StatusBadRequest, "invalid-request"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -98,6 +98,7 @@ var (
 	kAuthUnavailable = newKind("auth-unavailable", http.StatusServiceUnavailable, "The API key could not be checked")
 	// Hardening.
 	kHeadersTooLarge = newKind("headers-too-large", http.StatusRequestHeaderFieldsTooLarge, "The request headers are too large")
+	kTimeout         = newKind("request-timeout", http.StatusRequestTimeout, "The request body did not arrive in time")
 )
 
 // ProblemTypes lists every problem type slug the API can return.
@@ -105,7 +106,7 @@ func ProblemTypes() []string {
 	var out []string
 	for _, k := range []kind{kInvalid, kTooLarge, kMediaType, kNotFound, kMethod, kNoResource, kHeld, kWaitTimeout,
 		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kShutdown, kCancelled, kInternal,
-		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge} {
+		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge, kTimeout} {
 		out = append(out, k.slug)
 	}
 	return out
@@ -168,7 +169,7 @@ func (b *badRequest) add(detail string, p InvalidParam) {
 
 // merge records the problems of err, an error of validation (nil for
 // none). It returns err unrecorded when err is not an invalid-request: a
-// problem of the request as a whole (413, 415), which answers alone.
+// problem of the request as a whole (413, 415, 408), which answers alone.
 func (b *badRequest) merge(err error) error {
 	if err == nil {
 		return nil
@@ -209,7 +210,7 @@ func (b *badRequest) err() error {
 }
 
 // whole reports whether err, from reading a body, is about the request as
-// a whole (413, 415) and so answers alone, before any field.
+// a whole (413, 415, 408) and so answers alone, before any field.
 func whole(err error) bool {
 	re, ok := err.(*requestError)
 	return err != nil && (!ok || re.kind != kInvalid)
@@ -377,6 +378,11 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		p.Detail, p.InvalidParams = re.detail, re.params
 		if re.identityOnly {
 			setHeader(w, "Accept-Encoding", "identity")
+		}
+		if k == kTimeout {
+			// The rest of the body may still come: this connection
+			// cannot carry another request (RFC 9110 §15.5.9).
+			setHeader(w, "Connection", "close")
 		}
 	case isAE:
 		ae.describe(w, p)
