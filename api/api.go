@@ -16,6 +16,7 @@ import (
 	"io"
 	"log/slog"
 	"mime"
+	"net"
 	"net/http"
 	"net/url"
 	"reflect"
@@ -24,6 +25,7 @@ import (
 	"sync"
 	"time"
 	"unicode"
+	"unicode/utf8"
 
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
@@ -123,6 +125,9 @@ type Handler struct {
 	// drain is closed by Drain: blocking acquires stop waiting.
 	drain     chan struct{}
 	drainOnce sync.Once
+	// ttlMS and waitMS are the bounds of ttl_ms and wait_ms: the
+	// Locker's (see lockerBounds).
+	ttlMS, waitMS msBounds
 }
 
 // Drain ends the wait of every blocking acquire, in flight or to come: each
@@ -164,6 +169,7 @@ func NewHandler(locker Locker, st Store, opts Options) *Handler {
 	}
 	h := &Handler{locker: locker, store: st, opts: opts, log: opts.Logger, raw: raw, m: newMetrics(opts.Registry),
 		ids: newRequestIDs(), grants: newGrantCache(), drain: make(chan struct{})}
+	h.ttlMS, h.waitMS = lockerBounds(locker)
 	h.limits = newLimiter(rate.Limit(opts.RateLimit), opts.RateBurst)
 	h.router = h.newRouter()
 	h.acquireH = h.authorize(apikey.ScopeLocks)(http.HandlerFunc(h.acquire))
@@ -224,7 +230,7 @@ func (h *Handler) newRouter() *chi.Mux {
 	r.Use(h.front)
 	r.NotFound(func(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
-			Detail: "no route " + apikey.Redact(r.URL.EscapedPath()), Instance: r.URL.EscapedPath(), RequestID: requestID(r.Context())})
+			Detail: "no route " + instance(r), Instance: instance(r), RequestID: requestID(r.Context())})
 	})
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		var allow []string
@@ -236,7 +242,7 @@ func (h *Handler) newRouter() *chi.Mux {
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeProblem(w, &Problem{Type: kMethod.typ, Title: kMethod.title, Status: kMethod.status,
 			Detail:   fmt.Sprintf("%s is not allowed here; use %s", req.Method, strings.Join(allow, ", ")),
-			Instance: req.URL.EscapedPath(), RequestID: requestID(req.Context())})
+			Instance: instance(req), RequestID: requestID(req.Context())})
 	})
 
 	// get routes GET, and HEAD to the same handler: net/http sends no body
@@ -367,17 +373,15 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 	body, err := readBody((*buf)[:0], r.Body, h.opts.MaxBodyBytes)
 	*buf = body
 	if err != nil {
-		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
-			return nil, &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", mbe.Limit)}
-		}
-		return nil, invalid("could not read the body: "+err.Error(), InvalidParam{Name: "body", Reason: "could not be read: " + err.Error()})
+		return nil, bodyReadError(err)
 	}
-	if len(bytes.TrimSpace(body)) == 0 {
+	if len(body) == 0 {
+		// Only an empty body takes the defaults: whitespace is not a
+		// JSON text (it is refused below, as any non-object).
 		if optional {
 			return nil, nil
 		}
-		return nil, invalid("a JSON body is required", InvalidParam{Name: "body", Reason: "required"})
+		return nil, unreadableBody("a JSON body is required", "required", nil)
 	}
 	if ce := r.Header["Content-Encoding"]; len(ce) > 0 && !(len(ce) == 1 && strings.EqualFold(strings.TrimSpace(ce[0]), "identity")) {
 		// RFC 9110 §15.5.16: 415 for a content coding the server does
@@ -390,7 +394,7 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 	ct := header(r.Header, "Content-Type")
 	if ct != "application/json" { // what ParseMediaType would accept at once
 		mt, params, err := mime.ParseMediaType(ct)
-		if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
+		if err != nil || !jsonMediaType(mt) {
 			// The header's value is not quoted: it is the client's, and
 			// could be anything, a secret pasted by mistake included.
 			return nil, &requestError{kind: kMediaType, detail: "the Content-Type is not application/json"}
@@ -399,71 +403,166 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 			return nil, &requestError{kind: kMediaType, detail: "the Content-Type names a charset other than UTF-8; JSON is UTF-8 (RFC 8259)"}
 		}
 	}
-	if body := bytes.TrimSpace(body); body[0] != '{' {
-		return nil, invalid("the body must be a JSON object", InvalidParam{Name: "body", Reason: "must be a JSON object"})
+	if bytes.HasPrefix(body, utf8BOM) {
+		// RFC 8259 §8.1: a JSON text MUST NOT begin with a byte-order
+		// mark (a parser MAY ignore one); Redfence refuses it, as it
+		// refuses everything but one plain JSON object, so that what it
+		// accepts reads the same to every JSON parser.
+		return nil, unreadableBody("the body starts with a UTF-8 byte-order mark, which JSON text must not (RFC 8259 §8.1): send the JSON object without it",
+			"must not start with a byte-order mark", nil)
+	}
+	if i := skipJSONSpace(body, 0); i == len(body) {
+		detail := "the body holds only whitespace: send a JSON object"
+		if optional {
+			detail += ", or no body at all for the defaults"
+		}
+		return nil, unreadableBody(detail, "must be a JSON object", nil)
+	} else if body[i] != '{' {
+		return nil, unreadableBody("the body must be a JSON object", "must be a JSON object", nil)
 	}
 	return body, nil
 }
 
-// decodeJSON decodes body, a JSON object, into v (a pointer to a struct)
-// with encoding/json, strictly: see checkMembers too.
-func decodeJSON(body []byte, v any) error {
-	if err := checkMembers(body, reflect.TypeOf(v).Elem()); err != nil {
-		return err
+// utf8BOM is the UTF-8 encoding of U+FEFF, the byte-order mark.
+var utf8BOM = []byte("\xef\xbb\xbf")
+
+// jsonMediaType reports whether mt, a media type as mime.ParseMediaType
+// returns it (lower case), is JSON: application/json, or a type/subtype
+// whose subtype has the +json suffix after a name (RFC 6839 §3.1).
+func jsonMediaType(mt string) bool {
+	typ, sub, ok := strings.Cut(mt, "/")
+	if !ok || typ == "" {
+		return false
 	}
-	dec := json.NewDecoder(bytes.NewReader(body)) // checkMembers refused unknown members
-	if err := dec.Decode(v); err != nil {
-		reason, param := jsonReason(err), "body"
-		var te *json.UnmarshalTypeError
-		if errors.As(err, &te) && te.Field != "" {
-			param = te.Field // a member of the wrong type: name it, as other field errors do
-		}
-		return invalid("the body is not valid: "+reason, InvalidParam{Name: param, Reason: reason})
+	if typ == "application" && sub == "json" {
+		return true
 	}
-	if _, err := dec.Token(); err != io.EOF {
-		return invalid("the body has data after the JSON object", InvalidParam{Name: "body", Reason: "trailing data"})
-	}
-	return nil
+	name, found := strings.CutSuffix(sub, "+json")
+	return found && name != ""
 }
 
-// checkMembers refuses what encoding/json lets through but the contract
-// does not: a member whose name matches a field of t only when case is
-// ignored, a member that appears twice (two parsers could each take a
-// different one), and null for a field that is not free-form JSON
-// (json.RawMessage). It leaves malformed JSON to the decoder, which says
-// where.
-func checkMembers(body []byte, t reflect.Type) error {
+// bodyReadError is the answer to a body that could not be read: 413 past
+// the limit, 408 when the server's read timeout ran out first, else 400.
+// Neither says why in Go's words, which name the connection's addresses;
+// the cause is logged.
+func bodyReadError(err error) error {
+	var mbe *http.MaxBytesError
+	var ne net.Error
+	switch {
+	case errors.As(err, &mbe):
+		return &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", mbe.Limit)}
+	case errors.As(err, &ne) && ne.Timeout():
+		return &requestError{kind: kTimeout, detail: "the body did not arrive in full before the server's read timeout; nothing was done", cause: err}
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return unreadableBody("the body ended early: the connection closed before the bytes its Content-Length (or chunked encoding) announced arrived",
+			"ended early", err)
+	}
+	return unreadableBody("the body could not be read", "could not be read", err)
+}
+
+// decodeJSON decodes body, a JSON object, into v (a pointer to a struct of
+// at most 64 fields) with encoding/json, strictly, and names every member at
+// fault: an unknown one (encoding/json would ignore it), one whose name
+// matches a field only when case is ignored (which encoding/json would
+// take), one that appears twice (two parsers could each take a different
+// one), null for a field that is not free-form JSON (json.RawMessage), and a
+// value of the wrong type. Malformed JSON and trailing data are problems of
+// the body as a whole. The members that are right are decoded, even when
+// others are not.
+func decodeJSON(body []byte, v any) error {
+	rv := reflect.ValueOf(v).Elem()
+	t := rv.Type()
 	dec := json.NewDecoder(bytes.NewReader(body))
 	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
-		return nil
+		return malformedJSON(err)
 	}
+	var bad badRequest
 	var seen uint64 // bit i: field i appeared
 	for dec.More() {
 		tok, err := dec.Token()
 		if err != nil {
-			return nil
+			return malformedJSON(err)
 		}
 		name, _ := tok.(string)
-		i, known := jsonField(t, name)
-		if !known {
-			reason := unknownField(strconv.Quote(name))
-			return invalid("the body is not valid: "+reason, InvalidParam{Name: "body", Reason: reason})
-		}
-		if seen&(1<<i) != 0 {
-			return invalid(fmt.Sprintf("the body is not valid: field %q appears more than once", name),
-				InvalidParam{Name: name, Reason: "must appear at most once"})
-		}
-		seen |= 1 << i
 		var raw json.RawMessage
 		if err := dec.Decode(&raw); err != nil {
-			return nil
+			return malformedJSON(err)
 		}
-		if string(raw) == "null" && t.Field(i).Type != rawMessageType {
-			return invalid(fmt.Sprintf("the body is not valid: field %q must not be null (leave it out for the default)", name),
-				InvalidParam{Name: name, Reason: "must not be null"})
+		i, known := jsonField(t, name)
+		if !known {
+			bad.add(unknownField(t, name))
+			continue
+		}
+		if seen&(1<<i) != 0 {
+			bad.add(fmt.Sprintf("field %q appears more than once", name), InvalidParam{Name: name, Reason: "must appear at most once"})
+			continue
+		}
+		seen |= 1 << i
+		f := t.Field(i)
+		if string(raw) == "null" && f.Type != rawMessageType {
+			bad.add(nullField(v, name))
+			continue
+		}
+		if err := json.Unmarshal(raw, rv.Field(i).Addr().Interface()); err != nil {
+			rv.Field(i).SetZero() // not the pointer to 0 encoding/json leaves
+			reason := typeReason(f.Type, err)
+			bad.add(fmt.Sprintf("field %q %s", name, reason), InvalidParam{Name: name, Reason: reason})
 		}
 	}
-	return nil
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('}') {
+		return malformedJSON(err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		bad.add("the body has data after the JSON object", InvalidParam{Name: "body", Reason: "trailing data"})
+	}
+	return bad.err()
+}
+
+// malformedJSON is the answer to a body that is not one JSON text.
+func malformedJSON(err error) error {
+	reason := "malformed JSON"
+	if err != nil {
+		reason = jsonReason(err)
+	}
+	return unreadableBody("the body is not valid JSON: "+reason, reason, nil)
+}
+
+// requiredFields is implemented by request types with fields that have no
+// default: required says what such a field must be ("a positive integer").
+type requiredFields interface {
+	required(field string) (what string, ok bool)
+}
+
+// nullField is the problem of a member of v that is null: a field with a
+// default is left out for it, a required one has none.
+func nullField(v any, name string) (string, InvalidParam) {
+	if rf, ok := v.(requiredFields); ok {
+		if what, ok := rf.required(name); ok {
+			return fmt.Sprintf("field %q is required and must be %s, not null", name, what),
+				InvalidParam{Name: name, Reason: "required: " + what + ", not null"}
+		}
+	}
+	return fmt.Sprintf("field %q must not be null (leave it out for the default)", name),
+		InvalidParam{Name: name, Reason: "must not be null (leave it out for the default)"}
+}
+
+// reasonBeyondInt64 is the reason for an integer beyond 64 bits; a field
+// with bounds of its own replaces it with them (badRequest.outOfBounds).
+const reasonBeyondInt64 = "must fit in a 64-bit integer"
+
+// typeReason says why encoding/json refused a value for a field of type t.
+func typeReason(t reflect.Type, err error) string {
+	var te *json.UnmarshalTypeError
+	if !errors.As(err, &te) {
+		return "is not valid: " + jsonReason(err)
+	}
+	if t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	if t.Kind() == reflect.Int64 && isIntegerLiteral(strings.TrimPrefix(te.Value, "number ")) {
+		return reasonBeyondInt64
+	}
+	return fmt.Sprintf("must be %s, got %s", jsonType(t.Kind().String()), te.Value)
 }
 
 var rawMessageType = reflect.TypeFor[json.RawMessage]()
@@ -481,15 +580,23 @@ func jsonField(t reflect.Type, name string) (int, bool) {
 	return 0, false
 }
 
-// unknownField is the reason given for an unknown member, its quoted name
-// (the client's) cut short and without the secret of an API key pasted
-// into it: it goes into the answer and the log.
-func unknownField(quoted string) string {
-	quoted = apikey.Redact(quoted)
-	if len(quoted) > maxQuotedField {
-		quoted = strings.ToValidUTF8(quoted[:maxQuotedField], "") + `…"`
+// unknownField is the problem of an unknown member of a body decoded into
+// t. The member's name (the client's) is cut short and without the secret
+// of an API key pasted into it: it goes into the answer and the log.
+func unknownField(t reflect.Type, name string) (string, InvalidParam) {
+	shown := apikey.Redact(name)
+	if len(shown) > maxQuotedField {
+		shown = strings.ToValidUTF8(shown[:maxQuotedField], "") + "…"
 	}
-	return "unknown field " + quoted
+	reason := "unknown field"
+	for i := range min(t.NumField(), 64) {
+		tag, _, _ := strings.Cut(t.Field(i).Tag.Get("json"), ",")
+		if tag != "-" && tag != "" && strings.EqualFold(tag, name) {
+			reason = fmt.Sprintf("unknown field (names are case-sensitive: did you mean %q?)", tag)
+			break
+		}
+	}
+	return "unknown field " + strconv.Quote(shown) + strings.TrimPrefix(reason, "unknown field"), InvalidParam{Name: shown, Reason: reason}
 }
 
 // readBody appends body to buf, reading at most limit bytes: past that it
@@ -519,20 +626,11 @@ func readBody(buf []byte, body io.Reader, limit int64) ([]byte, error) {
 
 func jsonReason(err error) string {
 	var se *json.SyntaxError
-	var te *json.UnmarshalTypeError
 	switch {
 	case errors.As(err, &se):
 		// The message names a character of the body at most, or the nesting
 		// limit: "invalid character 'x' after object key".
 		return fmt.Sprintf("malformed JSON at byte %d: %s", se.Offset, strings.TrimPrefix(se.Error(), "json: "))
-	case errors.As(err, &te):
-		if te.Field != "" && isIntegerLiteral(strings.TrimPrefix(te.Value, "number ")) && te.Type.Kind() == reflect.Int64 {
-			return fmt.Sprintf("field %q is out of range for a 64-bit integer", te.Field)
-		}
-		if te.Field != "" {
-			return fmt.Sprintf("field %q must be %s, got %s", te.Field, jsonType(te.Type.Kind().String()), te.Value)
-		}
-		return fmt.Sprintf("must be a JSON object, got %s", te.Value)
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return "truncated JSON"
 	}
@@ -569,18 +667,62 @@ func jsonType(kind string) string {
 	return kind
 }
 
-// millis validates an optional millisecond field.
-func millis(name string, v *int64, def time.Duration) (time.Duration, error) {
+// msBounds are the bounds of a millisecond field, in milliseconds.
+type msBounds struct {
+	lo, hi int64
+	// what the bounds are, for the reason.
+	what string
+}
+
+// reason is why a value outside b is refused: it names the bounds, in
+// milliseconds as the field, whatever the value.
+func (b msBounds) reason() string {
+	return fmt.Sprintf("must be from %d to %d (%s, in milliseconds)", b.lo, b.hi, b.what)
+}
+
+// lockerBounds are the bounds of ttl_ms and wait_ms: the configured ones
+// of a Locker that has Options (a *service.Locker), so that a value outside
+// is refused with the other problems of its request and with the bounds in
+// the field's unit. Another Locker (a fake) checks its own: the API only
+// keeps the milliseconds within a day.
+func lockerBounds(l Locker) (ttl, wait msBounds) {
+	if o, ok := l.(interface{ Options() service.Options }); ok {
+		opts := o.Options()
+		// Whole milliseconds within the bounds (which Durations may
+		// split finer): the minimum rounded up, the maxima down.
+		return msBounds{lo: int64((opts.MinTTL + time.Millisecond - 1) / time.Millisecond), hi: opts.MaxTTL.Milliseconds(), what: "the server's TTL bounds"},
+			msBounds{lo: 0, hi: opts.MaxWait.Milliseconds(), what: "the server's longest wait"}
+	}
+	day := (24 * time.Hour).Milliseconds()
+	return msBounds{lo: 0, hi: day, what: "at most a day"}, msBounds{lo: 0, hi: day, what: "at most a day"}
+}
+
+// millis validates an optional millisecond field within b, adding its
+// problem to bad; def is its default.
+func millis(bad *badRequest, name string, v *int64, def time.Duration, b msBounds) time.Duration {
 	if v == nil {
-		return def, nil
+		if len(bad.params) > 0 {
+			bad.outOfBounds(name, b) // an integer beyond 64 bits is out of bounds too
+		}
+		return def
 	}
-	if *v < 0 {
-		return 0, invalid(name+" is out of range", InvalidParam{Name: name, Reason: "must not be negative"})
+	if *v < b.lo || *v > b.hi {
+		reason := b.reason()
+		bad.add(name+" "+reason, InvalidParam{Name: name, Reason: reason})
+		return def
 	}
-	if limit := int64(24 * time.Hour / time.Millisecond); *v > limit {
-		return 0, invalid(name+" is out of range", InvalidParam{Name: name, Reason: fmt.Sprintf("must be at most %d (24 hours)", limit)})
+	return time.Duration(*v) * time.Millisecond
+}
+
+// outOfBounds gives the field name, refused as beyond 64 bits, the reason
+// of its bounds b instead.
+func (b *badRequest) outOfBounds(name string, bounds msBounds) {
+	for i, p := range b.params {
+		if p.Name == name && p.Reason == reasonBeyondInt64 {
+			b.params[i].Reason = bounds.reason()
+			b.parts[i] = name + " " + bounds.reason()
+		}
 	}
-	return time.Duration(*v) * time.Millisecond, nil
 }
 
 // serviceBounds turns a *service.InvalidError into an invalid-request naming
@@ -597,11 +739,9 @@ func serviceBounds(err error) error {
 func (h *Handler) acquire(w http.ResponseWriter, r *http.Request) {
 	name, key, err := h.key(r)
 	var req AcquireRequest
-	if err == nil {
-		err = h.decodeAcquire(r, &req)
-		if err == nil {
-			err = h.doAcquire(w, r, name, key, &req)
-		}
+	var sreq service.Request
+	if err = h.acquireRequest(err, h.decodeAcquire(r, &req), &req, &sreq); err == nil {
+		err = h.doAcquire(w, r, name, key, &sreq)
 	}
 	if err != nil {
 		var buf [8]error
@@ -622,23 +762,35 @@ func (h *Handler) acquire(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key string, req *AcquireRequest) error {
-	ttl, err := millis("ttl_ms", req.TTLMS, h.opts.DefaultTTL)
-	if err != nil {
-		return err
+// acquireRequest validates an acquire into sreq: the name (nameErr is its
+// problem), the body (bodyErr, decoded into req) and each field, every
+// problem named in one answer. A problem of the body as a whole (413, 415,
+// 408) answers alone.
+func (h *Handler) acquireRequest(nameErr, bodyErr error, req *AcquireRequest, sreq *service.Request) error {
+	if whole(bodyErr) {
+		return bodyErr
 	}
-	wait, err := millis("wait_ms", req.WaitMS, 0)
-	if err != nil {
-		return err
+	var bad badRequest
+	_ = bad.merge(nameErr)
+	_ = bad.merge(bodyErr)
+	if bad.unreadable {
+		return bad.err()
 	}
-	owner := ""
+	sreq.TTL = millis(&bad, "ttl_ms", req.TTLMS, h.opts.DefaultTTL, h.ttlMS)
+	sreq.Wait = millis(&bad, "wait_ms", req.WaitMS, 0, h.waitMS)
 	if req.Owner != nil {
-		owner = *req.Owner
-		if reason := validOwner(owner); reason != "" {
-			return invalid("owner is invalid: "+reason, InvalidParam{Name: "owner", Reason: reason})
+		if reason := validOwner(*req.Owner); reason != "" {
+			bad.add("owner is invalid: "+reason, InvalidParam{Name: "owner", Reason: reason})
+		} else {
+			sreq.Owner = *req.Owner
 		}
 	}
-	sreq := service.Request{TTL: ttl, Wait: wait, Owner: owner, Stop: h.drain}
+	return bad.err()
+}
+
+func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key string, sreq *service.Request) error {
+	ttl, wait, owner := sreq.TTL, sreq.Wait, sreq.Owner
+	sreq.Stop = h.drain
 	if wait > 0 && h.opts.Auth != nil {
 		// The key was checked before the wait, which can outlast its
 		// revocation: check it again before every retry (from the cache,
@@ -649,7 +801,7 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 		}
 	}
 	start := time.Now()
-	g, err := h.locker.Acquire(r.Context(), key, sreq)
+	g, err := h.locker.Acquire(r.Context(), key, *sreq)
 	if wait > 0 {
 		// The server's WriteTimeout ran from the request's arrival, and a
 		// wait can outlast it: the answer gets a deadline of its own.
@@ -737,9 +889,13 @@ func (a grantAnswer) ready() bool {
 	}
 }
 
+// maxOwner is the most characters (code points) an owner may have, as
+// openapi.yaml's maxLength counts them.
+const maxOwner = 256
+
 func validOwner(s string) string {
-	if len(s) > 256 {
-		return "must be at most 256 bytes"
+	if len(s) > maxOwner && utf8.RuneCountInString(s) > maxOwner {
+		return "must be at most 256 characters (Unicode code points)"
 	}
 	for _, c := range s {
 		if c == unicode.ReplacementChar || !unicode.IsPrint(c) {
@@ -797,24 +953,32 @@ func (h *Handler) extend(w http.ResponseWriter, r *http.Request) {
 // held validates the name and the Lock-Token header of a request that acts
 // on a held lock (extend, release).
 func (h *Handler) held(r *http.Request) (name, key, token string, err error) {
-	if name, key, err = h.key(r); err != nil {
-		return name, key, "", err
+	name, key, nameErr := h.key(r)
+	token, tokenErr := lockToken(r)
+	if nameErr == nil && tokenErr == nil {
+		return name, key, token, nil
 	}
-	token, err = lockToken(r)
-	return name, key, token, err
+	var bad badRequest
+	_ = bad.merge(nameErr)
+	_ = bad.merge(tokenErr)
+	return name, key, token, bad.err()
 }
 
 func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	name, key, token, err := h.held(r)
-	if err != nil {
-		return err
-	}
 	var req ExtendRequest
-	if err := h.decode(w, r, &req, true); err != nil {
-		return err
+	bodyErr := h.decode(w, r, &req, true)
+	if whole(bodyErr) {
+		return bodyErr
 	}
-	ttl, err := millis("ttl_ms", req.TTLMS, h.opts.DefaultTTL)
-	if err != nil {
+	var bad badRequest
+	_ = bad.merge(err)
+	_ = bad.merge(bodyErr)
+	ttl := h.opts.DefaultTTL
+	if !bad.unreadable {
+		ttl = millis(&bad, "ttl_ms", req.TTLMS, h.opts.DefaultTTL, h.ttlMS)
+	}
+	if err := bad.err(); err != nil {
 		return err
 	}
 	g, err := h.locker.Extend(r.Context(), key, token, ttl)
@@ -894,24 +1058,37 @@ func (h *Handler) putResource(w http.ResponseWriter, r *http.Request) {
 
 func (h *Handler) doPut(w http.ResponseWriter, r *http.Request) error {
 	name, key, err := h.key(r)
-	if err != nil {
-		return err
-	}
 	var req PutResourceRequest
-	if err := h.decode(w, r, &req, false); err != nil {
+	bodyErr := h.decode(w, r, &req, false)
+	if whole(bodyErr) {
+		return bodyErr
+	}
+	var bad badRequest
+	_ = bad.merge(err)
+	_ = bad.merge(bodyErr)
+	if !bad.unreadable {
+		switch {
+		case bad.has("fencing_token"): // null, or not an integer: said
+		case req.FencingToken == nil:
+			bad.add("fencing_token is required: a positive integer (the fencing_token of your grant)",
+				InvalidParam{Name: "fencing_token", Reason: "required: a positive integer"})
+		case *req.FencingToken < 1:
+			bad.add("fencing_token must be a positive integer (the fencing_token of your grant)",
+				InvalidParam{Name: "fencing_token", Reason: "must be a positive integer"})
+		}
+		if len(req.Data) == 0 {
+			bad.add("data is required (any JSON value)", InvalidParam{Name: "data", Reason: "required (any JSON value)"})
+		} else if err := refstore.CheckJSON(req.Data); err != nil {
+			// What Postgres would refuse, refused with the rest (the
+			// store checks it again).
+			var de *refstore.DataError
+			if errors.As(err, &de) {
+				bad.add("data "+de.Reason, InvalidParam{Name: "data", Reason: de.Reason})
+			}
+		}
+	}
+	if err := bad.err(); err != nil {
 		return err
-	}
-	var params []InvalidParam
-	if req.FencingToken == nil {
-		params = append(params, InvalidParam{Name: "fencing_token", Reason: "required"})
-	} else if *req.FencingToken < 1 {
-		params = append(params, InvalidParam{Name: "fencing_token", Reason: "must be at least 1"})
-	}
-	if len(req.Data) == 0 {
-		params = append(params, InvalidParam{Name: "data", Reason: "required (any JSON value)"})
-	}
-	if len(params) > 0 {
-		return invalid("the body is missing or has invalid fields", params...)
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), h.opts.StoreTimeout)
 	defer cancel()

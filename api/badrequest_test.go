@@ -1,10 +1,16 @@
 package api_test
 
 import (
+	"bufio"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redfence/redfence/api"
 )
@@ -110,13 +116,106 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"GetExtend", "GET", "/v1/locks/held/extend", "", "", nil, 405, "method-not-allowed"},
 		{"UnknownRoute", "GET", "/v1/nope", "", "", nil, 404, "not-found"},
 		{"EmptyName", "POST", "/v1/locks/", "", "", nil, 404, "not-found"},
+		// every problem of a request, named in one answer
+		{"AllTTLWait", "POST", "/v1/locks/x", `{"ttl_ms":-1,"wait_ms":-1}`, json, nil, 400, "invalid-request"},
+		{"AllTTLWaitOwner", "POST", "/v1/locks/x", `{"ttl_ms":99999999,"wait_ms":99999999,"owner":"\n"}`, json, nil, 400, "invalid-request"},
+		{"AllTTLOwner", "POST", "/v1/locks/x", `{"ttl_ms":1,"owner":"\n"}`, json, nil, 400, "invalid-request"},
+		{"AllNameTTL", "POST", "/v1/locks/a%20b", `{"ttl_ms":1}`, json, nil, 400, "invalid-request"},
+		{"AllTypes", "POST", "/v1/locks/x", `{"ttl_ms":"1","wait_ms":1.5,"owner":5}`, json, nil, 400, "invalid-request"},
+		{"AllUnknown", "POST", "/v1/locks/x", `{"ttl":1000,"wait_ms":-1,"Owner":"w"}`, json, nil, 400, "invalid-request"},
+		{"AllNullTwiceTrailing", "POST", "/v1/locks/x", `{"owner":null,"ttl_ms":5,"ttl_ms":6} {}`, json, nil, 400, "invalid-request"},
+		{"AllExtend", "POST", "/v1/locks/a%20b/extend", `{"ttl_ms":1}`, json, nil, 400, "invalid-request"},
+		{"AllRelease", "DELETE", "/v1/locks/a%20b", "", "", []string{api.LockTokenHeader, "abc"}, 400, "invalid-request"},
+		{"AllPutTokenData", "PUT", "/v1/resources/held", `{"fencing_token":0,"data":"\u0000"}`, json, nil, 400, "invalid-request"},
+		{"AllPutEmptyObject", "PUT", "/v1/resources/held", `{}`, json, nil, 400, "invalid-request"},
+		{"AllPutNameTokenUnknown", "PUT", "/v1/resources/a%20b", `{"fencing_token":"1","data":1,"v":2}`, json, nil, 400, "invalid-request"},
+		// what each reason says
+		{"PutTokenNullRequired", "PUT", "/v1/resources/held", `{"fencing_token":null,"data":{}}`, json, nil, 400, "invalid-request"},
+		{"TTLAboveDay", "POST", "/v1/locks/x", `{"ttl_ms":99999999}`, json, nil, 400, "invalid-request"},
+		{"TTLDay", "POST", "/v1/locks/x", `{"ttl_ms":86400000}`, json, nil, 400, "invalid-request"},
+		{"TTLBeyondInt64", "POST", "/v1/locks/x", `{"ttl_ms":99999999999999999999}`, json, nil, 400, "invalid-request"},
+		{"WaitAboveDay", "POST", "/v1/locks/x", `{"wait_ms":99999999}`, json, nil, 400, "invalid-request"},
+		{"ExtendTTLAboveDay", "POST", "/v1/locks/held/extend", `{"ttl_ms":99999999}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"UnknownFieldNamed", "POST", "/v1/locks/x", `{"ttl":1000}`, json, nil, 400, "invalid-request"},
+		// RFC 8259 §8.1 lets a parser ignore a byte-order mark; Redfence
+		// refuses it, as it refuses all but one plain JSON object, and
+		// says so.
+		{"ByteOrderMark", "POST", "/v1/locks/x", "\ufeff{}", json, nil, 400, "invalid-request"},
+		{"ByteOrderMarkPut", "PUT", "/v1/resources/held", "\ufeff{\"fencing_token\":1,\"data\":1}", json, nil, 400, "invalid-request"},
+		// Only an empty body takes the defaults: whitespace is no JSON text.
+		{"WhitespaceBody", "POST", "/v1/locks/x", "   ", json, nil, 400, "invalid-request"},
+		{"WhitespaceBodyExtend", "POST", "/v1/locks/held/extend", "\n", json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"WhitespaceBodyPut", "PUT", "/v1/resources/held", " \t", json, nil, 400, "invalid-request"},
+		{"ContentTypeEmptySuffixName", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "application/+json", nil, 415, "unsupported-media-type"},
+		{"ContentTypeNoSlash", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "x+json", nil, 415, "unsupported-media-type"},
+		{"ContentTypeTextJSON", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/json", nil, 415, "unsupported-media-type"},
+		{"OwnerTooManyCharacters", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("é", 257) + `"}`, json, nil, 400, "invalid-request"},
 	}
 	// The invalid_params name of some refusals: the field at fault, "body"
 	// only for the body as a whole.
 	wantParam := map[string]string{
 		"TTLString": "ttl_ms", "TTLFraction": "ttl_ms", "TTLOverflow": "ttl_ms", "TTLNull": "ttl_ms",
 		"FieldTwice": "ttl_ms", "TTLNegative": "ttl_ms", "OwnerNotString": "owner", "PutTokenString": "fencing_token",
-		"NotJSON": "body", "UnknownField": "body", "ArrayBody": "body",
+		"NotJSON": "body", "UnknownField": "bogus", "ArrayBody": "body",
+	}
+	// Every invalid_params name of some refusals, in order (the path's, the
+	// headers', the body's as JSON in body order, then the values'): each
+	// problem of the request, not the first only. The detail names each too.
+	wantParams := map[string][]string{
+		"AllTTLWait":             {"ttl_ms", "wait_ms"},
+		"AllTTLWaitOwner":        {"ttl_ms", "wait_ms", "owner"},
+		"AllTTLOwner":            {"ttl_ms", "owner"},
+		"AllNameTTL":             {"name", "ttl_ms"},
+		"AllTypes":               {"ttl_ms", "wait_ms", "owner"},
+		"AllUnknown":             {"ttl", "Owner", "wait_ms"},
+		"AllNullTwiceTrailing":   {"owner", "ttl_ms", "body", "ttl_ms"},
+		"AllExtend":              {"name", api.LockTokenHeader, "ttl_ms"},
+		"AllRelease":             {"name", api.LockTokenHeader},
+		"AllPutTokenData":        {"fencing_token", "data"},
+		"AllPutEmptyObject":      {"fencing_token", "data"},
+		"AllPutNameTokenUnknown": {"name", "fencing_token", "v"},
+		"PutNoToken":             {"fencing_token"},
+		"PutTokenNullRequired":   {"fencing_token"},
+		"UnknownFieldNamed":      {"ttl"},
+		"ByteOrderMark":          {"body"},
+		"ByteOrderMarkPut":       {"body"},
+		"WhitespaceBody":         {"body"},
+		"WhitespaceBodyExtend":   {"body"},
+		"WhitespaceBodyPut":      {"body"},
+	}
+	// What the reason of the first invalid_params says (a substring), and,
+	// after a "!", what it must not say. A bound is the server's
+	// configured one, in milliseconds, whatever the value.
+	o := e.locker.Options()
+	ttlBounds := fmt.Sprintf("from %d to %d ", o.MinTTL.Milliseconds(), o.MaxTTL.Milliseconds())
+	waitBounds := fmt.Sprintf("from 0 to %d ", o.MaxWait.Milliseconds())
+	wantReason := map[string]string{
+		"PutTokenNullRequired":   "required: a positive integer!default",
+		"PutNoToken":             "required: a positive integer",
+		"PutTokenZero":           "positive integer",
+		"TTLNull":                "leave it out for the default",
+		"OwnerNull":              "leave it out for the default",
+		"TTLAboveDay":            ttlBounds + "!24 hours",
+		"TTLDay":                 ttlBounds,
+		"TTLBeyondInt64":         ttlBounds,
+		"TTLOverflow":            ttlBounds,
+		"TTLAboveMax":            ttlBounds,
+		"TTLBelowMin":            ttlBounds,
+		"TTLZero":                ttlBounds,
+		"TTLNegative":            ttlBounds,
+		"AllTTLWait":             ttlBounds,
+		"WaitAboveDay":           waitBounds,
+		"WaitAboveMax":           waitBounds,
+		"WaitNegative":           waitBounds,
+		"ExtendTTLAboveDay":      ttlBounds,
+		"ExtendTTLAboveMax":      ttlBounds,
+		"ExtendTTLTooShort":      ttlBounds,
+		"UnknownFieldNamed":      "unknown field",
+		"FieldCaseFolded":        `did you mean "ttl_ms"`,
+		"ByteOrderMark":          "byte-order mark",
+		"ByteOrderMarkPut":       "byte-order mark",
+		"WhitespaceBody":         "must be a JSON object",
+		"OwnerTooManyCharacters": "256 characters",
 	}
 	if len(tests) < 30 {
 		t.Fatalf("only %d cases; want at least 30", len(tests))
@@ -161,6 +260,30 @@ func TestAPI_BadRequests(t *testing.T) {
 			if want, ok := wantParam[tt.name]; ok && (len(p.InvalidParams) == 0 || p.InvalidParams[0].Name != want) {
 				t.Errorf("invalid_params = %+v; want the first named %q", p.InvalidParams, want)
 			}
+			if want, ok := wantParams[tt.name]; ok {
+				var got []string
+				for _, ip := range p.InvalidParams {
+					got = append(got, ip.Name)
+					if !strings.Contains(p.Detail, ip.Name) && !(ip.Name == "name" && strings.Contains(p.Detail, "name in the path")) {
+						t.Errorf("detail %q does not name %q", p.Detail, ip.Name)
+					}
+				}
+				if !slices.Equal(got, want) {
+					t.Errorf("invalid_params named %q; want %q: %s", got, want, r.body)
+				}
+			}
+			if want, ok := wantReason[tt.name]; ok {
+				want, not, _ := strings.Cut(want, "!")
+				if len(p.InvalidParams) == 0 || !strings.Contains(p.InvalidParams[0].Reason, want) ||
+					not != "" && strings.Contains(p.InvalidParams[0].Reason+p.Detail, not) {
+					t.Errorf("invalid_params = %+v (detail %q); want the first reason to say %q and not %q", p.InvalidParams, p.Detail, want, not)
+				}
+			}
+			for _, ip := range p.InvalidParams {
+				if strings.Contains(ip.Reason, "default") && ip.Name != "ttl_ms" && ip.Name != "wait_ms" && ip.Name != "owner" {
+					t.Errorf("invalid_params %+v: only a field with a default may speak of one", ip)
+				}
+			}
 			if strings.HasPrefix(tt.name, "ContentEncoding") && resp.Header.Get("Accept-Encoding") != "identity" {
 				t.Errorf("Accept-Encoding %q; want identity", resp.Header.Get("Accept-Encoding"))
 			}
@@ -174,5 +297,85 @@ func TestAPI_BadRequests(t *testing.T) {
 	}
 	if after := e.snapshot(); after != before {
 		t.Errorf("bad requests changed state:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+}
+
+// TestAPI_OwnerCountsCharacters: owner is at most 256 characters (code
+// points), as openapi.yaml's maxLength counts them, not 256 bytes.
+func TestAPI_OwnerCountsCharacters(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	for i, owner := range []string{strings.Repeat("é", 200), strings.Repeat("é", 256), strings.Repeat("日", 255) + "x"} {
+		g := e.mustAcquire(fmt.Sprintf("owner-%d", i), map[string]any{"owner": owner})
+		if g.Owner != owner {
+			t.Errorf("owner %q; want %q", g.Owner, owner)
+		}
+	}
+}
+
+// TestAPI_BodyCutShort: a body that stops before its Content-Length is
+// answered without the connection's addresses or Go's wording: 408
+// request-timeout when the server's read timeout runs out first, 400 when
+// the client closes its side. Nothing is acquired.
+func TestAPI_BodyCutShort(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	srv := httptest.NewUnstartedServer(e.srv.Config.Handler)
+	srv.Config.ReadTimeout = 2 * time.Second // the time the headers have to arrive in, too
+	srv.Start()
+	t.Cleanup(srv.Close)
+	for _, tc := range []struct {
+		name      string
+		closeSide bool
+		status    int
+		slug      string
+	}{
+		{"Timeout", false, http.StatusRequestTimeout, "request-timeout"},
+		{"ClosedEarly", true, http.StatusBadRequest, "invalid-request"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			if _, err := io.WriteString(conn, "POST /v1/locks/cut HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"+
+				"Content-Length: 100\r\n\r\n{\""); err != nil {
+				t.Fatal(err)
+			}
+			if tc.closeSide {
+				if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			r := &response{status: resp.StatusCode, header: resp.Header}
+			r.body, _ = io.ReadAll(resp.Body)
+			p := r.problem(t)
+			if r.status != tc.status || p.Type != api.ProblemTypePrefix+tc.slug || p.Status != tc.status || p.Detail == "" {
+				t.Errorf("= %d %s; want %d %s", r.status, r.body, tc.status, tc.slug)
+			}
+			for _, leak := range []string{"127.0.0.1", "tcp", "i/o timeout", "EOF", conn.LocalAddr().String()} {
+				if strings.Contains(string(r.body), leak) {
+					t.Errorf("the answer says %q: %s", leak, r.body)
+				}
+			}
+			if tc.status == http.StatusRequestTimeout && !resp.Close {
+				t.Error("408 without Connection: close: the rest of the body could still come")
+			}
+			if tc.status == http.StatusBadRequest && (len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "body") {
+				t.Errorf("invalid_params = %+v; want body", p.InvalidParams)
+			}
+		})
+	}
+	var st api.LockStatus
+	if r := e.do(e.client, http.MethodGet, "/v1/locks/cut", nil); r.status != 200 {
+		t.Fatalf("GET = %d %s", r.status, r.body)
+	} else if r.decode(t, &st); st.Held {
+		t.Error("a request with a body cut short acquired the lock")
 	}
 }

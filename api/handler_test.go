@@ -11,8 +11,10 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"testing/iotest"
 	"time"
@@ -427,8 +429,10 @@ func TestRefusedInputNotLogged(t *testing.T) {
 		t.Fatalf("%d lock refused lines; want 4", len(ls))
 	}
 	for i, l := range ls {
-		if l["owner"] != "" {
-			t.Errorf("audit line %d names owner %q", i, l["owner"])
+		// The last one's owner passed validation (its name did not: the
+		// body is judged with the name), and is named.
+		if want := map[bool]string{true: "w", false: ""}[i == 3]; l["owner"] != want {
+			t.Errorf("audit line %d names owner %q; want %q", i, l["owner"], want)
 		}
 		if want := map[bool]string{true: "", false: "orders"}[i == 3]; l["name"] != want {
 			t.Errorf("audit line %d names %q; want %q", i, l["name"], want)
@@ -437,8 +441,9 @@ func TestRefusedInputNotLogged(t *testing.T) {
 }
 
 // TestPastedKeyNotLogged: an API key pasted by mistake into a path, a field
-// name or an owner reaches neither the log nor an error's detail with its
-// secret; the key's id, which is not secret, stays.
+// name, an owner or a method reaches neither the log nor an error's detail,
+// invalid_params or instance with its secret, even spelt partly
+// percent-encoded; the key's id, which is not secret, stays.
 func TestPastedKeyNotLogged(t *testing.T) {
 	e := newFakeEnv(t, true)
 	e.logs = &testutil.Buffer{}
@@ -454,15 +459,29 @@ func TestPastedKeyNotLogged(t *testing.T) {
 		{http.MethodPost, "/v1/locks/orders", `{"owner":"` + key + `"}`},
 		{http.MethodGet, "/v1/locks/" + key, ""},
 		{http.MethodGet, "/v1/nope/" + key, ""},
+		{http.MethodGet, "/v1/nonexistent/" + key, ""},
+		{http.MethodPost, "/v1/locks/t1%20" + key, ""},
+		{http.MethodPost, "/v1/locks/" + key, `{"owner":"w"}`}, // held: 409, and an error logged
+		{http.MethodPut, "/v1/resources/" + key, `{"fencing_token":1,"data":1}`},
+		{http.MethodPatch, "/v1/locks/" + key, ""},
+		{key, "/v1/locks/x", ""},
+		{http.MethodGet, "/v1/nope/" + key[:25] + "%" + fmt.Sprintf("%02X", key[25]) + key[26:], ""},
+		{http.MethodGet, "/v1/nope/%72" + key[1:], ""},
 	} {
 		w := e.do(e.h, tc.method, tc.path, tc.body, auth...)
 		var p struct {
 			Detail        string         `json:"detail"`
+			Instance      string         `json:"instance"`
 			InvalidParams []InvalidParam `json:"invalid_params"`
 		}
-		_ = json.Unmarshal(w.Body.Bytes(), &p)
-		if strings.Contains(p.Detail, secret) || strings.Contains(fmt.Sprint(p.InvalidParams), secret) {
+		if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil && w.Code >= 400 {
+			t.Errorf("%s %.30s…: %d %s", tc.method, tc.path, w.Code, w.Body)
+		}
+		if strings.Contains(p.Detail, secret) || strings.Contains(fmt.Sprint(p.InvalidParams), secret) || w.Code >= 400 && strings.Contains(w.Body.String(), secret) {
 			t.Errorf("%s %.30s… %.30s…: the error quotes the key's secret: %s", tc.method, tc.path, tc.body, w.Body)
+		}
+		if w.Code >= 400 && strings.Contains(tc.path, id[1:]) && !strings.Contains(p.Instance, apikey.Prefix+id+"_[redacted]") {
+			t.Errorf("%s %.30s…: instance %q; want the path with the key as %s_[redacted]", tc.method, tc.path, p.Instance, apikey.Prefix+id)
 		}
 	}
 	if strings.Contains(e.logs.String(), secret) {
@@ -473,26 +492,51 @@ func TestPastedKeyNotLogged(t *testing.T) {
 	}
 }
 
-// TestUnreadableBody: a body that ends before its Content-Length is a 400
-// that names the body in invalid_params, as every other 400 names what it
-// refuses, and acquires nothing.
+// TestUnreadableBody: a body that cannot be read in full is refused in the
+// API's words, never Go's (which name the connection's addresses): 408
+// request-timeout when the server's read deadline passed, else a 400 that
+// names the body in invalid_params, as every other 400 names what it
+// refuses. The cause is logged. Nothing is acquired.
 func TestUnreadableBody(t *testing.T) {
-	e := newFakeEnv(t, true)
-	r := httptest.NewRequest(http.MethodPost, "/v1/locks/orders", io.MultiReader(strings.NewReader("{"), iotest.ErrReader(io.ErrUnexpectedEOF)))
-	r.Header.Set("Content-Type", "application/json")
-	r.Header.Set("Authorization", "Bearer "+benchAPIKey)
-	w := httptest.NewRecorder()
-	e.h.ServeHTTP(w, r)
-	var p struct {
-		Type          string         `json:"type"`
-		InvalidParams []InvalidParam `json:"invalid_params"`
-	}
-	if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != http.StatusBadRequest ||
-		len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "body" {
-		t.Fatalf("truncated body = %d %s; want 400 with invalid_params naming body", w.Code, w.Body)
-	}
-	if g := e.do(e.h, http.MethodGet, "/v1/locks/orders", "", "Authorization", "Bearer "+benchAPIKey); g.Code != http.StatusOK || !strings.Contains(g.Body.String(), `"held":false`) {
-		t.Errorf("GET after the refused acquire = %d %s; want not held", g.Code, g.Body)
+	addr := &net.TCPAddr{IP: net.IPv4(192, 0, 2, 7), Port: 18480}
+	for _, tc := range []struct {
+		name   string
+		err    error
+		status int
+		slug   string
+	}{
+		{"EndedEarly", io.ErrUnexpectedEOF, http.StatusBadRequest, "invalid-request"},
+		{"Timeout", &net.OpError{Op: "read", Net: "tcp", Source: addr, Addr: addr, Err: os.ErrDeadlineExceeded}, http.StatusRequestTimeout, "request-timeout"},
+		{"Reset", &net.OpError{Op: "read", Net: "tcp", Source: addr, Addr: addr, Err: syscall.ECONNRESET}, http.StatusBadRequest, "invalid-request"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newFakeEnv(t, true)
+			r := httptest.NewRequest(http.MethodPost, "/v1/locks/orders", io.MultiReader(strings.NewReader("{"), iotest.ErrReader(tc.err)))
+			r.Header.Set("Content-Type", "application/json")
+			r.Header.Set("Authorization", "Bearer "+benchAPIKey)
+			w := httptest.NewRecorder()
+			e.h.ServeHTTP(w, r)
+			var p struct {
+				Type          string         `json:"type"`
+				Detail        string         `json:"detail"`
+				InvalidParams []InvalidParam `json:"invalid_params"`
+			}
+			if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != tc.status || p.Type != ProblemTypePrefix+tc.slug || p.Detail == "" {
+				t.Fatalf("= %d %s; want %d %s", w.Code, w.Body, tc.status, tc.slug)
+			}
+			if tc.status == http.StatusBadRequest && (len(p.InvalidParams) != 1 || p.InvalidParams[0].Name != "body") {
+				t.Errorf("= %s; want invalid_params naming body", w.Body)
+			}
+			if strings.Contains(w.Body.String(), addr.String()) || strings.Contains(w.Body.String(), tc.err.Error()) {
+				t.Errorf("the answer quotes Go's error %q: %s", tc.err, w.Body)
+			}
+			if !strings.Contains(e.logs.String(), tc.err.Error()) {
+				t.Errorf("the log lacks the cause %q:\n%s", tc.err, e.logs)
+			}
+			if g := e.do(e.h, http.MethodGet, "/v1/locks/orders", "", "Authorization", "Bearer "+benchAPIKey); g.Code != http.StatusOK || !strings.Contains(g.Body.String(), `"held":false`) {
+				t.Errorf("GET after the refused acquire = %d %s; want not held", g.Code, g.Body)
+			}
+		})
 	}
 }
 

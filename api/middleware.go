@@ -279,8 +279,8 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 	}
 	h.logRecord(r.Context(), end, nil, slog.LevelInfo, "http request",
 		slog.String("request_id", id),
-		slog.String("method", r.Method),
-		slog.String("path", apikey.Redact(r.URL.EscapedPath())),
+		slog.String("method", apikey.Redact(r.Method)),
+		slog.String("path", instance(r)),
 		slog.String("route", route),
 		slog.Int("status", status),
 		slog.Int("bytes", sent),
@@ -304,7 +304,7 @@ func (h *Handler) recoverPanic(w http.ResponseWriter, r *http.Request) {
 			slog.Any("panic", v), slog.String("stack", string(debug.Stack())))
 	}
 	writeProblem(w, &Problem{Type: kInternal.typ, Title: kInternal.title,
-		Status: kInternal.status, Instance: r.URL.EscapedPath(), RequestID: id})
+		Status: kInternal.status, Instance: instance(r), RequestID: id})
 }
 
 // headerBytes is the size of the request line and headers as the header

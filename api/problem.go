@@ -6,11 +6,14 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/apikey"
 	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/service"
 )
@@ -95,6 +98,7 @@ var (
 	kAuthUnavailable = newKind("auth-unavailable", http.StatusServiceUnavailable, "The API key could not be checked")
 	// Hardening.
 	kHeadersTooLarge = newKind("headers-too-large", http.StatusRequestHeaderFieldsTooLarge, "The request headers are too large")
+	kTimeout         = newKind("request-timeout", http.StatusRequestTimeout, "The request body did not arrive in time")
 )
 
 // ProblemTypes lists every problem type slug the API can return.
@@ -102,7 +106,7 @@ func ProblemTypes() []string {
 	var out []string
 	for _, k := range []kind{kInvalid, kTooLarge, kMediaType, kNotFound, kMethod, kNoResource, kHeld, kWaitTimeout,
 		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kShutdown, kCancelled, kInternal,
-		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge} {
+		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge, kTimeout} {
 		out = append(out, k.slug)
 	}
 	return out
@@ -112,16 +116,104 @@ func ProblemTypes() []string {
 type requestError struct {
 	kind   kind
 	detail string
+	// params and parts name each problem of an invalid-request: parts[i]
+	// is the sentence of params[i] (detail is them all).
 	params []InvalidParam
+	parts  []string
+	// unreadable: the body could not be read as a JSON object, so its
+	// fields were not judged.
+	unreadable bool
 	// identityOnly: the body had a content coding; the answer says only
 	// identity is accepted (Accept-Encoding).
 	identityOnly bool
+	// cause is logged, never shown: it may hold addresses or Go's wording.
+	cause error
 }
 
-func (e *requestError) Error() string { return e.detail }
+func (e *requestError) Error() string {
+	if e.cause == nil {
+		return e.detail
+	}
+	return e.detail + ": " + e.cause.Error()
+}
 
-func invalid(detail string, params ...InvalidParam) error {
-	return &requestError{kind: kInvalid, detail: detail, params: params}
+// invalid is an invalid-request with one problem: detail says it in a
+// sentence, p names it.
+func invalid(detail string, p InvalidParam) error {
+	return &requestError{kind: kInvalid, detail: detail, params: []InvalidParam{p}, parts: []string{detail}}
+}
+
+// unreadableBody is invalid for a body whose fields cannot be judged (not
+// read, not JSON, not an object).
+func unreadableBody(detail, reason string, cause error) error {
+	return &requestError{kind: kInvalid, detail: detail, params: []InvalidParam{{Name: "body", Reason: reason}},
+		parts: []string{detail}, unreadable: true, cause: cause}
+}
+
+// badRequest gathers the problems of a request, so that one
+// invalid-request answer names them all. Its zero value is empty and costs
+// nothing until a problem is added.
+type badRequest struct {
+	params []InvalidParam
+	parts  []string
+	// unreadable: the body's fields could not be read (see requestError).
+	unreadable bool
+	cause      error
+}
+
+// add records a problem: detail is its sentence, p names it.
+func (b *badRequest) add(detail string, p InvalidParam) {
+	b.params = append(b.params, p)
+	b.parts = append(b.parts, detail)
+}
+
+// merge records the problems of err, an error of validation (nil for
+// none). It returns err unrecorded when err is not an invalid-request: a
+// problem of the request as a whole (413, 415, 408), which answers alone.
+func (b *badRequest) merge(err error) error {
+	if err == nil {
+		return nil
+	}
+	re, ok := err.(*requestError)
+	if !ok || re.kind != kInvalid {
+		return err
+	}
+	b.params = append(b.params, re.params...)
+	b.parts = append(b.parts, re.parts...)
+	b.unreadable = b.unreadable || re.unreadable
+	if b.cause == nil {
+		b.cause = re.cause
+	}
+	return nil
+}
+
+// has reports whether a problem names name.
+func (b *badRequest) has(name string) bool {
+	for i := range b.params {
+		if b.params[i].Name == name {
+			return true
+		}
+	}
+	return false
+}
+
+// err returns the invalid-request naming every problem, or nil for none.
+func (b *badRequest) err() error {
+	if len(b.params) == 0 {
+		return nil
+	}
+	detail := b.parts[0]
+	if len(b.parts) > 1 {
+		detail = strconv.Itoa(len(b.parts)) + " problems: " + strings.Join(b.parts, "; ")
+	}
+	return &requestError{kind: kInvalid, detail: detail, params: b.params, parts: b.parts, unreadable: b.unreadable, cause: b.cause}
+}
+
+// whole reports whether err, from reading a body, is about the request as
+// a whole (413, 415, 408) and so answers alone, before any field.
+func whole(err error) bool {
+	re, ok := err.(*requestError)
+	return err != nil && (!ok || re.kind != kInvalid)
 }
 
 // errTree is the errors of an error tree in the order errors.Is and
@@ -277,7 +369,7 @@ func (h *Handler) writeError(w http.ResponseWriter, r *http.Request, err error) 
 // writeErrorTree is writeError with err's tree flattened by the caller.
 func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err error, tree errTree) {
 	k := tree.classify()
-	p := &Problem{Type: k.typ, Title: k.title, Status: k.status, Instance: r.URL.EscapedPath(), RequestID: requestID(r.Context())}
+	p := &Problem{Type: k.typ, Title: k.title, Status: k.status, Instance: instance(r), RequestID: requestID(r.Context())}
 	re, isRE := asErr[*requestError](tree)
 	ae, isAE := asErr[*authError](tree)
 	stale, isStale := asErr[*fencing.StaleError](tree)
@@ -286,6 +378,11 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		p.Detail, p.InvalidParams = re.detail, re.params
 		if re.identityOnly {
 			setHeader(w, "Accept-Encoding", "identity")
+		}
+		if k == kTimeout {
+			// The rest of the body may still come: this connection
+			// cannot carry another request (RFC 9110 §15.5.9).
+			setHeader(w, "Connection", "close")
 		}
 	case isAE:
 		ae.describe(w, p)
@@ -374,17 +471,59 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 	if k == kInternal {
 		level = slog.LevelError
 	}
-	// err never carries a lock token: service errors name keys and nodes only.
+	// err never carries a lock token: service errors name keys and nodes
+	// only. A key's name is the client's, and may be an API key.
 	if ctx := r.Context(); h.raw.Enabled(ctx, level) {
 		h.logRecord(ctx, time.Now(), PrincipalFrom(ctx), level, "request failed", slog.String("request_id", p.RequestID),
-			slog.String("problem", k.slug), slog.String("error", err.Error()))
+			slog.String("problem", k.slug), slog.String("error", apikey.Redact(err.Error())))
 	}
 	writeProblem(w, p)
 }
 
 func writeProblem(w http.ResponseWriter, p *Problem) {
+	redactProblem(p)
 	buf := getBuf()
 	defer putBuf(buf)
 	*buf = appendProblem(*buf, p)
 	writeBody(w, p.Status, "application/problem+json", *buf)
+}
+
+// redactProblem replaces the secret of any API key p quotes with
+// "[redacted]" (apikey.Redact): a key pasted into the path, a field name or
+// an owner may be quoted by the detail, the invalid_params and the
+// instance, and a key's name by a node's error.
+func redactProblem(p *Problem) {
+	p.Instance = apikey.Redact(p.Instance)
+	p.Detail = apikey.Redact(p.Detail)
+	copied := false
+	for i, ip := range p.InvalidParams {
+		name, reason := apikey.Redact(ip.Name), apikey.Redact(ip.Reason)
+		if name == ip.Name && reason == ip.Reason {
+			continue
+		}
+		if !copied { // the slice may be a requestError's
+			p.InvalidParams, copied = slices.Clone(p.InvalidParams), true
+		}
+		p.InvalidParams[i] = InvalidParam{Name: name, Reason: reason}
+	}
+	for i := range p.Nodes {
+		p.Nodes[i].Error = apikey.Redact(p.Nodes[i].Error)
+	}
+}
+
+// instance is the problem's instance, and the path the access log shows:
+// the request's path as sent, with the secret of an API key in it redacted,
+// even when the path spells part of the key percent-encoded.
+func instance(r *http.Request) string {
+	p := r.URL.EscapedPath()
+	if !strings.Contains(r.URL.Path, apikey.Prefix) { // the decoded path holds any key the sent one does
+		return p
+	}
+	red := apikey.Redact(p)
+	if u, err := url.PathUnescape(red); err == nil && apikey.Redact(u) == u {
+		return red
+	}
+	// A key spelt partly percent-encoded: the decoded path, redacted, in
+	// the canonical spelling, with the mark as Redact writes it elsewhere.
+	return strings.ReplaceAll((&url.URL{Path: apikey.Redact(r.URL.Path)}).EscapedPath(), "%5Bredacted%5D", "[redacted]")
 }

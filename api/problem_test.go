@@ -36,8 +36,8 @@ func TestErrTree(t *testing.T) {
 	se := &service.Error{Op: "acquire", Key: "k", Err: service.ErrHeld, Cause: fmt.Errorf("node: %w", context.Canceled)}
 	wait := &service.Error{Op: "acquire", Key: "k", Err: service.ErrWaitTimeout, Cause: se}
 	errs := []error{
-		se, wait, fmt.Errorf("wrapped: %w", wait), errors.Join(errors.New("x"), wait, invalid("bad")),
-		fmt.Errorf("%w and %w", &authError{kind: kForbidden}, invalid("bad")), isHeld{}, fmt.Errorf("w: %w", isHeld{}),
+		se, wait, fmt.Errorf("wrapped: %w", wait), errors.Join(errors.New("x"), wait, invalid("bad", InvalidParam{Name: "x", Reason: "bad"})),
+		fmt.Errorf("%w and %w", &authError{kind: kForbidden}, invalid("bad", InvalidParam{Name: "x", Reason: "bad"})), isHeld{}, fmt.Errorf("w: %w", isHeld{}),
 		asStale{}, errors.Join(asStale{}, &fencing.StaleError{Key: "k"}), &service.Error{Op: "release", Err: service.ErrNotHolder},
 		&service.InvalidError{Field: "ttl", Reason: "too long"}, fmt.Errorf("x: %w", &service.InvalidError{Field: "wait"}),
 		fencing.ErrStale, refstore.ErrNotFound, refstore.ErrUnavailable, context.Canceled, errors.New("other"),

@@ -98,3 +98,11 @@ type PostgresHealth struct {
 	Up    bool   `json:"up"`
 	Error string `json:"error,omitempty"`
 }
+
+// required implements requiredFields: the fencing token has no default.
+func (*PutResourceRequest) required(field string) (string, bool) {
+	if field == "fencing_token" {
+		return "a positive integer", true
+	}
+	return "", false
+}
