@@ -1075,6 +1075,9 @@ func (h *Handler) doPut(w http.ResponseWriter, r *http.Request) error {
 		case *req.FencingToken < 1:
 			bad.add("fencing_token must be a positive integer (the fencing_token of your grant)",
 				InvalidParam{Name: "fencing_token", Reason: "must be a positive integer"})
+		case *req.FencingToken > int64(fencing.MaxToken):
+			bad.add("fencing_token must be at most 9007199254740991 (2^53-1, the largest token issued)",
+				InvalidParam{Name: "fencing_token", Reason: "must be at most 9007199254740991 (2^53-1)"})
 		}
 		if len(req.Data) == 0 {
 			bad.add("data is required (any JSON value)", InvalidParam{Name: "data", Reason: "required (any JSON value)"})

@@ -100,6 +100,7 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"PutNoToken", "PUT", "/v1/resources/held", `{"data":1}`, json, nil, 400, "invalid-request"},
 		{"PutTokenZero", "PUT", "/v1/resources/held", `{"fencing_token":0,"data":1}`, json, nil, 400, "invalid-request"},
 		{"PutTokenNegative", "PUT", "/v1/resources/held", `{"fencing_token":-3,"data":1}`, json, nil, 400, "invalid-request"},
+		{"PutTokenAboveMax", "PUT", "/v1/resources/held", `{"fencing_token":9007199254740992,"data":1}`, json, nil, 400, "invalid-request"},
 		{"PutTokenString", "PUT", "/v1/resources/held", `{"fencing_token":"1","data":1}`, json, nil, 400, "invalid-request"},
 		{"PutNoData", "PUT", "/v1/resources/held", `{"fencing_token":1}`, json, nil, 400, "invalid-request"},
 		{"PutUnknownField", "PUT", "/v1/resources/held", `{"fencing_token":1,"data":1,"version":3}`, json, nil, 400, "invalid-request"},
@@ -156,7 +157,8 @@ func TestAPI_BadRequests(t *testing.T) {
 	wantParam := map[string]string{
 		"TTLString": "ttl_ms", "TTLFraction": "ttl_ms", "TTLOverflow": "ttl_ms", "TTLNull": "ttl_ms",
 		"FieldTwice": "ttl_ms", "TTLNegative": "ttl_ms", "OwnerNotString": "owner", "PutTokenString": "fencing_token",
-		"NotJSON": "body", "UnknownField": "bogus", "ArrayBody": "body",
+		"PutTokenAboveMax": "fencing_token",
+		"NotJSON":          "body", "UnknownField": "bogus", "ArrayBody": "body",
 	}
 	// Every invalid_params name of some refusals, in order (the path's, the
 	// headers', the body's as JSON in body order, then the values'): each
@@ -193,6 +195,7 @@ func TestAPI_BadRequests(t *testing.T) {
 		"PutTokenNullRequired":   "required: a positive integer!default",
 		"PutNoToken":             "required: a positive integer",
 		"PutTokenZero":           "positive integer",
+		"PutTokenAboveMax":       "at most 9007199254740991",
 		"TTLNull":                "leave it out for the default",
 		"OwnerNull":              "leave it out for the default",
 		"TTLAboveDay":            ttlBounds + "!24 hours",

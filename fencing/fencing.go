@@ -36,6 +36,12 @@ type Token int64
 // String formats the token in decimal.
 func (t Token) String() string { return strconv.FormatInt(int64(t), 10) }
 
+// MaxToken is the largest token Redfence's service issues, 2^53-1: every
+// JSON parser holds it exactly, JavaScript's (which reads numbers as
+// doubles) included. (Valid accepts any positive token: an Issuer may
+// have a larger range.)
+const MaxToken Token = 1<<53 - 1
+
 // Valid reports whether t could have been issued (t >= 1).
 func (t Token) Valid() bool { return t >= 1 }
 

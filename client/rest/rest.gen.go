@@ -23,7 +23,7 @@ import (
 // AcquireRequest Every field is optional.
 type AcquireRequest struct {
 	// Owner A label for humans (not a secret), shown by GET while the lock is held
-	// and logged: at most 256 **bytes** of printable UTF-8 (no control or
+	// and logged: at most 256 characters (Unicode code points) of printable UTF-8 (no control or
 	// format characters; the only space allowed is U+0020).
 	//
 	//
@@ -126,7 +126,9 @@ type Health struct {
 
 // InvalidParam defines model for InvalidParam.
 type InvalidParam struct {
-	// Name The path parameter, header or body field (`body` for the body as a whole).
+	// Name The path parameter, header or body field (`body` for the body as a
+	// whole; an unknown member of the body by its own name).
+	//
 	//
 	// Example: ttl_ms
 	Name string `json:"name"`
@@ -312,7 +314,9 @@ type Problem struct {
 	// Detail What happened this time, for humans.
 	Detail *string `json:"detail,omitempty"`
 
-	// Instance The request path.
+	// Instance The request path as sent, with the secret of any API key in it
+	// shown as `rf_<id>_[redacted]`.
+	//
 	//
 	// Example: /v1/locks/orders:invoice-7
 	Instance *string `json:"instance,omitempty"`
@@ -390,6 +394,9 @@ type Problem struct {
 	// - `shutting-down` (503): the server began shutting down while an
 	//   acquire waited (`wait_ms`) for a taken lock; nothing was granted.
 	//   Retry, on another server if there is one.
+	// - `request-timeout` (408): the body did not arrive in full before the
+	//   server's read timeout; nothing was done, and the connection is
+	//   closed.
 	// - `cancelled` (499): the client closed the request (never seen by it).
 	// - `internal-error` (500): a bug; the cause is in the server's log
 	//   under `request_id`.
@@ -514,6 +521,10 @@ type NotHolder = Problem
 // RateLimited An RFC 9457 problem details document, with Redfence's extension members.
 // Members may be added; as RFC 9457 says, ignore those you do not know.
 type RateLimited = Problem
+
+// RequestTimeout An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
+type RequestTimeout = Problem
 
 // RequestTooLarge An RFC 9457 problem details document, with Redfence's extension members.
 // Members may be added; as RFC 9457 says, ignore those you do not know.
@@ -2747,6 +2758,12 @@ type AcquireLockResponse403Headers struct {
 	XRequestId      *string
 }
 
+// AcquireLockResponse408Headers the declared response headers of an HTTP 408 response for AcquireLock
+type AcquireLockResponse408Headers struct {
+	CacheControl *string
+	XRequestId   *string
+}
+
 // AcquireLockResponse409Headers the declared response headers of an HTTP 409 response for AcquireLock
 type AcquireLockResponse409Headers struct {
 	CacheControl *string
@@ -2797,6 +2814,8 @@ type AcquireLockResponse struct {
 	ApplicationproblemJSON401 *Unauthorized
 	// ApplicationproblemJSON403 the response for an HTTP 403 `application/problem+json` response
 	ApplicationproblemJSON403 *Forbidden
+	// ApplicationproblemJSON408 the response for an HTTP 408 `application/problem+json` response
+	ApplicationproblemJSON408 *RequestTimeout
 	// ApplicationproblemJSON409 the response for an HTTP 409 `application/problem+json` response
 	ApplicationproblemJSON409 *LockHeld
 	// ApplicationproblemJSON413 the response for an HTTP 413 `application/problem+json` response
@@ -2817,6 +2836,8 @@ type AcquireLockResponse struct {
 	Headers401 *AcquireLockResponse401Headers
 	// Headers403 the parsed response headers for an HTTP 403 response
 	Headers403 *AcquireLockResponse403Headers
+	// Headers408 the parsed response headers for an HTTP 408 response
+	Headers408 *AcquireLockResponse408Headers
 	// Headers409 the parsed response headers for an HTTP 409 response
 	Headers409 *AcquireLockResponse409Headers
 	// Headers413 the parsed response headers for an HTTP 413 response
@@ -2849,6 +2870,11 @@ func (r AcquireLockResponse) GetApplicationproblemJSON401() *Unauthorized {
 // GetApplicationproblemJSON403 returns the response for an HTTP 403 `application/problem+json` response
 func (r AcquireLockResponse) GetApplicationproblemJSON403() *Forbidden {
 	return r.ApplicationproblemJSON403
+}
+
+// GetApplicationproblemJSON408 returns the response for an HTTP 408 `application/problem+json` response
+func (r AcquireLockResponse) GetApplicationproblemJSON408() *RequestTimeout {
+	return r.ApplicationproblemJSON408
 }
 
 // GetApplicationproblemJSON409 returns the response for an HTTP 409 `application/problem+json` response
@@ -2936,6 +2962,12 @@ type ExtendLockResponse403Headers struct {
 	XRequestId      *string
 }
 
+// ExtendLockResponse408Headers the declared response headers of an HTTP 408 response for ExtendLock
+type ExtendLockResponse408Headers struct {
+	CacheControl *string
+	XRequestId   *string
+}
+
 // ExtendLockResponse409Headers the declared response headers of an HTTP 409 response for ExtendLock
 type ExtendLockResponse409Headers struct {
 	CacheControl *string
@@ -2986,6 +3018,8 @@ type ExtendLockResponse struct {
 	ApplicationproblemJSON401 *Unauthorized
 	// ApplicationproblemJSON403 the response for an HTTP 403 `application/problem+json` response
 	ApplicationproblemJSON403 *Forbidden
+	// ApplicationproblemJSON408 the response for an HTTP 408 `application/problem+json` response
+	ApplicationproblemJSON408 *RequestTimeout
 	// ApplicationproblemJSON409 the response for an HTTP 409 `application/problem+json` response
 	ApplicationproblemJSON409 *LockLost
 	// ApplicationproblemJSON413 the response for an HTTP 413 `application/problem+json` response
@@ -3006,6 +3040,8 @@ type ExtendLockResponse struct {
 	Headers401 *ExtendLockResponse401Headers
 	// Headers403 the parsed response headers for an HTTP 403 response
 	Headers403 *ExtendLockResponse403Headers
+	// Headers408 the parsed response headers for an HTTP 408 response
+	Headers408 *ExtendLockResponse408Headers
 	// Headers409 the parsed response headers for an HTTP 409 response
 	Headers409 *ExtendLockResponse409Headers
 	// Headers413 the parsed response headers for an HTTP 413 response
@@ -3038,6 +3074,11 @@ func (r ExtendLockResponse) GetApplicationproblemJSON401() *Unauthorized {
 // GetApplicationproblemJSON403 returns the response for an HTTP 403 `application/problem+json` response
 func (r ExtendLockResponse) GetApplicationproblemJSON403() *Forbidden {
 	return r.ApplicationproblemJSON403
+}
+
+// GetApplicationproblemJSON408 returns the response for an HTTP 408 `application/problem+json` response
+func (r ExtendLockResponse) GetApplicationproblemJSON408() *RequestTimeout {
+	return r.ApplicationproblemJSON408
 }
 
 // GetApplicationproblemJSON409 returns the response for an HTTP 409 `application/problem+json` response
@@ -3411,6 +3452,12 @@ type PutResourceResponse403Headers struct {
 	XRequestId      *string
 }
 
+// PutResourceResponse408Headers the declared response headers of an HTTP 408 response for PutResource
+type PutResourceResponse408Headers struct {
+	CacheControl *string
+	XRequestId   *string
+}
+
 // PutResourceResponse409Headers the declared response headers of an HTTP 409 response for PutResource
 type PutResourceResponse409Headers struct {
 	CacheControl *string
@@ -3461,6 +3508,8 @@ type PutResourceResponse struct {
 	ApplicationproblemJSON401 *Unauthorized
 	// ApplicationproblemJSON403 the response for an HTTP 403 `application/problem+json` response
 	ApplicationproblemJSON403 *Forbidden
+	// ApplicationproblemJSON408 the response for an HTTP 408 `application/problem+json` response
+	ApplicationproblemJSON408 *RequestTimeout
 	// ApplicationproblemJSON409 the response for an HTTP 409 `application/problem+json` response
 	ApplicationproblemJSON409 *StaleToken
 	// ApplicationproblemJSON413 the response for an HTTP 413 `application/problem+json` response
@@ -3481,6 +3530,8 @@ type PutResourceResponse struct {
 	Headers401 *PutResourceResponse401Headers
 	// Headers403 the parsed response headers for an HTTP 403 response
 	Headers403 *PutResourceResponse403Headers
+	// Headers408 the parsed response headers for an HTTP 408 response
+	Headers408 *PutResourceResponse408Headers
 	// Headers409 the parsed response headers for an HTTP 409 response
 	Headers409 *PutResourceResponse409Headers
 	// Headers413 the parsed response headers for an HTTP 413 response
@@ -3513,6 +3564,11 @@ func (r PutResourceResponse) GetApplicationproblemJSON401() *Unauthorized {
 // GetApplicationproblemJSON403 returns the response for an HTTP 403 `application/problem+json` response
 func (r PutResourceResponse) GetApplicationproblemJSON403() *Forbidden {
 	return r.ApplicationproblemJSON403
+}
+
+// GetApplicationproblemJSON408 returns the response for an HTTP 408 `application/problem+json` response
+func (r PutResourceResponse) GetApplicationproblemJSON408() *RequestTimeout {
+	return r.ApplicationproblemJSON408
 }
 
 // GetApplicationproblemJSON409 returns the response for an HTTP 409 `application/problem+json` response
@@ -4781,6 +4837,13 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		}
 		response.ApplicationproblemJSON403 = &dest
 
+	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 408:
+		var dest RequestTimeout
+		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
+			return nil, err
+		}
+		response.ApplicationproblemJSON408 = &dest
+
 	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 409:
 		var dest LockHeld
 		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
@@ -4915,6 +4978,23 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
+	case rsp.StatusCode == 408:
+		var headers AcquireLockResponse408Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = &value
+		}
+		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.XRequestId = &value
+		}
+		response.Headers408 = &headers
 	case rsp.StatusCode == 409:
 		var headers AcquireLockResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
@@ -5085,6 +5165,13 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		}
 		response.ApplicationproblemJSON403 = &dest
 
+	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 408:
+		var dest RequestTimeout
+		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
+			return nil, err
+		}
+		response.ApplicationproblemJSON408 = &dest
+
 	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 409:
 		var dest LockLost
 		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
@@ -5212,6 +5299,23 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
+	case rsp.StatusCode == 408:
+		var headers ExtendLockResponse408Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = &value
+		}
+		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.XRequestId = &value
+		}
+		response.Headers408 = &headers
 	case rsp.StatusCode == 409:
 		var headers ExtendLockResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
@@ -5818,6 +5922,13 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		response.ApplicationproblemJSON403 = &dest
 
+	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 408:
+		var dest RequestTimeout
+		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
+			return nil, err
+		}
+		response.ApplicationproblemJSON408 = &dest
+
 	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 409:
 		var dest StaleToken
 		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
@@ -5945,6 +6056,23 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 			headers.XRequestId = &value
 		}
 		response.Headers403 = &headers
+	case rsp.StatusCode == 408:
+		var headers PutResourceResponse408Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = &value
+		}
+		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.XRequestId = &value
+		}
+		response.Headers408 = &headers
 	case rsp.StatusCode == 409:
 		var headers PutResourceResponse409Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {

@@ -359,7 +359,7 @@ export interface components {
             wait_ms?: number;
             /**
              * @description A label for humans (not a secret), shown by GET while the lock is held
-             *     and logged: at most 256 **bytes** of printable UTF-8 (no control or
+             *     and logged: at most 256 characters (Unicode code points) of printable UTF-8 (no control or
              *     format characters; the only space allowed is U+0020).
              * @example billing-worker-3
              */
@@ -630,6 +630,9 @@ export interface components {
              *     - `shutting-down` (503): the server began shutting down while an
              *       acquire waited (`wait_ms`) for a taken lock; nothing was granted.
              *       Retry, on another server if there is one.
+             *     - `request-timeout` (408): the body did not arrive in full before the
+             *       server's read timeout; nothing was done, and the connection is
+             *       closed.
              *     - `cancelled` (499): the client closed the request (never seen by it).
              *     - `internal-error` (500): a bug; the cause is in the server's log
              *       under `request_id`.
@@ -656,7 +659,8 @@ export interface components {
             /** @description What happened this time, for humans. */
             detail?: string;
             /**
-             * @description The request path.
+             * @description The request path as sent, with the secret of any API key in it
+             *     shown as `rf_<id>_[redacted]`.
              * @example /v1/locks/orders:invoice-7
              */
             instance?: string;
@@ -715,7 +719,8 @@ export interface components {
         };
         InvalidParam: {
             /**
-             * @description The path parameter, header or body field (`body` for the body as a whole).
+             * @description The path parameter, header or body field (`body` for the body as a
+             *     whole; an unknown member of the body by its own name).
              * @example ttl_ms
              */
             name: string;
@@ -725,8 +730,9 @@ export interface components {
     };
     responses: {
         /**
-         * @description `invalid-request`: the name, a header or the body is invalid; see
-         *     `invalid_params`. Nothing changed.
+         * @description `invalid-request`: the name, a header or the body is invalid;
+         *     `invalid_params` lists every problem found, and `detail` names them
+         *     all. Nothing changed.
          */
         InvalidRequest: {
             headers: {
@@ -735,6 +741,31 @@ export interface components {
                 [name: string]: unknown;
             };
             content: {
+                "application/problem+json": components["schemas"]["Problem"];
+            };
+        };
+        /**
+         * @description `request-timeout`: the body did not arrive in full before the server's
+         *     read timeout (30 s by default). Nothing was done; the server closes the
+         *     connection.
+         */
+        RequestTimeout: {
+            headers: {
+                "X-Request-Id": components["headers"]["XRequestId"];
+                "Cache-Control": components["headers"]["CacheControl"];
+                [name: string]: unknown;
+            };
+            content: {
+                /**
+                 * @example {
+                 *       "type": "urn:redfence:problem:request-timeout",
+                 *       "title": "The request body did not arrive in time",
+                 *       "status": 408,
+                 *       "detail": "the body did not arrive in full before the server's read timeout; nothing was done",
+                 *       "instance": "/v1/locks/orders:invoice-7",
+                 *       "request_id": "5f2c9a7e1b3d4c6a"
+                 *     }
+                 */
                 "application/problem+json": components["schemas"]["Problem"];
             };
         };
@@ -1241,7 +1272,10 @@ export interface operations {
             };
             cookie?: never;
         };
-        /** @description Optional. An empty body takes every default. */
+        /**
+         * @description Optional. An empty body (no bytes) takes every default; a body of
+         *     only whitespace is refused (400).
+         */
         requestBody?: {
             content: {
                 "application/json": components["schemas"]["AcquireRequest"];
@@ -1277,6 +1311,7 @@ export interface operations {
             400: components["responses"]["InvalidRequest"];
             401: components["responses"]["Unauthorized"];
             403: components["responses"]["Forbidden"];
+            408: components["responses"]["RequestTimeout"];
             409: components["responses"]["LockHeld"];
             413: components["responses"]["RequestTooLarge"];
             415: components["responses"]["UnsupportedMediaType"];
@@ -1406,7 +1441,10 @@ export interface operations {
             };
             cookie?: never;
         };
-        /** @description Optional. An empty body extends by the server's default TTL. */
+        /**
+         * @description Optional. An empty body (no bytes) extends by the server's default
+         *     TTL; a body of only whitespace is refused (400).
+         */
         requestBody?: {
             content: {
                 /**
@@ -1442,6 +1480,7 @@ export interface operations {
             400: components["responses"]["InvalidRequest"];
             401: components["responses"]["Unauthorized"];
             403: components["responses"]["Forbidden"];
+            408: components["responses"]["RequestTimeout"];
             409: components["responses"]["LockLost"];
             413: components["responses"]["RequestTooLarge"];
             415: components["responses"]["UnsupportedMediaType"];
@@ -1616,6 +1655,7 @@ export interface operations {
             400: components["responses"]["InvalidRequest"];
             401: components["responses"]["Unauthorized"];
             403: components["responses"]["Forbidden"];
+            408: components["responses"]["RequestTimeout"];
             409: components["responses"]["StaleToken"];
             413: components["responses"]["RequestTooLarge"];
             415: components["responses"]["UnsupportedMediaType"];
