@@ -631,7 +631,9 @@ func jsonReason(err error) string {
 		// The message names a character of the body at most, or the nesting
 		// limit: "invalid character 'x' after object key".
 		return fmt.Sprintf("malformed JSON at byte %d: %s", se.Offset, strings.TrimPrefix(se.Error(), "json: "))
-	case errors.Is(err, io.ErrUnexpectedEOF):
+	case errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, io.EOF):
+		// json.Decoder.Token says io.EOF when the body ends inside an
+		// object.
 		return "truncated JSON"
 	}
 	return err.Error()
@@ -700,6 +702,9 @@ func lockerBounds(l Locker) (ttl, wait msBounds) {
 // millis validates an optional millisecond field within b, adding its
 // problem to bad; def is its default.
 func millis(bad *badRequest, name string, v *int64, def time.Duration, b msBounds) time.Duration {
+	if v != nil && bad.has(name) {
+		return def // refused already (repeated): its first value is not judged too
+	}
 	if v == nil {
 		if len(bad.params) > 0 {
 			bad.outOfBounds(name, b) // an integer beyond 64 bits is out of bounds too
@@ -717,10 +722,16 @@ func millis(bad *badRequest, name string, v *int64, def time.Duration, b msBound
 // outOfBounds gives the field name, refused as beyond 64 bits, the reason
 // of its bounds b instead.
 func (b *badRequest) outOfBounds(name string, bounds msBounds) {
+	b.beyondInt64(name, bounds.reason())
+}
+
+// beyondInt64 gives the field name, refused as beyond 64 bits, reason
+// instead: the bounds of its own.
+func (b *badRequest) beyondInt64(name, reason string) {
 	for i, p := range b.params {
 		if p.Name == name && p.Reason == reasonBeyondInt64 {
-			b.params[i].Reason = bounds.reason()
-			b.parts[i] = name + " " + bounds.reason()
+			b.params[i].Reason = reason
+			b.parts[i] = name + " " + reason
 		}
 	}
 }
@@ -1068,7 +1079,8 @@ func (h *Handler) doPut(w http.ResponseWriter, r *http.Request) error {
 	_ = bad.merge(bodyErr)
 	if !bad.unreadable {
 		switch {
-		case bad.has("fencing_token"): // null, or not an integer: said
+		case bad.has("fencing_token"): // null, not an integer, repeated: said
+			bad.beyondInt64("fencing_token", "must be a positive integer at most 9007199254740991 (2^53-1)")
 		case req.FencingToken == nil:
 			bad.add("fencing_token is required: a positive integer (the fencing_token of your grant)",
 				InvalidParam{Name: "fencing_token", Reason: "required: a positive integer"})

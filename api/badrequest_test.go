@@ -125,6 +125,12 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"AllTypes", "POST", "/v1/locks/x", `{"ttl_ms":"1","wait_ms":1.5,"owner":5}`, json, nil, 400, "invalid-request"},
 		{"AllUnknown", "POST", "/v1/locks/x", `{"ttl":1000,"wait_ms":-1,"Owner":"w"}`, json, nil, 400, "invalid-request"},
 		{"AllNullTwiceTrailing", "POST", "/v1/locks/x", `{"owner":null,"ttl_ms":5,"ttl_ms":6} {}`, json, nil, 400, "invalid-request"},
+		{"UnknownFieldTwice", "POST", "/v1/locks/x", `{"x":1,"x":2}`, json, nil, 400, "invalid-request"},
+		{"FieldThrice", "POST", "/v1/locks/x", `{"ttl_ms":1000,"ttl_ms":1000,"ttl_ms":1000}`, json, nil, 400, "invalid-request"},
+		{"TruncatedObject", "POST", "/v1/locks/x", `{"ttl_ms":1000`, json, nil, 400, "invalid-request"},
+		{"TruncatedAfterComma", "POST", "/v1/locks/x", `{"ttl_ms":1000,`, json, nil, 400, "invalid-request"},
+		{"PutTokenBeyondInt64", "PUT", "/v1/resources/held", `{"fencing_token":99999999999999999999,"data":1}`, json, nil, 400, "invalid-request"},
+		{"PutTokenBelowInt64", "PUT", "/v1/resources/held", `{"fencing_token":-99999999999999999999,"data":1}`, json, nil, 400, "invalid-request"},
 		{"AllExtend", "POST", "/v1/locks/a%20b/extend", `{"ttl_ms":1}`, json, nil, 400, "invalid-request"},
 		{"AllRelease", "DELETE", "/v1/locks/a%20b", "", "", []string{api.LockTokenHeader, "abc"}, 400, "invalid-request"},
 		{"AllPutTokenData", "PUT", "/v1/resources/held", `{"fencing_token":0,"data":"\u0000"}`, json, nil, 400, "invalid-request"},
@@ -170,7 +176,9 @@ func TestAPI_BadRequests(t *testing.T) {
 		"AllNameTTL":             {"name", "ttl_ms"},
 		"AllTypes":               {"ttl_ms", "wait_ms", "owner"},
 		"AllUnknown":             {"ttl", "Owner", "wait_ms"},
-		"AllNullTwiceTrailing":   {"owner", "ttl_ms", "body", "ttl_ms"},
+		"AllNullTwiceTrailing":   {"owner", "ttl_ms", "body"},
+		"UnknownFieldTwice":      {"x"},
+		"FieldThrice":            {"ttl_ms"},
 		"AllExtend":              {"name", api.LockTokenHeader, "ttl_ms"},
 		"AllRelease":             {"name", api.LockTokenHeader},
 		"AllPutTokenData":        {"fencing_token", "data"},
@@ -195,6 +203,10 @@ func TestAPI_BadRequests(t *testing.T) {
 		"PutTokenNullRequired":   "required: a positive integer!default",
 		"PutNoToken":             "required: a positive integer",
 		"PutTokenZero":           "positive integer",
+		"TruncatedObject":        "truncated JSON!EOF",
+		"TruncatedAfterComma":    "truncated JSON!EOF",
+		"PutTokenBeyondInt64":    "at most 9007199254740991",
+		"PutTokenBelowInt64":     "positive integer",
 		"PutTokenAboveMax":       "at most 9007199254740991",
 		"TTLNull":                "leave it out for the default",
 		"OwnerNull":              "leave it out for the default",
@@ -313,6 +325,38 @@ func TestAPI_OwnerCountsCharacters(t *testing.T) {
 		if g.Owner != owner {
 			t.Errorf("owner %q; want %q", g.Owner, owner)
 		}
+	}
+}
+
+// TestAPI_ManyProblems: a body with thousands of problems (unknown
+// members, here) gets an answer naming a bounded number of them and
+// counting the rest, not one ever larger than the body.
+func TestAPI_ManyProblems(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	const n = 20000
+	var b strings.Builder
+	b.WriteString("{")
+	for i := range n {
+		fmt.Fprintf(&b, `"m%d":1,`, i)
+	}
+	b.WriteString(`"ttl_ms":-1}`)
+	r := e.do(e.loose, http.MethodPost, "/v1/locks/many", b.String())
+	p := r.problem(t)
+	if r.status != http.StatusBadRequest || p.Type != api.ProblemTypePrefix+"invalid-request" {
+		t.Fatalf("%d problems = %d %s", n+1, r.status, p.Type)
+	}
+	if len(r.body) > 8<<10 {
+		t.Errorf("answer of %d bytes to %d problems; want a bounded one", len(r.body), n+1)
+	}
+	if len(p.InvalidParams) == 0 || len(p.InvalidParams) > 16 || p.InvalidParams[0].Name != "m0" {
+		t.Errorf("invalid_params %v; want the first few (at most 16), m0 first", p.InvalidParams)
+	}
+	if want := fmt.Sprintf("%d problems: ", n+1); !strings.HasPrefix(p.Detail, want) || !strings.Contains(p.Detail, "more") {
+		t.Errorf("detail %q; want it to count all %d problems and say how many more", p.Detail, n+1)
+	}
+	if st := e.do(e.client, http.MethodGet, "/v1/locks/many", nil); !strings.Contains(string(st.body), `"held":false`) {
+		t.Errorf("after the refusal: %s", st.body)
 	}
 }
 

@@ -120,6 +120,8 @@ type requestError struct {
 	// is the sentence of params[i] (detail is them all).
 	params []InvalidParam
 	parts  []string
+	// more counts problems found past maxProblems (see badRequest).
+	more int
 	// unreadable: the body could not be read as a JSON object, so its
 	// fields were not judged.
 	unreadable bool
@@ -156,13 +158,29 @@ func unreadableBody(detail, reason string, cause error) error {
 type badRequest struct {
 	params []InvalidParam
 	parts  []string
+	// more counts the problems past maxProblems, named only by number.
+	more int
 	// unreadable: the body's fields could not be read (see requestError).
 	unreadable bool
 	cause      error
 }
 
-// add records a problem: detail is its sentence, p names it.
+// maxProblems bounds the problems one answer names: a body of a million
+// unknown members must not get an answer (and a log line) a dozen times its
+// size.
+const maxProblems = 16
+
+// add records a problem: detail is its sentence, p names it. The same
+// problem twice (a member repeated) is recorded once; past maxProblems,
+// problems are only counted.
 func (b *badRequest) add(detail string, p InvalidParam) {
+	if slices.Contains(b.params, p) {
+		return
+	}
+	if len(b.params) >= maxProblems {
+		b.more++
+		return
+	}
 	b.params = append(b.params, p)
 	b.parts = append(b.parts, detail)
 }
@@ -178,8 +196,10 @@ func (b *badRequest) merge(err error) error {
 	if !ok || re.kind != kInvalid {
 		return err
 	}
-	b.params = append(b.params, re.params...)
-	b.parts = append(b.parts, re.parts...)
+	for i := range re.params {
+		b.add(re.parts[i], re.params[i])
+	}
+	b.more += re.more
 	b.unreadable = b.unreadable || re.unreadable
 	if b.cause == nil {
 		b.cause = re.cause
@@ -203,10 +223,13 @@ func (b *badRequest) err() error {
 		return nil
 	}
 	detail := b.parts[0]
-	if len(b.parts) > 1 {
-		detail = strconv.Itoa(len(b.parts)) + " problems: " + strings.Join(b.parts, "; ")
+	if n := len(b.parts) + b.more; n > 1 {
+		detail = strconv.Itoa(n) + " problems: " + strings.Join(b.parts, "; ")
+		if b.more > 0 {
+			detail += "; and " + strconv.Itoa(b.more) + " more"
+		}
 	}
-	return &requestError{kind: kInvalid, detail: detail, params: b.params, parts: b.parts, unreadable: b.unreadable, cause: b.cause}
+	return &requestError{kind: kInvalid, detail: detail, params: b.params, parts: b.parts, more: b.more, unreadable: b.unreadable, cause: b.cause}
 }
 
 // whole reports whether err, from reading a body, is about the request as
@@ -379,9 +402,11 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		if re.identityOnly {
 			setHeader(w, "Accept-Encoding", "identity")
 		}
-		if k == kTimeout {
+		if k == kTimeout && r.ProtoMajor == 1 {
 			// The rest of the body may still come: this connection
-			// cannot carry another request (RFC 9110 §15.5.9).
+			// cannot carry another request (RFC 9110 §15.5.9). (HTTP/2
+			// resets the stream alone; Connection: close there would end
+			// every stream of the connection.)
 			setHeader(w, "Connection", "close")
 		}
 	case isAE:
