@@ -1170,8 +1170,20 @@ func (l *Locker) jitter(aerr *Error) time.Duration {
 	if aerr.RetryAfter > 0 && aerr.RetryAfter+small < d {
 		d = aerr.RetryAfter + small
 	}
+	if errors.Is(aerr, ErrHeld) && len(l.watchers) == len(l.nodes) && aerr.RetryAfter > d {
+		// Held, and every node announces releases: a release wakes the
+		// waiter (here at once, from another server by Pub/Sub), so it
+		// need not poll the nodes while the holder's lease runs. It tries
+		// again just after that lease ends, or after heldRetryMax at most,
+		// which bounds the cost of a lost announcement.
+		d = min(aerr.RetryAfter+small, max(heldRetryMax, l.opts.RetryDelayMax))
+	}
 	return d
 }
+
+// heldRetryMax is the longest a waiter for a held lock waits between
+// tries when releases are announced (see jitter).
+const heldRetryMax = time.Second
 
 // waiter is one blocked acquire in a key's queue.
 type waiter struct {

@@ -1,6 +1,8 @@
 package service_test
 
 import (
+	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -71,5 +73,44 @@ func TestLocker_FailedTryNotAnnounced(t *testing.T) {
 	}
 	if err := <-done; err != nil {
 		t.Fatalf("waiter after the holder's release: %v", err)
+	}
+}
+
+// acquireCounter counts the acquire requests sent to one node.
+type acquireCounter struct {
+	addr string
+	n    atomic.Int64
+}
+
+func (c *acquireCounter) NodeOp(addr, op string, _ service.Outcome, _ time.Duration) {
+	if addr == c.addr && op == "acquire" {
+		c.n.Add(1)
+	}
+}
+func (*acquireCounter) Waiting(int)                  {}
+func (*acquireCounter) Quarantine(string, time.Time) {}
+
+// TestLocker_HeldWaiterDoesNotPoll: a waiter for a lock held for longer
+// than its wait, on nodes that announce releases, does not poll them every
+// retry delay (10-100ms): it tries again after a second at most, as a
+// release would wake it. Over a 2.5 s wait that is at most 4 tries (the
+// first, then one per second), where polling made about 45.
+func TestLocker_HeldWaiterDoesNotPoll(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	obs := &acquireCounter{addr: e.nodes[0].Addr()}
+	l := e.lockerWith(t, nil, service.Options{Registry: e.db, MaxTTL: time.Minute, Observer: obs})
+	ctx := t.Context()
+	const key = "held-long"
+	if _, err := l.Acquire(ctx, key, service.Request{TTL: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	before := obs.n.Load()
+	_, err := l.Acquire(ctx, key, service.Request{TTL: time.Minute, Wait: 2500 * time.Millisecond})
+	if !errors.Is(err, service.ErrWaitTimeout) {
+		t.Fatalf("waiter for a lock held a minute = %v; want ErrWaitTimeout", err)
+	}
+	if tries := obs.n.Load() - before; tries > 4 {
+		t.Errorf("the waiter tried %d times in a 2.5 s wait; want at most 4 (a release wakes it)", tries)
 	}
 }

@@ -25,8 +25,8 @@ type Config struct {
 	MaxWait           time.Duration `split_words:"true" default:"60s" desc:"longest wait_ms accepted"`
 	NodeTimeout       time.Duration `split_words:"true" default:"50ms" desc:"timeout of each request to one Redis node"`
 	DriftFactor       float64       `split_words:"true" default:"0.01" desc:"clock drift allowance: drift = ttl*factor + 2ms"`
-	RetryDelayMin     time.Duration `split_words:"true" default:"10ms" desc:"shortest random delay between attempts of a waiting acquire"`
-	RetryDelayMax     time.Duration `split_words:"true" default:"100ms" desc:"longest random delay between attempts of a waiting acquire"`
+	RetryDelayMin     time.Duration `split_words:"true" default:"10ms" desc:"shortest random delay between attempts of a waiting acquire when too few nodes answered"`
+	RetryDelayMax     time.Duration `split_words:"true" default:"100ms" desc:"longest random delay between attempts of a waiting acquire when too few nodes answered (a held lock: until its lease ends, at most max(1s, this); a release wakes the waiter)"`
 	IssueTimeout      time.Duration `split_words:"true" default:"2s" desc:"timeout of fencing-token issuance in Postgres"`
 	Speculate         bool          `envconfig:"SPECULATE" default:"true" desc:"let an acquire that runs alone issue its fencing token while its Redis round runs (confirmed after the quorum, withdrawn if the try fails)"`
 	RedisUsername     string        `split_words:"true" desc:"Redis ACL user for every node"`
