@@ -319,7 +319,9 @@ func (p *pipeliner) send(batch []*call) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	_, _ = pipe.Exec(ctx) // each command carries its own error
+	if _, err := pipe.Exec(ctx); err != nil {
+		unanswered(units, err)
+	}
 	retry := false
 	for i := range units {
 		if u := &units[i]; noScript(u.cmd, u.script) {
@@ -340,10 +342,24 @@ func (p *pipeliner) send(batch []*call) {
 			_ = pipe.Process(u.calls[0].ctx, u.cmd)
 		}
 	}
-	_, _ = pipe.Exec(ctx)
+	if _, err := pipe.Exec(ctx); err != nil {
+		unanswered(units, err)
+	}
 	for i := range units {
 		if u := &units[i]; u.calls != nil {
 			u.answer()
+		}
+	}
+}
+
+// unanswered gives err, the error of a pipeline's Exec, to the commands of
+// units that got neither an answer nor an error of their own: when no
+// connection could be had (a dial or its OnConnect hook failed), go-redis
+// leaves them untouched. Each command answered carries its own error.
+func unanswered(units []unit, err error) {
+	for i := range units {
+		if c := units[i].cmd; c != nil && c.Err() == nil && c.Val() == nil {
+			c.SetErr(err)
 		}
 	}
 }

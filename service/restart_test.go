@@ -914,3 +914,20 @@ func TestLocker_INFORevoked(t *testing.T) {
 		}
 	}
 }
+
+// TestRedisNode_ConnectRefusedError: a command that gets no connection
+// because the node refuses INFO to the new connection's check (see
+// WatchRestarts) fails with that refusal, not with an empty answer.
+func TestRedisNode_ConnectRefusedError(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	ns := e.aclNodes(t, "noinfo", service.RedisACL+" -info")
+	rn := ns[0].(*service.RedisNode)
+	if err := rn.WatchRestarts(t, func(context.Context, string, bool) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := rn.Acquire(t.Context(), keyspace.RedisKey("refused"), "token", time.Second, "")
+	if !errors.Is(err, service.ErrCommandRefused) || !strings.Contains(err.Error(), "info") {
+		t.Errorf("acquire through a connection whose check was refused = %v; want the refusal (ErrCommandRefused)", err)
+	}
+}
