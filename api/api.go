@@ -1147,7 +1147,7 @@ func (h *Handler) nodes(w http.ResponseWriter, r *http.Request) {
 		if n.Up {
 			resp.Up++
 		} else if n.Err != nil {
-			resp.Nodes[i].Error = n.Err.Error()
+			resp.Nodes[i].Error = nodeErrorText(n.Err)
 		}
 	}
 	writeJSON(w, http.StatusOK, resp)

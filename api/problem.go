@@ -3,13 +3,18 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"log/slog"
 	"math"
+	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/redfence/redfence/fencing"
@@ -449,9 +454,9 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 				if errors.Is(n.Err, service.ErrMemoryLost) {
 					o.Error = memoryLost
 				} else if errors.As(n.Err, &ne) {
-					o.Error = ne.Err.Error()
+					o.Error = nodeErrorText(ne.Err)
 				} else {
-					o.Error = n.Err.Error()
+					o.Error = nodeErrorText(n.Err)
 				}
 			}
 			p.Nodes = append(p.Nodes, o)
@@ -551,4 +556,25 @@ func instance(r *http.Request) string {
 	// A key spelt partly percent-encoded: the decoded path, redacted, in
 	// the canonical spelling, with the mark as Redact writes it elsewhere.
 	return strings.ReplaceAll((&url.URL{Path: apikey.Redact(r.URL.Path)}).EscapedPath(), "%5Bredacted%5D", "[redacted]")
+}
+
+// nodeErrorText says what went wrong with one node for a client: a timeout
+// as one sentence whatever layer noticed it, a broken connection without
+// this server's socket addresses or Go's wording, anything else (the
+// node's own error reply, a refusal) as it is.
+func nodeErrorText(err error) string {
+	var ne net.Error
+	var oe *net.OpError
+	switch {
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded),
+		errors.As(err, &ne) && ne.Timeout():
+		return "no answer within the per-node timeout"
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
+		return "the node closed the connection"
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "connection refused (is the node running?)"
+	case errors.As(err, &oe):
+		return "connection failed: " + oe.Op + ": " + fmt.Sprint(oe.Err)
+	}
+	return err.Error()
 }

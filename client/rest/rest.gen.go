@@ -232,7 +232,7 @@ type Node struct {
 
 	// Error Why the ping failed; present only when the node is down.
 	//
-	// Example: context deadline exceeded
+	// Example: no answer within the per-node timeout
 	Error *string `json:"error,omitempty"`
 
 	// LatencyMs How long the ping took, in milliseconds (microsecond precision).
@@ -281,7 +281,7 @@ type NodeOutcome struct {
 	// (`quarantined`; absent when it already was).
 	//
 	//
-	// Example: context deadline exceeded
+	// Example: no answer within the per-node timeout
 	Error *string `json:"error,omitempty"`
 
 	// Outcome One of the values below; others may be added, so treat an unknown

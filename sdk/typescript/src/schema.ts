@@ -528,7 +528,7 @@ export interface components {
             latency_ms: number;
             /**
              * @description Why the ping failed; present only when the node is down.
-             * @example context deadline exceeded
+             * @example no answer within the per-node timeout
              */
             error?: string;
             /**
@@ -713,7 +713,7 @@ export interface components {
              * @description What went wrong, for humans: the node's error (`error`, `timeout`),
              *     or why it is quarantined when this round found it without its data
              *     (`quarantined`; absent when it already was).
-             * @example context deadline exceeded
+             * @example no answer within the per-node timeout
              */
             error?: string;
         };
@@ -1721,7 +1721,7 @@ export interface operations {
                      *           "address": "redis-5:6379",
                      *           "up": false,
                      *           "latency_ms": 50.112,
-                     *           "error": "context deadline exceeded"
+                     *           "error": "no answer within the per-node timeout"
                      *         }
                      *       ]
                      *     }
