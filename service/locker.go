@@ -1199,10 +1199,11 @@ type waitQueue struct {
 	// behind the first report when their wait ends.
 	last   *Error
 	lastAt time.Time
-	// released is the digest of the last release that woke the queue: the
-	// same release announced again (by another node, or by Pub/Sub after
-	// the in-process wake-up) wakes nobody.
-	released string
+	// released is the digest of the last release that woke the queue, and
+	// releasedBy how many nodes made it, as far as this process knows (see
+	// wake).
+	released   string
+	releasedBy int
 }
 
 // enqueue adds a waiter for key at the back of its queue. The first waiter
@@ -1292,19 +1293,34 @@ func (l *Locker) lastRefusal(key string) *Error {
 }
 
 // wake wakes the first waiter for key in this process, if any, for the
-// release of the lock token whose digest is digest.
-func (l *Locker) wake(key, digest string) {
+// release of the lock token whose digest is digest, which nodes more nodes
+// have made (a release of this process: a majority at once; an
+// announcement: one). A release wakes it twice at most: at its first news,
+// and again once a majority made it, in case the try the first news began
+// found the other nodes not released yet (an announcement can overtake the
+// deletes of other nodes). Further news of it wakes nobody.
+func (l *Locker) wake(key, digest string, nodes int) {
 	l.waitMu.Lock()
 	defer l.waitMu.Unlock()
-	if wq := l.waiters[key]; wq != nil && len(wq.q) > 0 && wq.released != digest {
-		wq.released = digest
+	wq := l.waiters[key]
+	if wq == nil || len(wq.q) == 0 {
+		return
+	}
+	if wq.released != digest {
+		wq.released, wq.releasedBy = digest, nodes
+		signal(wq.q[0])
+		return
+	}
+	before := wq.releasedBy
+	wq.releasedBy += nodes
+	if before < l.quorum && wq.releasedBy >= l.quorum {
 		signal(wq.q[0])
 	}
 }
 
 // announced is called by the nodes that announce releases.
 func (l *Locker) announced(rkey, digest string) {
-	l.wake(strings.TrimPrefix(rkey, keyspace.RedisPrefix), digest)
+	l.wake(strings.TrimPrefix(rkey, keyspace.RedisPrefix), digest, 1)
 }
 
 // releaseDigest is the digest a node announces a release of token with.
@@ -1365,7 +1381,9 @@ type nodeOp struct {
 // then reads the votes: it is woken once per decision, not once per answer.
 // A nil enough closes ready at once.
 func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i int, wrote, unsure bool), enough func(yes, no, got int) bool) (*ballot, *sync.WaitGroup) {
-	voting := name == "acquire" || name == "extend"
+	// A status ("ttl") counts like an extend: a quarantined node's "held"
+	// is not a vote, and its "not held" may be a lease it forgot.
+	voting := name == "acquire" || name == "extend" || name == "ttl"
 	ch := make(chan vote, len(l.nodes))
 	b := &ballot{ch: ch, ready: make(chan struct{})}
 	if enough == nil {
@@ -1406,7 +1424,7 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			v.Err = &NodeError{Addr: n.Addr(), Err: err}
 		case ok && voting && !l.counts(i, l.opts.Now()):
 			v.Outcome = Quarantined
-		case !ok && name == "extend" && !l.counts(i, l.opts.Now()):
+		case !ok && (name == "extend" || name == "ttl") && !l.counts(i, l.opts.Now()):
 			// A node that lost its memory answers "not held" for every
 			// lease it had: that No counts no more than a Yes would. (An
 			// acquire's No is someone's key written since: it stays a No.)
@@ -1983,7 +2001,7 @@ func (l *Locker) Release(ctx context.Context, key, token string) error {
 	t := l.releaseAll(ctx, keyspace.RedisKey(key), token, false)
 	if t.yes > 0 {
 		l.released(key, token)
-		l.wake(key, releaseDigest(token))
+		l.wake(key, releaseDigest(token), max(t.yes, l.quorum))
 		return nil
 	}
 	if l.refused(t) {

@@ -824,6 +824,18 @@ func TestLocker_ACLUser(t *testing.T) {
 	// The waiter's first try is refused (held); its next comes only with
 	// the release's message.
 	<-waiting.started
+	// Its subscriptions are applied in the background: a release before
+	// they are would be missed (then only the retry delay, an hour here,
+	// would wake it).
+	testutil.WaitFor(t, 10*time.Second, "the waiter's subscriptions", func() (bool, error) {
+		for _, c := range e.raw {
+			n, err := c.PubSubNumSub(ctx, keyspace.ReleasedPrefix+"acl").Result()
+			if err != nil || n[keyspace.ReleasedPrefix+"acl"] == 0 {
+				return false, err
+			}
+		}
+		return true, nil
+	})
 	if err := l1.Release(ctx, "acl", g.Token); err != nil {
 		t.Fatalf("release as the ACL user: %v", err)
 	}
@@ -929,5 +941,27 @@ func TestRedisNode_ConnectRefusedError(t *testing.T) {
 	_, _, err := rn.Acquire(t.Context(), keyspace.RedisKey("refused"), "token", time.Second, "")
 	if !errors.Is(err, service.ErrCommandRefused) || !strings.Contains(err.Error(), "info") {
 		t.Errorf("acquire through a connection whose check was refused = %v; want the refusal (ErrCommandRefused)", err)
+	}
+}
+
+// TestLocker_StatusQuarantined: with 3 of 5 nodes restarted without their
+// data, a held lock's status cannot be told (the 2 nodes that count hold
+// it; the restarted ones forgot it): Status answers ErrQuorum, not "not
+// held" from the forgetful nodes.
+func TestLocker_StatusQuarantined(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, e.db)
+	ctx := t.Context()
+	const key = "status-quarantined"
+	if _, err := l.Acquire(ctx, key, service.Request{TTL: 3 * time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		e.restartEmpty(t, i)
+	}
+	st, err := l.Status(ctx, key)
+	if !errors.Is(err, service.ErrQuorum) {
+		t.Fatalf("status with 3 of 5 nodes restarted empty = %+v, %v; want ErrQuorum", st, err)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redfence/redfence/internal/keyspace"
 	"github.com/redfence/redfence/internal/testutil"
 )
 
@@ -104,14 +105,14 @@ func TestLocker_WaiterLeavePassesWake(t *testing.T) {
 		}
 	}
 	w1, w2, w3 := l.enqueue(key), l.enqueue(key), l.enqueue(key)
-	l.wake(key, "r1")
-	l.wake(key, "r2") // coalesces with the pending one
+	l.wake(key, "r1", 1)
+	l.wake(key, "r2", 1) // coalesces with the pending one
 	l.leave(key, w1, false)
 	if pending(w3) || !pending(w2) {
 		t.Fatal("the wake-up did not pass from the first waiter to the second alone")
 	}
-	l.wake(key, "r3")
-	l.wake(key, "r3") // the same release announced again: ignored
+	l.wake(key, "r3", 1)
+	l.wake(key, "r3", 1) // the same release announced again: ignored
 	l.leave(key, w2, true)
 	if pending(w3) {
 		t.Fatal("a granted waiter passed its wake-up on")
@@ -134,7 +135,7 @@ func TestLocker_WaiterLeavePassesWake(t *testing.T) {
 	if n := len(l.waiters); n != 0 {
 		t.Errorf("%d keys still have waiters queued", n)
 	}
-	l.wake(key, "r4") // no waiter: nothing to do
+	l.wake(key, "r4", 1) // no waiter: nothing to do
 }
 
 // whoKey tags a test's acquire context with the waiter's name.
@@ -305,7 +306,7 @@ func TestLocker_WaiterBehindReportsNews(t *testing.T) {
 	}()
 	<-obs.started // B waits behind A
 	failing.Store(false)
-	l.wake(key, "r1") // A tries again, and is granted
+	l.wake(key, "r1", l.quorum) // A tries again, and is granted
 	if err := <-a; err != nil {
 		t.Fatalf("A = %v; want granted", err)
 	}
@@ -320,5 +321,41 @@ func TestLocker_WaiterBehindReportsNews(t *testing.T) {
 	cancelB()
 	if err := <-b; !errors.Is(err, context.Canceled) {
 		t.Fatalf("B = %v; want context.Canceled", err)
+	}
+}
+
+// TestLocker_WakeAgainAtMajority: a release announced node by node wakes
+// the first waiter at its first announcement and again once a majority
+// announced it (the try the first began may have found the others not
+// released yet), never more; a release of this process (made on a
+// majority) wakes it once.
+func TestLocker_WakeAgainAtMajority(t *testing.T) {
+	ns, _ := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{})
+	w := l.enqueue(key)
+	defer l.leave(key, w, false)
+	woken := func() bool {
+		select {
+		case <-w.wake:
+			return true
+		default:
+			return false
+		}
+	}
+	for i, want := range []bool{true, false, true, false, false} {
+		l.announced(keyspace.RedisKey(key), "r1")
+		if got := woken(); got != want {
+			t.Errorf("announcement %d of 5: woken %v; want %v", i+1, got, want)
+		}
+	}
+	l.wake(key, "r2", l.quorum) // released here, on a majority
+	if !woken() {
+		t.Error("a release of this process did not wake the waiter")
+	}
+	for i := range 5 {
+		l.announced(keyspace.RedisKey(key), "r2")
+		if woken() {
+			t.Errorf("announcement %d of a release of this process woke the waiter again", i+1)
+		}
 	}
 }
