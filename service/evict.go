@@ -110,6 +110,10 @@ func (l *Locker) noteEviction(i int, policy string) {
 		l.recover(i, req, false) // a quarantine for the other servers too
 	}
 	switch {
+	case policy == policyRefused && was == "":
+		l.opts.Observer.Quarantine(m.Addr(), until)
+		l.opts.Logger.Warn("node refuses INFO: whether it may evict lock keys (or restarted) cannot be told, so its votes do not count until it answers INFO again and every lease it may have lost has expired; allow the Redis user +info",
+			slog.String("node", m.Addr()))
 	case policy != "" && was == "":
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node may evict lock keys (a maxmemory limit with an evicting maxmemory-policy): its votes do not count while it may, nor until every lease it may have evicted has expired; set maxmemory-policy noeviction",
