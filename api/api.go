@@ -773,17 +773,28 @@ func (h *Handler) acquire(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// problems gathers the problems of a request's path and headers (pathErr)
+// and of its body (bodyErr), to be answered together; a problem of the
+// body as a whole (413, 415, 408) is returned instead, to answer alone.
+func problems(pathErr, bodyErr error) (badRequest, error) {
+	if whole(bodyErr) {
+		return badRequest{}, bodyErr
+	}
+	var bad badRequest
+	_ = bad.merge(pathErr)
+	_ = bad.merge(bodyErr)
+	return bad, nil
+}
+
 // acquireRequest validates an acquire into sreq: the name (nameErr is its
 // problem), the body (bodyErr, decoded into req) and each field, every
 // problem named in one answer. A problem of the body as a whole (413, 415,
 // 408) answers alone.
 func (h *Handler) acquireRequest(nameErr, bodyErr error, req *AcquireRequest, sreq *service.Request) error {
-	if whole(bodyErr) {
-		return bodyErr
+	bad, err := problems(nameErr, bodyErr)
+	if err != nil {
+		return err
 	}
-	var bad badRequest
-	_ = bad.merge(nameErr)
-	_ = bad.merge(bodyErr)
 	if bad.unreadable {
 		return bad.err()
 	}
@@ -978,13 +989,10 @@ func (h *Handler) held(r *http.Request) (name, key, token string, err error) {
 func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	name, key, token, err := h.held(r)
 	var req ExtendRequest
-	bodyErr := h.decode(w, r, &req, true)
-	if whole(bodyErr) {
-		return bodyErr
+	bad, err := problems(err, h.decode(w, r, &req, true))
+	if err != nil {
+		return err
 	}
-	var bad badRequest
-	_ = bad.merge(err)
-	_ = bad.merge(bodyErr)
 	ttl := h.opts.DefaultTTL
 	if !bad.unreadable {
 		ttl = millis(&bad, "ttl_ms", req.TTLMS, h.opts.DefaultTTL, h.ttlMS)
@@ -1070,13 +1078,10 @@ func (h *Handler) putResource(w http.ResponseWriter, r *http.Request) {
 func (h *Handler) doPut(w http.ResponseWriter, r *http.Request) error {
 	name, key, err := h.key(r)
 	var req PutResourceRequest
-	bodyErr := h.decode(w, r, &req, false)
-	if whole(bodyErr) {
-		return bodyErr
+	bad, err := problems(err, h.decode(w, r, &req, false))
+	if err != nil {
+		return err
 	}
-	var bad badRequest
-	_ = bad.merge(err)
-	_ = bad.merge(bodyErr)
 	if !bad.unreadable {
 		switch {
 		case bad.has("fencing_token"): // null, not an integer, repeated: said
