@@ -256,9 +256,7 @@ func TestAPI_BadRequests(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer resp.Body.Close()
-			r := &response{status: resp.StatusCode, header: resp.Header}
-			r.body, _ = io.ReadAll(resp.Body)
+			r := readResponse(t, resp)
 			p := r.problem(t)
 			if r.status != tt.status || p.Type != api.ProblemTypePrefix+tt.slug || p.Status != tt.status {
 				t.Errorf("%s %s = %d %s; want %d %s", tt.method, tt.path, r.status, p.Type, tt.status, tt.slug)
@@ -399,9 +397,7 @@ func TestAPI_BodyCutShort(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer resp.Body.Close()
-			r := &response{status: resp.StatusCode, header: resp.Header}
-			r.body, _ = io.ReadAll(resp.Body)
+			r := readResponse(t, resp)
 			p := r.problem(t)
 			if r.status != tc.status || p.Type != api.ProblemTypePrefix+tc.slug || p.Status != tc.status || p.Detail == "" {
 				t.Errorf("= %d %s; want %d %s", r.status, r.body, tc.status, tc.slug)

@@ -177,10 +177,16 @@ func (e *env) do(c *http.Client, method, path string, body any, hdr ...string) *
 	if err != nil {
 		e.t.Fatalf("%s %s: %v", method, path, err)
 	}
+	return readResponse(e.t, resp)
+}
+
+// readResponse reads and closes resp's body: the finished exchange.
+func readResponse(t testing.TB, resp *http.Response) *response {
+	t.Helper()
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		e.t.Fatal(err)
+		t.Fatal(err)
 	}
 	return &response{status: resp.StatusCode, header: resp.Header, body: b}
 }
