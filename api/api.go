@@ -1148,6 +1148,7 @@ func (h *Handler) nodes(w http.ResponseWriter, r *http.Request) {
 		resp.Nodes[i] = Node{Address: n.Addr, Up: n.Up, LatencyMS: float64(n.Latency.Microseconds()) / 1000}
 		if !n.QuarantinedUntil.IsZero() {
 			resp.Nodes[i].QuarantinedUntil = n.QuarantinedUntil.UTC().Format(time.RFC3339Nano)
+			resp.Nodes[i].QuarantineReason = n.QuarantineReason
 		}
 		if n.Up {
 			resp.Up++

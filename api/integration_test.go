@@ -383,6 +383,17 @@ func TestAPI_NodeLostMemory(t *testing.T) {
 			t.Errorf("a node holding the lock: %+v; want outcome no without an error", n)
 		}
 	}
+	// /v1/nodes says until when and why; the others are not quarantined.
+	var nodes api.NodeList
+	e.do(e.client, http.MethodGet, "/v1/nodes", nil).decode(t, &nodes)
+	if n := nodes.Nodes[0]; n.QuarantinedUntil == "" || n.QuarantineReason != service.QuarantineLostMemory {
+		t.Errorf("the flushed node in /v1/nodes: %+v; want quarantined_until and quarantine_reason %q", n, service.QuarantineLostMemory)
+	}
+	for _, n := range nodes.Nodes[1:] {
+		if n.QuarantinedUntil != "" || n.QuarantineReason != "" {
+			t.Errorf("a node that kept its data in /v1/nodes: %+v; want no quarantine", n)
+		}
+	}
 }
 
 func TestAPI_PostgresDown(t *testing.T) {

@@ -67,6 +67,9 @@ type Node struct {
 	// QuarantinedUntil is set while the node's votes do not count because it
 	// restarted without its data (RFC 3339).
 	QuarantinedUntil string `json:"quarantined_until,omitempty"`
+	// QuarantineReason says why, with QuarantinedUntil: lost_memory,
+	// evicting, evicted or info_refused (service.Quarantine*).
+	QuarantineReason string `json:"quarantine_reason,omitempty"`
 }
 
 // NodeList is the body of GET /v1/nodes.

@@ -884,9 +884,19 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 		return false
 	}
 	until := l.quarantineEnd(left)
+	now := l.opts.Now()
 	m.mu.Lock()
 	prev := m.epoch
-	m.epoch = cur
+	// While a quarantine runs the node is marked with cur, and keeps the
+	// epoch it had here until the mark has answered (see below). A stale
+	// report of a loss (the record had moved on, to the epoch this server
+	// has already) needs no mark: this server marked the node when it
+	// adopted that epoch, and if the marker is missing all the same, the
+	// next acquire finds that out.
+	mark := until.After(now) && (req.unseen || cur != prev)
+	if !mark {
+		m.epoch = cur
+	}
 	if len(m.queued) == 0 || until.After(m.until) {
 		m.until = until
 	}
@@ -896,7 +906,6 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 		m.unrecorded, m.recordErr = false, nil
 	}
 	m.mu.Unlock()
-	now := l.opts.Now()
 	if !until.After(now) {
 		// No quarantine runs: another server moved the node to cur and
 		// marked it earlier, and this one was behind (or, unseen, the
@@ -920,11 +929,26 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 	// older epoch (a mark that landed after a restart) would otherwise make
 	// every acquire find the node "restarted" for good. The others only
 	// add a missing one.
+	//
+	// The node's epoch here becomes cur only once the mark has answered:
+	// an acquire sent with cur before the mark lands would find no marker
+	// and report a new loss of the epoch on record, which would start a
+	// new quarantine and a new mark, and so on for as long as acquires
+	// come. Sent with the epoch before, such a report is found stale by
+	// the Registry (it moved on) and only adopts cur. If the mark fails,
+	// the next acquire sent with cur finds the marker missing and a new
+	// quarantine starts.
+	if !mark {
+		return true
+	}
 	mctx, mcancel := context.WithTimeout(ctx, min(l.opts.NodeTimeout, until.Sub(now)))
 	defer mcancel()
 	if _, err := m.Mark(mctx, cur, cur == next); err != nil {
 		l.opts.Logger.Warn("could not mark node", slog.String("node", m.Addr()), slog.String("error", err.Error()))
 	}
+	m.mu.Lock()
+	m.epoch = cur
+	m.mu.Unlock()
 	return true
 }
 
@@ -1924,16 +1948,19 @@ func (l *Locker) markReleased(token string) {
 // background.
 func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *tally {
 	l.markReleased(token)
+	// Releases of one token run one after the other: done is closed once
+	// every node answered this one, and the next one waits for it (so it
+	// sees this one's outcome rather than racing it).
+	done := make(chan struct{})
 	l.lateMu.Lock()
 	prev := l.releasing[token]
+	l.releasing[token] = done
 	l.lateMu.Unlock()
 	if prev != nil {
 		<-prev // each of its nodes answers within NodeTimeout
 	}
-	// The last node to finish, if the caller returned before it, lets a
-	// repeated release go on.
 	var mu sync.Mutex
-	left, done := len(l.nodes), chan struct{}(nil)
+	left := len(l.nodes)
 	// Nodes that answered that the key does not hold the token: if others
 	// deleted it, the token was a grant's, and a straggling SET of that
 	// grant may still land on them (see sweeper).
@@ -1964,14 +1991,16 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 		if left == 0 && found {
 			sweep = absent
 		}
-		last := left == 0 && done != nil
+		last := left == 0
 		mu.Unlock()
 		for _, i := range sweep {
 			l.sweep.add(i, rkey, token)
 		}
 		if last {
 			l.lateMu.Lock()
-			delete(l.releasing, token)
+			if l.releasing[token] == done { // no release of the token queued behind
+				delete(l.releasing, token)
+			}
 			l.lateMu.Unlock()
 			close(done)
 		}
@@ -1981,14 +2010,6 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 	for t.got < len(l.nodes) && (all || t.yes < l.quorum) {
 		l.add(t, <-votes.ch)
 	}
-	mu.Lock()
-	if left > 0 {
-		done = make(chan struct{})
-		l.lateMu.Lock()
-		l.releasing[token] = done
-		l.lateMu.Unlock()
-	}
-	mu.Unlock()
 	return t
 }
 
@@ -2067,7 +2088,29 @@ type NodeStatus struct {
 	// QuarantinedUntil is when the node's votes count again after it lost
 	// its memory; zero when they count now.
 	QuarantinedUntil time.Time
+	// QuarantineReason says why, while QuarantinedUntil is set: one of the
+	// Quarantine* constants.
+	QuarantineReason string
 }
+
+// Why a node's votes do not count (NodeStatus.QuarantineReason).
+const (
+	// QuarantineLostMemory: the node restarted without its data (its epoch
+	// marker was gone, or a new process that does not fsync every write),
+	// or another server recorded that it may have lost leases; a lease it
+	// forgot may still be live until the quarantine ends.
+	QuarantineLostMemory = "lost_memory"
+	// QuarantineEvicting: the node has a maxmemory limit with an evicting
+	// maxmemory-policy, so it may drop lock keys; the quarantine moves on
+	// until it stops.
+	QuarantineEvicting = "evicting"
+	// QuarantineInfoRefused: the node refuses INFO, so whether it may evict
+	// keys or restarted cannot be told; counted as if it evicted.
+	QuarantineInfoRefused = "info_refused"
+	// QuarantineEvicted: the node stopped evicting; a lease it evicted may
+	// still be live until the quarantine ends.
+	QuarantineEvicted = "evicted"
+)
 
 // legacyAdopter is a Node that may hold its marker under the key used before
 // markers were kept per address (RedisNode). A known node, not quarantined,
@@ -2125,10 +2168,20 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	for i, r := range t.results {
 		out[i] = NodeStatus{Addr: r.Addr, Up: r.Outcome == Yes, Latency: r.Latency, Err: r.Err}
 		m := l.members[i]
+		now := l.opts.Now()
 		m.mu.Lock()
 		epoch, until, recErr := m.epoch, m.end(), m.recordErr
 		if m.evicting != "" || m.unrecorded { // counted out for as long as it may evict, and then some
-			until = later(until, l.opts.Now().Add(l.quarantineFor()))
+			until = later(until, now.Add(l.quarantineFor()))
+		}
+		reason := QuarantineLostMemory
+		switch {
+		case m.evicting == policyRefused:
+			reason = QuarantineInfoRefused
+		case m.evicting != "":
+			reason = QuarantineEvicting
+		case !m.unrecorded && m.evictEnd.After(now) && !m.evictEnd.Before(m.until):
+			reason = QuarantineEvicted
 		}
 		m.mu.Unlock()
 		if recErr != nil {
@@ -2137,8 +2190,8 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 			out[i].Err = fmt.Errorf("the node restarted or lost its memory, and this could not be recorded yet (retrying; its votes do not count meanwhile): %w", recErr)
 			continue
 		}
-		if until.After(l.opts.Now()) {
-			out[i].QuarantinedUntil = until
+		if until.After(now) {
+			out[i].QuarantinedUntil, out[i].QuarantineReason = until, reason
 			continue
 		}
 		if got, ok := found.Load(i); ok && got.(string) != epoch {

@@ -842,6 +842,41 @@ func TestLocker_Release(t *testing.T) {
 	}
 }
 
+// TestLocker_ConcurrentReleases: releases of one token run one after the
+// other, so of two sent at once exactly one deletes the lock and the other
+// finds it gone (ErrNotHolder), rather than both deleting part of it.
+func TestLocker_ConcurrentReleases(t *testing.T) {
+	ctx := context.Background()
+	ns, ms := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{})
+	for trial := range 20 {
+		name := fmt.Sprintf("%s-%d", key, trial)
+		g, err := l.Acquire(ctx, name, Request{TTL: time.Minute})
+		if err != nil {
+			t.Fatal(err)
+		}
+		settle(ms) // every node holds it
+		errs := make(chan error, 2)
+		for range 2 {
+			go func() { errs <- l.Release(ctx, name, g.Token) }()
+		}
+		var ok, notHolder int
+		for range 2 {
+			switch err := <-errs; {
+			case err == nil:
+				ok++
+			case errors.Is(err, ErrNotHolder):
+				notHolder++
+			default:
+				t.Fatalf("trial %d: Release = %v", trial, err)
+			}
+		}
+		if ok != 1 || notHolder != 1 {
+			t.Fatalf("trial %d: two concurrent releases: %d released, %d not holder; want 1 and 1", trial, ok, notHolder)
+		}
+	}
+}
+
 // TestLocker_ReleaseAfterStraggler: a release must not be undone by the late
 // SET of the round that granted the lock. Release does not wait for that
 // straggler; the straggler deletes what it set once it lands.
@@ -1053,8 +1088,8 @@ func TestLocker_Quarantine(t *testing.T) {
 		if want := clk.Now().Add(time.Minute); until.Before(want) {
 			t.Errorf("quarantined until %v; want at least MaxTTL later, %v", until, want)
 		}
-		if st := l.Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
-			t.Error("Nodes does not show the quarantine")
+		if st := l.Nodes(ctx); st[0].QuarantinedUntil.IsZero() || st[0].QuarantineReason != QuarantineLostMemory {
+			t.Errorf("Nodes shows %+v; want quarantined as %q", st[0], QuarantineLostMemory)
 		}
 		// Even once re-marked, its yes does not count until the end.
 		if _, err := l.Acquire(ctx, "other-name", Request{TTL: time.Second}); err != nil {

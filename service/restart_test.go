@@ -234,7 +234,9 @@ func TestLocker_NodeRestart(t *testing.T) {
 		if st := l2.Nodes(t.Context()); st[0].QuarantinedUntil.IsZero() {
 			t.Errorf("trial %d: a second server does not see node 0's quarantine", trial)
 		}
-		if err := l.Release(context.Background(), key, a.Token); err != nil {
+		// A's 3 s lease may have run out by now on a loaded machine: the
+		// release only tidies up (the quarantine outlasts it anyway).
+		if err := l.Release(context.Background(), key, a.Token); err != nil && !errors.Is(err, service.ErrNotHolder) {
 			t.Fatal(err)
 		}
 		waitQuarantineOver(t, l)
@@ -308,19 +310,29 @@ func TestLocker_PersistentRestart(t *testing.T) {
 	e := newRestartEnv(t, true)
 	l := e.locker(t, e.db)
 	a := e.holdOnFirstThree(t, l, "aof")
+	addr := e.nodes[0].Addr()
+	epoch, _, _, err := e.db.RegisterNode(t.Context(), addr, "unused")
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := e.nodes[0].Kill(); err != nil {
 		t.Fatal(err)
 	}
 	if err := e.nodes[0].Start(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	_, err := l.Acquire(t.Context(), "aof", service.Request{TTL: time.Second})
+	_, err = l.Acquire(t.Context(), "aof", service.Request{TTL: time.Second})
 	var se *service.Error
 	if !errors.As(err, &se) || !errors.Is(err, service.ErrHeld) || se.Nodes[0].Outcome != service.No {
 		t.Fatalf("B = %v; want ErrHeld with node 0 still holding A's key", err)
 	}
-	if st := l.Nodes(t.Context()); !st[0].QuarantinedUntil.IsZero() {
-		t.Errorf("node 0 quarantined after a restart with its data: %+v", st[0])
+	// The new process is counted out only until it is recorded as durable
+	// (in the background): no quarantine, so the epoch on record stays.
+	testutil.WaitFor(t, 20*time.Second, "node 0's new process recorded", func() (bool, error) {
+		return l.Nodes(t.Context())[0].QuarantinedUntil.IsZero(), nil
+	})
+	if cur, left, _, err := e.db.RegisterNode(t.Context(), addr, "unused"); err != nil || cur != epoch || left != 0 {
+		t.Errorf("node 0's record after a restart with its data: epoch %q (was %q), quarantine left %v, %v; want unchanged, none", cur, epoch, left, err)
 	}
 	if _, err := l.Acquire(t.Context(), "other", service.Request{TTL: time.Second}); err != nil {
 		t.Errorf("acquire of another name: %v", err)
@@ -558,8 +570,11 @@ func TestLocker_EvictingNode(t *testing.T) {
 		}
 	}
 	waitQuarantined(t, l, 0)
-	if st := e.locker(t, e.db).Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
-		t.Error("a second server does not see node 0 counted out")
+	if r := l.Nodes(ctx)[0].QuarantineReason; r != service.QuarantineEvicting {
+		t.Errorf("node 0 quarantined for %q; want %q", r, service.QuarantineEvicting)
+	}
+	if st := e.locker(t, e.db).Nodes(ctx); st[0].QuarantinedUntil.IsZero() || st[0].QuarantineReason != service.QuarantineEvicting {
+		t.Errorf("a second server sees node 0 as %+v; want counted out as evicting", st[0])
 	}
 	// The node evicts A's lease: nodes 1 and 2 alone still hold it.
 	if err := e.raw[0].Del(ctx, "redfence:lock:evicted").Err(); err != nil {
@@ -570,6 +585,13 @@ func TestLocker_EvictingNode(t *testing.T) {
 	}
 	if err := e.raw[0].ConfigSet(ctx, "maxmemory-policy", "noeviction").Err(); err != nil {
 		t.Fatal(err)
+	}
+	// Seen to stop evicting at the next check; quarantined on, as evicted.
+	testutil.WaitFor(t, 20*time.Second, "node 0 seen to stop evicting", func() (bool, error) {
+		return l.Nodes(ctx)[0].QuarantineReason != service.QuarantineEvicting, nil
+	})
+	if st := l.Nodes(ctx)[0]; st.QuarantineReason != service.QuarantineEvicted || st.QuarantinedUntil.IsZero() {
+		t.Errorf("node 0 once it stopped evicting: %+v; want quarantined as %q", st, service.QuarantineEvicted)
 	}
 	testutil.WaitFor(t, 60*time.Second, "node 0 to count again", func() (bool, error) {
 		return l.Nodes(ctx)[0].QuarantinedUntil.IsZero(), nil
@@ -908,9 +930,9 @@ func TestLocker_INFORevoked(t *testing.T) {
 	if err := e.raw[0].Do(ctx, "client", "kill", "user", "redfence").Err(); err != nil {
 		t.Fatal(err)
 	}
-	testutil.WaitFor(t, 20*time.Second, "node 0 counted out", func() (bool, error) {
+	testutil.WaitFor(t, 20*time.Second, "node 0 counted out as refusing INFO", func() (bool, error) {
 		st := l.Nodes(ctx)[0]
-		return !st.Up || !st.QuarantinedUntil.IsZero(), nil
+		return !st.QuarantinedUntil.IsZero() && st.QuarantineReason == service.QuarantineInfoRefused, nil
 	})
 	for i := range 3 {
 		key := fmt.Sprintf("info-revoked-%d", i)

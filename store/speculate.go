@@ -32,6 +32,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -61,15 +62,28 @@ RETURNING f.token, (SELECT owner FROM old), (SELECT holder FROM old), (SELECT is
 // confirmSQL reads the newest token of $1.
 const confirmSQL = `SELECT token FROM redfence_fencing WHERE key = $1`
 
+// A withdrawal runs as lockRowSQL then withdrawSQL (or withdrawFirstSQL) in
+// one transaction. The row lock waits for every write holding the token row
+// (putSQL takes a share lock on it) and keeps new ones out; the statement
+// after it, with a snapshot of its own, sees what those writes committed. A
+// token that a write carried (the newest token is readable, GET
+// /v1/locks/{name}, and a client may write with it) is not withdrawn: it
+// stays burned, so the store never meets an older token after it, nor the
+// same token again from a later grant.
+const lockRowSQL = `SELECT token FROM redfence_fencing WHERE key = $1 FOR UPDATE`
+
 // withdrawSQL puts back the row a speculative token $2 (> 1) replaced, if $2
-// is still the newest.
+// is still the newest and no write carried it.
 const withdrawSQL = `
 UPDATE redfence_fencing SET token = token - 1, owner = $3, holder = $4, issued_at = $5::timestamptz
- WHERE key = $1 AND token = $2`
+ WHERE key = $1 AND token = $2
+   AND NOT EXISTS (SELECT 1 FROM redfence_resources WHERE key = $1 AND fencing_token >= $2)`
 
 // withdrawFirstSQL deletes the row a speculative first token created, if it
-// is still the newest.
-const withdrawFirstSQL = `DELETE FROM redfence_fencing WHERE key = $1 AND token = 1`
+// is still the newest and no write carried it.
+const withdrawFirstSQL = `
+DELETE FROM redfence_fencing WHERE key = $1 AND token = 1
+   AND NOT EXISTS (SELECT 1 FROM redfence_resources WHERE key = $1)`
 
 // errNoIdleConn is returned by Speculate when every pooled connection is in
 // use.
@@ -177,13 +191,15 @@ func (s *speculation) Abandon(ctx context.Context) error {
 	if s.issued == 0 {
 		return nil
 	}
-	var err error
+	// One round trip: a batch runs in one implicit transaction.
+	b := &pgx.Batch{}
+	b.Queue(lockRowSQL, s.claim.Key)
 	if s.replaced && s.issued > 1 {
-		_, err = s.conn.Exec(ctx, withdrawSQL, s.claim.Key, int64(s.issued), s.old[0], s.old[1], s.old[2])
+		b.Queue(withdrawSQL, s.claim.Key, int64(s.issued), s.old[0], s.old[1], s.old[2])
 	} else {
-		_, err = s.conn.Exec(ctx, withdrawFirstSQL, s.claim.Key)
+		b.Queue(withdrawFirstSQL, s.claim.Key)
 	}
-	if err != nil {
+	if err := s.conn.SendBatch(ctx, b).Close(); err != nil {
 		return s.fail("withdraw", err)
 	}
 	return nil

@@ -178,6 +178,54 @@ func TestDB_Speculate(t *testing.T) {
 		wantLast(t, db, "kept", 3, "", "")
 	})
 
+	// A token a write carried is not withdrawn: it stays burned, so no
+	// later grant gets it again and no older token is accepted after it.
+	run("AbandonWritten", func(t *testing.T) {
+		issue(t, db, "written")
+		s := speculate(t, db, fencing.Claim{Key: "written", Owner: "H"}, 1)
+		waitToken(t, db, "written", 2)
+		if _, err := db.PutResource(ctx, "written", 2, []byte(`"with the speculative token"`)); err != nil {
+			t.Fatalf("write with the newest token: %v", err)
+		}
+		if err := s.Abandon(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantLast(t, db, "written", 2, "H", "")
+		if _, err := db.PutResource(ctx, "written", 1, []byte(`"older"`)); !errors.Is(err, fencing.ErrStale) {
+			t.Errorf("write with token 1 after token 2 was written = %v; want stale", err)
+		}
+		if got := issue(t, db, "written"); got != 3 {
+			t.Errorf("Issue after the written token = %d; want 3", got)
+		}
+		// The first token too.
+		s = speculate(t, db, fencing.Claim{Key: "written-first", Owner: "I"}, 0)
+		waitToken(t, db, "written-first", 1)
+		if _, err := db.PutResource(ctx, "written-first", 1, []byte(`1`)); err != nil {
+			t.Fatalf("write with the first token: %v", err)
+		}
+		if err := s.Abandon(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantLast(t, db, "written-first", 1, "I", "")
+		// And a document's token never goes back, even if the token row
+		// did (as a withdrawal before this rule could do).
+		issue(t, db, "regress")
+		issue(t, db, "regress")
+		if _, err := db.PutResource(ctx, "regress", 2, []byte(`2`)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.pool.Exec(ctx, `UPDATE redfence_fencing SET token = 1 WHERE key = 'regress'`); err != nil {
+			t.Fatal(err)
+		}
+		_, err := db.PutResource(ctx, "regress", 1, []byte(`1`))
+		if se := (*fencing.StaleError)(nil); !errors.As(err, &se) || se.Current != 2 {
+			t.Errorf("write with token 1 over a document written with 2 = %v; want stale, newest 2", err)
+		}
+		if r, err := db.GetResource(ctx, "regress"); err != nil || r.FencingToken != 2 || string(r.Data) != "2" {
+			t.Errorf("document = %+v, %v; want token 2's", r, err)
+		}
+	})
+
 	// The connection goes back to the pool in a usable state each time:
 	// many speculations in a row on a small pool.
 	run("Reuse", func(t *testing.T) {

@@ -269,7 +269,8 @@ type Resource = refstore.Resource
 // The CTE takes a share lock on the token row: an issuance waiting to bump it
 // waits for this write to commit, and a write waiting behind an issuance sees
 // the new token and is refused. So a write either lands before the next
-// token is issued (and its holder's successor reads it) or not at all.
+// token is issued (and its holder's successor reads it) or not at all. The
+// document's own token never goes back either, whatever the token row says.
 const putSQL = `
 WITH cur AS (SELECT token FROM redfence_fencing WHERE key = $1 FOR SHARE)
 INSERT INTO redfence_resources AS r (key, data, fencing_token, version, updated_at)
@@ -277,6 +278,7 @@ SELECT $1, $3, $2, 1, now() FROM cur WHERE cur.token = $2
 ON CONFLICT (key) DO UPDATE
    SET data = excluded.data, fencing_token = excluded.fencing_token,
        version = r.version + 1, updated_at = excluded.updated_at
+ WHERE r.fencing_token <= excluded.fencing_token
 RETURNING data, fencing_token, version, updated_at`
 
 const putUnfencedSQL = `
@@ -305,7 +307,16 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 		if lerr != nil {
 			return nil, fmt.Errorf("store: put %q: refused, and %w", key, classify(lerr))
 		}
-		return nil, &fencing.StaleError{Key: key, Got: token, Current: last.Token}
+		cur := last.Token
+		if cur <= token {
+			// Refused for the document's own token, newer than the
+			// newest on record (written before a withdrawal lowered it).
+			var doc int64
+			if err := db.pool.QueryRow(ctx, `SELECT fencing_token FROM redfence_resources WHERE key = $1`, key).Scan(&doc); err == nil {
+				cur = max(cur, fencing.Token(doc))
+			}
+		}
+		return nil, &fencing.StaleError{Key: key, Got: token, Current: cur}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("store: put %q: %w", key, classify(err))

@@ -240,6 +240,19 @@ type Node struct {
 	// Example: 0.412
 	LatencyMs float64 `json:"latency_ms"`
 
+	// QuarantineReason Present with `quarantined_until`: why the node's votes do not
+	// count. `lost_memory`: it restarted without its data, or another
+	// server recorded that it may have lost leases. `evicting`: it has a
+	// `maxmemory` limit with an evicting `maxmemory-policy`. `evicted`:
+	// it stopped evicting, and a lease it evicted may still be live.
+	// `info_refused`: it refuses `INFO` (allow the Redis user `+info`),
+	// so whether it evicts or restarted cannot be told. Clients must
+	// accept values not listed here.
+	//
+	//
+	// Example: lost_memory
+	QuarantineReason *string `json:"quarantine_reason,omitempty"`
+
 	// QuarantinedUntil Present while the node's votes do not count: it was found to have
 	// restarted without its data (its epoch marker was gone, or a new
 	// process that does not fsync every write), and a lease it forgot may

@@ -543,6 +543,18 @@ export interface components {
              * @example 2025-03-14T09:27:45.118Z
              */
             quarantined_until?: string;
+            /**
+             * @description Present with `quarantined_until`: why the node's votes do not
+             *     count. `lost_memory`: it restarted without its data, or another
+             *     server recorded that it may have lost leases. `evicting`: it has a
+             *     `maxmemory` limit with an evicting `maxmemory-policy`. `evicted`:
+             *     it stopped evicting, and a lease it evicted may still be live.
+             *     `info_refused`: it refuses `INFO` (allow the Redis user `+info`),
+             *     so whether it evicts or restarted cannot be told. Clients must
+             *     accept values not listed here.
+             * @example lost_memory
+             */
+            quarantine_reason?: string;
         };
         NodeList: {
             /**
