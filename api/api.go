@@ -228,16 +228,28 @@ func (h *Handler) Routes() chi.Routes { return h.router }
 func (h *Handler) newRouter() *chi.Mux {
 	r := chi.NewRouter()
 	r.Use(h.front)
-	r.NotFound(func(w http.ResponseWriter, r *http.Request) {
+	notFound := func(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
 			Detail: "no route " + instance(r), Instance: instance(r), RequestID: requestID(r.Context())})
-	})
+	}
+	r.NotFound(notFound)
+	// endpoints are the patterns that serve something (filled in below):
+	// a mount's own path (/v1) matches too, yet serves nothing.
+	endpoints := map[string]bool{}
 	r.MethodNotAllowed(func(w http.ResponseWriter, req *http.Request) {
 		var allow []string
 		for _, m := range []string{http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodDelete} {
-			if r.Match(chi.NewRouteContext(), m, routePath(req)) {
+			rctx := chi.NewRouteContext()
+			if r.Match(rctx, m, routePath(req)) && endpoints[rctx.RoutePattern()] {
 				allow = append(allow, m)
 			}
+		}
+		if len(allow) == 0 {
+			// chi answers 405 to a method it does not know on any path:
+			// a path that serves no method is not found (RFC 9110 §15.5.6:
+			// a 405's Allow lists what the target supports).
+			notFound(w, req)
+			return
 		}
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeProblem(w, &Problem{Type: kMethod.typ, Title: kMethod.title, Status: kMethod.status,
@@ -265,6 +277,10 @@ func (h *Handler) newRouter() *chi.Mux {
 		resources.Put("/resources/{name}", h.putResource)
 		get(resources, "/resources/{name}", http.HandlerFunc(h.getResource))
 		get(admin, "/nodes", http.HandlerFunc(h.nodes))
+	})
+	_ = chi.Walk(r, func(_, route string, _ http.Handler, _ ...func(http.Handler) http.Handler) error {
+		endpoints[route] = true
+		return nil
 	})
 	return r
 }
@@ -311,6 +327,33 @@ func lockToken(r *http.Request) (string, error) {
 			InvalidParam{Name: LockTokenHeader, Reason: "must be 27 characters of base64url"})
 	}
 	return t, nil
+}
+
+// tokenInPath returns the {name} of a release or an extend when it has the
+// shape of a lock token and the Lock-Token header is missing, malformed or
+// the same: most likely a lock token put in the path by a client that
+// swapped its arguments. Being a secret, it is redacted from the path the
+// access log and problems show (see instance).
+func tokenInPath(r *http.Request) (string, bool) {
+	p := r.URL.Path
+	if len(p) <= len(lockPrefix) || p[:len(lockPrefix)] != lockPrefix {
+		return "", false
+	}
+	name := p[len(lockPrefix):]
+	switch {
+	case r.Method == http.MethodDelete:
+	case r.Method == http.MethodPost && strings.HasSuffix(name, "/extend"):
+		name = name[:len(name)-len("/extend")]
+	default:
+		return "", false
+	}
+	if len(name) != 27 || !base64URL(name) {
+		return "", false
+	}
+	if v := r.Header[LockTokenHeader]; len(v) == 1 && v[0] != name && len(v[0]) == 27 && base64URL(v[0]) {
+		return "", false // a well-formed token of its own: the name is a name
+	}
+	return name, true
 }
 
 // base64URL reports whether s is made of the base64url alphabet only.
@@ -921,7 +964,7 @@ func validOwner(s string) string {
 	}
 	for _, c := range s {
 		if c == unicode.ReplacementChar || !unicode.IsPrint(c) {
-			return "must be printable UTF-8 text"
+			return "must be printable UTF-8 text (not U+FFFD, which stands for invalid UTF-8)"
 		}
 	}
 	return ""
@@ -977,6 +1020,12 @@ func (h *Handler) extend(w http.ResponseWriter, r *http.Request) {
 func (h *Handler) held(r *http.Request) (name, key, token string, err error) {
 	name, key, nameErr := h.key(r)
 	token, tokenErr := lockToken(r)
+	if nameErr == nil && tokenErr == nil && name == token {
+		// A client that swapped its arguments: the secret is not a name
+		// to act on (nor to log: see tokenInPath).
+		return name, key, token, invalid("the path holds the lock token: the path takes the lock's name, the "+LockTokenHeader+" header its lock_token",
+			InvalidParam{Name: "name", Reason: "is the lock token, a secret"})
+	}
 	if nameErr == nil && tokenErr == nil {
 		return name, key, token, nil
 	}

@@ -198,6 +198,56 @@ func TestReleaseAudit(t *testing.T) {
 	}
 }
 
+// TestLockTokenInPath: a client that put the lock token in the path (its
+// arguments swapped) gets a 400 that acts on nothing, and the token is kept
+// out of the log and the problem (the path shows it redacted).
+func TestLockTokenInPath(t *testing.T) {
+	t.Parallel()
+	e := newFakeEnv(t, false)
+	g := e.acquire(t, e.h, "orders", `{"ttl_ms":30000}`)
+	tok := g.LockToken
+	for _, tc := range []struct {
+		name, method, target, body string
+		hdr                        []string
+	}{
+		{"ReleaseNoHeader", http.MethodDelete, "/v1/locks/" + tok, "", nil},
+		{"ReleaseSwapped", http.MethodDelete, "/v1/locks/" + tok, "", []string{LockTokenHeader, "orders"}},
+		{"ReleaseSame", http.MethodDelete, "/v1/locks/" + tok, "", []string{LockTokenHeader, tok}},
+		{"ExtendSwapped", http.MethodPost, "/v1/locks/" + tok + "/extend", `{"ttl_ms":5000}`, []string{LockTokenHeader, "orders"}},
+		{"ExtendSame", http.MethodPost, "/v1/locks/" + tok + "/extend", `{"ttl_ms":5000}`, []string{LockTokenHeader, tok}},
+		{"ExtendEscaped", http.MethodPost, "/v1/locks/%" + fmt.Sprintf("%X", tok[0]) + tok[1:] + "/extend", `{}`, nil},
+	} {
+		w := e.do(e.h, tc.method, tc.target, tc.body, tc.hdr...)
+		var p Problem
+		if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != http.StatusBadRequest {
+			t.Errorf("%s: %d %s; want 400", tc.name, w.Code, w.Body)
+			continue
+		}
+		if strings.Contains(w.Body.String(), tok) || !strings.Contains(p.Instance, "[redacted]") {
+			t.Errorf("%s: the problem shows the lock token: %s", tc.name, w.Body)
+		}
+	}
+	if strings.Contains(e.logs.String(), tok) {
+		t.Errorf("the log contains the lock token:\n%s", e.logs.String())
+	}
+	if !strings.Contains(e.logs.String(), `"path":"/v1/locks/[redacted]"`) {
+		t.Errorf("no access line with the path redacted in:\n%s", e.logs.String())
+	}
+	// Nothing was released or extended: the holder still releases it.
+	if w := e.do(e.h, http.MethodDelete, "/v1/locks/orders", "", LockTokenHeader, tok); w.Code != http.StatusNoContent {
+		t.Errorf("release by the holder = %d %s; want 204", w.Code, w.Body)
+	}
+	// A name shaped like a token, with a token of its own, is a name.
+	other := strings.Repeat("n", 27)
+	g2 := e.acquire(t, e.h, other, `{}`)
+	if w := e.do(e.h, http.MethodDelete, "/v1/locks/"+other, "", LockTokenHeader, g2.LockToken); w.Code != http.StatusNoContent {
+		t.Errorf("release of a 27-character name = %d %s; want 204", w.Code, w.Body)
+	}
+	if !strings.Contains(e.logs.String(), `"path":"/v1/locks/`+other+`"`) {
+		t.Errorf("the 27-character name was redacted from the access line")
+	}
+}
+
 // TestReleaseAnswersBeforeAudit checks that a release whose audit line
 // waits for Postgres (another server's grant) answers the client first: a
 // release does not need Postgres.
@@ -682,7 +732,7 @@ func TestMetricsCached(t *testing.T) {
 		{m.requests.WithLabelValues(lockRoute, "POST", "201"), 5},
 		{m.requests.WithLabelValues(lockRoute, "DELETE", "204"), 5},
 		{m.requests.WithLabelValues(lockRoute, "DELETE", "409"), 1},
-		{m.requests.WithLabelValues("unmatched", "other", "405"), 20},
+		{m.requests.WithLabelValues("unmatched", "other", "404"), 20},
 		{m.acquisitions.WithLabelValues("granted"), 5},
 		{m.releases.WithLabelValues("released"), 5},
 		{m.releases.WithLabelValues("not-holder"), 1},
@@ -807,6 +857,38 @@ func TestHead(t *testing.T) {
 	}
 	if w := e.do(e.h, http.MethodPut, "/v1/locks/x", ""); w.Header().Get("Allow") != "GET, HEAD, POST, DELETE" {
 		t.Errorf("PUT /v1/locks/x: Allow %q; want GET, HEAD, POST, DELETE", w.Header().Get("Allow"))
+	}
+}
+
+// TestMethodNotAllowed: a method a route does not serve answers 405 with
+// the route's methods in Allow; a path that serves no method (whatever the
+// method, even one chi does not know) answers 404.
+func TestMethodNotAllowed(t *testing.T) {
+	t.Parallel()
+	e := newFakeEnv(t, false)
+	for _, tc := range []struct {
+		method, path string
+		status       int
+		allow        string
+	}{
+		{"FOO", "/v1/locks/x", 405, "GET, HEAD, POST, DELETE"},
+		{"PROPFIND", "/v1/locks/x/extend", 405, "POST"},
+		{http.MethodPost, "/v1/nodes", 405, "GET, HEAD"},
+		{http.MethodDelete, "/v1/resources/x", 405, "GET, HEAD, PUT"},
+		{"FOO", "/healthz", 405, "GET, HEAD"},
+		{"FOO", "/nope", 404, ""},
+		{"FOO", "/", 404, ""},
+		{"FOO", "/v1", 404, ""},
+		{"FOO", "/v1/", 404, ""},
+		{http.MethodPut, "/v1", 404, ""},
+		{http.MethodGet, "/v1", 404, ""},
+		{"FOO", "/v1/locks", 404, ""},
+		{"PROPFIND", "/v1/locks/x/y/z", 404, ""},
+	} {
+		w := e.do(e.h, tc.method, tc.path, "")
+		if w.Code != tc.status || w.Header().Get("Allow") != tc.allow || w.Header().Get("Content-Type") != "application/problem+json" {
+			t.Errorf("%s %s = %d, Allow %q, %s; want %d, Allow %q, a problem", tc.method, tc.path, w.Code, w.Header().Get("Allow"), w.Header().Get("Content-Type"), tc.status, tc.allow)
+		}
 	}
 }
 

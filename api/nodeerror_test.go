@@ -12,6 +12,8 @@ import (
 	"testing"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/redfence/redfence/service"
 )
 
 // TestNodeErrorText: a node's error reaches clients as one sentence per
@@ -42,6 +44,34 @@ func TestNodeErrorText(t *testing.T) {
 		}
 		if strings.Contains(got, "36228") || strings.Contains(got, "33987") {
 			t.Errorf("nodeErrorText(%v) = %q names a socket address", tc.err, got)
+		}
+	}
+}
+
+// TestQuorumDetail: a 503 quorum-unavailable says whether nodes failed to
+// answer, or every node answered and the votes split (quarantined nodes'
+// answers not counting).
+func TestQuorumDetail(t *testing.T) {
+	t.Parallel()
+	n := func(os ...service.Outcome) []service.NodeResult {
+		rs := make([]service.NodeResult, len(os))
+		for i, o := range os {
+			rs[i].Outcome = o
+		}
+		return rs
+	}
+	for _, tc := range []struct {
+		nodes []service.NodeResult
+		want  string
+	}{
+		{nil, "fewer Redis nodes than a majority answered"},
+		{n(service.Yes, service.Yes, service.Timeout, service.Failed, service.No), "fewer Redis nodes than a majority answered"},
+		{n(service.Yes, service.Quarantined, service.Timeout, service.No, service.No), "fewer Redis nodes than a majority answered"},
+		{n(service.Yes, service.Yes, service.Quarantined, service.No, service.No), "1 of 5 nodes are quarantined"},
+		{n(service.Yes, service.Yes, service.No, service.No), "the nodes' answers split"},
+	} {
+		if got := quorumDetail(tc.nodes); !strings.Contains(got, tc.want) {
+			t.Errorf("quorumDetail(%v) = %q; want it to say %q", tc.nodes, got, tc.want)
 		}
 	}
 }

@@ -439,7 +439,7 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 	case k == kStore && r.Method == http.MethodGet:
 		p.Detail = "Postgres did not answer; the document could not be read"
 	case k == kStore:
-		p.Detail = "Postgres did not answer; nothing was written"
+		p.Detail = "Postgres did not answer in time; the write may or may not have been applied (it can still commit): read the document before writing again"
 	case tree.is(service.ErrInvalid):
 		p.Detail = err.Error()
 	}
@@ -471,7 +471,7 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 				p.Detail = "the lock was still held when wait_ms ran out; retry after retry_after_ms or wait longer"
 			}
 		case kQuorum:
-			p.Detail = "fewer Redis nodes than a majority answered; see nodes"
+			p.Detail = quorumDetail(se.Nodes)
 		case kFencing:
 			switch se.Op {
 			case "extend":
@@ -546,6 +546,14 @@ func redactProblem(p *Problem) {
 // even when the path spells part of the key percent-encoded.
 func instance(r *http.Request) string {
 	p := r.URL.EscapedPath()
+	if secret, ok := tokenInPath(r); ok {
+		// base64url needs no escaping: the sent path spells it as is,
+		// unless the client escaped some of it (then the decoded path).
+		if !strings.Contains(p, secret) {
+			p = (&url.URL{Path: r.URL.Path}).EscapedPath()
+		}
+		return strings.Replace(p, secret, "[redacted]", 1)
+	}
 	if !strings.Contains(r.URL.Path, apikey.Prefix) { // the decoded path holds any key the sent one does
 		return p
 	}
@@ -556,6 +564,27 @@ func instance(r *http.Request) string {
 	// A key spelt partly percent-encoded: the decoded path, redacted, in
 	// the canonical spelling, with the mark as Redact writes it elsewhere.
 	return strings.ReplaceAll((&url.URL{Path: apikey.Redact(r.URL.Path)}).EscapedPath(), "%5Bredacted%5D", "[redacted]")
+}
+
+// quorumDetail says why no majority was reached, from the nodes' outcomes.
+func quorumDetail(nodes []service.NodeResult) string {
+	var failed, quarantined int
+	for _, n := range nodes {
+		switch n.Outcome {
+		case service.Failed, service.Timeout:
+			failed++
+		case service.Quarantined:
+			quarantined++
+		}
+	}
+	switch {
+	case len(nodes) == 0 || failed > 0:
+		return "fewer Redis nodes than a majority answered; see nodes"
+	case quarantined > 0:
+		return fmt.Sprintf("no majority either way: %d of %d nodes are quarantined (their answers do not count) and the others' answers split; retry (see nodes)", quarantined, len(nodes))
+	default:
+		return "no majority either way: the nodes' answers split; retry (see nodes)"
+	}
 }
 
 // nodeErrorText says what went wrong with one node for a client: a timeout

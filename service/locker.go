@@ -295,6 +295,9 @@ type Locker struct {
 	// outcome of the first (409 not-holder) rather than racing it.
 	releasing map[string]chan struct{}
 
+	// reach tracks which nodes answer, for the log (see noteReach).
+	reach *reach
+
 	// speculator is the issuer if it can speculate and speculation is on.
 	speculator fencing.Speculator
 	// tries counts the tries running: one that runs alone may speculate.
@@ -393,6 +396,7 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 	}
 	l.life, l.cancel = context.WithCancel(context.Background())
 	l.sweep = newSweeper(l)
+	l.reach = newReach(len(nodes))
 	if s, ok := issuer.(fencing.Speculator); ok && !opts.NoSpeculation {
 		l.speculator = s
 	}
@@ -1459,6 +1463,7 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			v.Outcome = No
 		}
 		l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
+		l.noteReach(i, v.Outcome, err)
 		countMu.Lock()
 		got++
 		switch v.Outcome {
@@ -2093,6 +2098,10 @@ type NodeStatus struct {
 	QuarantineReason string
 }
 
+// errRecordPending is the NodeStatus error of a node whose restart or loss
+// of memory could not be recorded in the Registry yet.
+var errRecordPending = errors.New("the node restarted or lost its memory, and this could not be recorded in Postgres yet (retried every second; its votes do not count meanwhile)")
+
 // Why a node's votes do not count (NodeStatus.QuarantineReason).
 const (
 	// QuarantineLostMemory: the node restarted without its data (its epoch
@@ -2185,9 +2194,13 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 		}
 		m.mu.Unlock()
 		if recErr != nil {
-			// Counted out until what it was found with is recorded.
+			// Counted out until what it was found with is recorded (and
+			// quarantined then). Why the Registry failed is logged: it is
+			// not the node's error (a Postgres "connection refused" must
+			// not read as the node's).
 			out[i].Up = false
-			out[i].Err = fmt.Errorf("the node restarted or lost its memory, and this could not be recorded yet (retrying; its votes do not count meanwhile): %w", recErr)
+			out[i].Err = errRecordPending
+			out[i].QuarantinedUntil, out[i].QuarantineReason = until, QuarantineLostMemory
 			continue
 		}
 		if until.After(now) {

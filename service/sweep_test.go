@@ -339,18 +339,21 @@ func TestLocker_ExtendFencingDown(t *testing.T) {
 type failingRegistry struct{ *memRegistry }
 
 func (failingRegistry) QuarantineNode(context.Context, string, string, string, string, bool, time.Duration) (string, time.Duration, error) {
-	return "", 0, errors.New("postgres is down")
+	return "", 0, errPostgresDown
 }
 
+// errPostgresDown is failingRegistry's error.
+var errPostgresDown = errors.New("postgres is down")
+
 // TestLocker_NodesLostMemory: Nodes reports a node that lost its memory as
-// quarantined, or, when the quarantine cannot be recorded, as down with the
-// reason, never as up.
+// quarantined, and when the quarantine cannot be recorded yet, also as down
+// with that reason (not the Registry's error, which is not the node's),
+// never as up.
 func TestLocker_NodesLostMemory(t *testing.T) {
 	for _, tc := range []struct {
-		name        string
-		failing     bool
-		quarantined bool
-	}{{"Recorded", false, true}, {"NotRecorded", true, false}} {
+		name    string
+		failing bool
+	}{{"Recorded", false}, {"NotRecorded", true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			ns, ms := nodes(3)
 			clk := &clock{t: time.Unix(1e9, 0)}
@@ -369,11 +372,11 @@ func TestLocker_NodesLostMemory(t *testing.T) {
 			}
 			ms[1].restart()
 			st := l.Nodes(t.Context())[1]
-			switch {
-			case tc.quarantined && st.QuarantinedUntil.IsZero():
-				t.Errorf("node 1 lost its memory: %+v; want quarantined", st)
-			case !tc.quarantined && (st.Up || st.Err == nil):
-				t.Errorf("node 1 lost its memory, quarantine not recorded: %+v; want down with the reason", st)
+			if st.QuarantinedUntil.IsZero() || st.QuarantineReason != QuarantineLostMemory {
+				t.Errorf("node 1 lost its memory: %+v; want quarantined, as %q", st, QuarantineLostMemory)
+			}
+			if tc.failing && (st.Up || !errors.Is(st.Err, errRecordPending) || errors.Is(st.Err, errPostgresDown)) {
+				t.Errorf("node 1 lost its memory, quarantine not recorded: %+v; want down with that reason, not the Registry's error", st)
 			}
 		})
 	}

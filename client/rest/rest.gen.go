@@ -24,7 +24,9 @@ import (
 type AcquireRequest struct {
 	// Owner A label for humans (not a secret), shown by GET while the lock is held
 	// and logged: at most 256 characters (Unicode code points) of printable UTF-8 (no control or
-	// format characters; the only space allowed is U+0020).
+	// format characters; the only space allowed is U+0020). U+FFFD, the
+	// replacement character, is refused too: a JSON decoder puts it in place
+	// of invalid UTF-8, so it cannot be told from a mangled label.
 	//
 	//
 	// Example: billing-worker-3
@@ -403,7 +405,8 @@ type Problem struct {
 	// - `headers-too-large` (431): the request line and headers exceed the
 	//   server's limit (64 KiB by default).
 	// - `store-unavailable` (503): Postgres did not answer a reference-store
-	//   read or write; nothing was written.
+	//   read or write in time. A write may or may not have been applied
+	//   (it can still commit): read the document before writing again.
 	// - `shutting-down` (503): the server began shutting down while an
 	//   acquire waited (`wait_ms`) for a taken lock; nothing was granted.
 	//   Retry, on another server if there is one.
@@ -793,6 +796,8 @@ type ClientInterface interface {
 
 	// Openapi This document
 	//
+	// The OpenAPI document this server implements, as YAML, for client generators.
+	//
 	// Corresponds with GET /openapi.yaml (the `Openapi` operationId).
 	Openapi(ctx context.Context, params *OpenapiParams, reqEditors ...RequestEditorFn) (*http.Response, error)
 
@@ -1008,6 +1013,8 @@ func (c *Client) Metrics(ctx context.Context, params *MetricsParams, reqEditors 
 }
 
 // Openapi This document
+//
+// The OpenAPI document this server implements, as YAML, for client generators.
 //
 // Corresponds with GET /openapi.yaml (the `Openapi` operationId).
 func (c *Client) Openapi(ctx context.Context, params *OpenapiParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -1932,6 +1939,8 @@ type ClientWithResponsesInterface interface {
 	MetricsWithResponse(ctx context.Context, params *MetricsParams, reqEditors ...RequestEditorFn) (*MetricsResponse, error)
 
 	// OpenapiWithResponse This document
+	//
+	// The OpenAPI document this server implements, as YAML, for client generators.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -3676,6 +3685,8 @@ func (c *ClientWithResponses) MetricsWithResponse(ctx context.Context, params *M
 }
 
 // OpenapiWithResponse This document
+//
+// The OpenAPI document this server implements, as YAML, for client generators.
 //
 // Returns a wrapper object for the known response body format(s).
 //

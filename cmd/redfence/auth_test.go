@@ -333,6 +333,11 @@ func TestConfig_Security(t *testing.T) {
 		{"ZeroStoreTimeout", func(c *Config) { c.StoreTimeout = 0 }, "REDFENCE_STORE_TIMEOUT"},
 		{"NegativeShutdown", func(c *Config) { c.ShutdownTimeout = -time.Second }, "REDFENCE_SHUTDOWN_TIMEOUT"},
 		{"ZeroShutdown", func(c *Config) { c.ShutdownTimeout = 0 }, ""},
+		{"MaxTTLDay", func(c *Config) { c.MaxTTL = 24 * time.Hour }, ""},
+		{"MaxTTLAboveDay", func(c *Config) { c.MaxTTL = 24*time.Hour + time.Millisecond }, "REDFENCE_MAX_TTL"},
+		{"MaxWaitDay", func(c *Config) { c.MaxWait = 24 * time.Hour }, ""},
+		{"MaxWaitAboveDay", func(c *Config) { c.MaxWait = 48 * time.Hour }, "REDFENCE_MAX_WAIT"},
+		{"NegativeMaxWait", func(c *Config) { c.MaxWait = -time.Second }, "REDFENCE_MAX_WAIT"},
 		{"TwoErrors", func(c *Config) { c.MaxBodyBytes, c.DBMaxConns = 0, -1 }, "2 invalid settings:\n  REDFENCE_DB_MAX_CONNS"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

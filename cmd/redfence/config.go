@@ -19,10 +19,10 @@ type Config struct {
 	ListenAddr        string        `split_words:"true" default:":8080" desc:"HTTP listen address (redfence dev: 127.0.0.1:8080; its --addr wins)"`
 	RedisAddrs        []string      `split_words:"true" desc:"comma-separated host:port of the independent Redis masters (serve: required)"`
 	DatabaseURL       string        `envconfig:"DATABASE_URL" desc:"Postgres URL, e.g. postgres://user:pass@host:5432/db (serve, migrate, keys: required)"`
-	MaxTTL            time.Duration `envconfig:"MAX_TTL" default:"60s" desc:"longest TTL or extension; also how long a node that lost its memory is distrusted"`
+	MaxTTL            time.Duration `envconfig:"MAX_TTL" default:"60s" desc:"longest TTL or extension, at most 24h; also how long a node that lost its memory is distrusted"`
 	MinTTL            time.Duration `envconfig:"MIN_TTL" default:"100ms" desc:"shortest TTL accepted"`
 	DefaultTTL        time.Duration `envconfig:"DEFAULT_TTL" default:"10s" desc:"TTL when a request gives no ttl_ms"`
-	MaxWait           time.Duration `split_words:"true" default:"60s" desc:"longest wait_ms accepted"`
+	MaxWait           time.Duration `split_words:"true" default:"60s" desc:"longest wait_ms accepted, at most 24h"`
 	NodeTimeout       time.Duration `split_words:"true" default:"50ms" desc:"timeout of each request to one Redis node"`
 	DriftFactor       float64       `split_words:"true" default:"0.01" desc:"clock drift allowance: drift = ttl*factor + 2ms"`
 	RetryDelayMin     time.Duration `split_words:"true" default:"10ms" desc:"shortest random delay between attempts of a waiting acquire when too few nodes answered"`
@@ -75,6 +75,10 @@ func loadConfig() (*Config, error) {
 	return &c, nil
 }
 
+// maxSetting bounds REDFENCE_MAX_TTL and REDFENCE_MAX_WAIT: ttl_ms and
+// wait_ms are at most a day in the API (openapi.yaml).
+const maxSetting = 24 * time.Hour
+
 func (c *Config) validate() error {
 	var errs []error
 	if c.MinTTL <= 0 || c.MaxTTL < c.MinTTL {
@@ -92,8 +96,11 @@ func (c *Config) validate() error {
 	if c.RetryDelayMin <= 0 || c.RetryDelayMax < c.RetryDelayMin {
 		errs = append(errs, errors.New("REDFENCE_RETRY_DELAY_MIN must be positive and at most REDFENCE_RETRY_DELAY_MAX"))
 	}
-	if c.MaxWait < 0 {
-		errs = append(errs, errors.New("REDFENCE_MAX_WAIT must not be negative"))
+	if c.MaxTTL > maxSetting {
+		errs = append(errs, fmt.Errorf("REDFENCE_MAX_TTL (%v) must be at most 24h (the API's bound on ttl_ms; a node that lost its memory is distrusted that long)", c.MaxTTL))
+	}
+	if c.MaxWait < 0 || c.MaxWait > maxSetting {
+		errs = append(errs, fmt.Errorf("REDFENCE_MAX_WAIT (%v) must be within [0, 24h] (the API's bound on wait_ms)", c.MaxWait))
 	}
 	for _, d := range []struct {
 		name string

@@ -325,7 +325,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** This document */
+        /**
+         * This document
+         * @description The OpenAPI document this server implements, as YAML, for client generators.
+         */
         get: operations["openapi"];
         put?: never;
         post?: never;
@@ -360,7 +363,9 @@ export interface components {
             /**
              * @description A label for humans (not a secret), shown by GET while the lock is held
              *     and logged: at most 256 characters (Unicode code points) of printable UTF-8 (no control or
-             *     format characters; the only space allowed is U+0020).
+             *     format characters; the only space allowed is U+0020). U+FFFD, the
+             *     replacement character, is refused too: a JSON decoder puts it in place
+             *     of invalid UTF-8, so it cannot be told from a mangled label.
              * @example billing-worker-3
              */
             owner?: string;
@@ -638,7 +643,8 @@ export interface components {
              *     - `headers-too-large` (431): the request line and headers exceed the
              *       server's limit (64 KiB by default).
              *     - `store-unavailable` (503): Postgres did not answer a reference-store
-             *       read or write; nothing was written.
+             *       read or write in time. A write may or may not have been applied
+             *       (it can still commit): read the document before writing again.
              *     - `shutting-down` (503): the server began shutting down while an
              *       acquire waited (`wait_ms`) for a taken lock; nothing was granted.
              *       Retry, on another server if there is one.
@@ -962,7 +968,8 @@ export interface components {
             };
         };
         /**
-         * @description `store-unavailable`: Postgres did not answer; nothing was written. Or
+         * @description `store-unavailable`: Postgres did not answer in time; a write may or
+         *     may not have been applied (it can still commit). Or
          *     `auth-unavailable`: the API key could not be checked (Postgres did not
          *     answer); nothing was done. Retry after `Retry-After` seconds.
          */
@@ -979,7 +986,7 @@ export interface components {
                  *       "type": "urn:redfence:problem:store-unavailable",
                  *       "title": "The reference store (Postgres) is unavailable",
                  *       "status": 503,
-                 *       "detail": "Postgres did not answer; nothing was written",
+                 *       "detail": "Postgres did not answer in time; the write may or may not have been applied (it can still commit): read the document before writing again",
                  *       "instance": "/v1/resources/orders:invoice-7",
                  *       "request_id": "5f2c9a7e1b3d4c6a"
                  *     }
@@ -1333,7 +1340,8 @@ export interface operations {
              *     that stalled past the node timeout may still apply the attempt's
              *     `SET` when it resumes; the server deletes it again once the node
              *     answers):
-             *     `quorum-unavailable` (too few nodes answered; see `nodes`),
+             *     `quorum-unavailable` (too few nodes answered, or with quarantined
+             *     nodes not counting the others' answers split; see `nodes`),
              *     `fencing-unavailable` (Postgres did not issue a token in time) or
              *     `lease-expired` (the lease ran out before the token was issued), or
              *     `shutting-down` (the server began shutting down during `wait_ms`
