@@ -68,7 +68,7 @@ type Node struct {
 	// restarted without its data (RFC 3339).
 	QuarantinedUntil string `json:"quarantined_until,omitempty"`
 	// QuarantineReason says why, with QuarantinedUntil: lost_memory,
-	// evicting, evicted or info_refused (service.Quarantine*).
+	// evicting, evicted or policy_unknown (service.Quarantine*).
 	QuarantineReason string `json:"quarantine_reason,omitempty"`
 }
 

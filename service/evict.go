@@ -57,7 +57,7 @@ func evictionPolicy(info string) (string, error) {
 		}
 	}
 	if limit == "" || policy == "" {
-		return "", errors.New("info memory: no maxmemory or maxmemory_policy")
+		return "", errNoPolicy
 	}
 	if limit == "0" || policy == "noeviction" {
 		return "", nil
@@ -66,8 +66,16 @@ func evictionPolicy(info string) (string, error) {
 }
 
 // policyRefused is noted as the eviction policy of a node that refuses
-// INFO: it may evict, for all Redfence can tell.
-const policyRefused = "unknown (INFO refused: allow the Redis user +info)"
+// INFO, and policyUnreported of one whose INFO memory does not say (a proxy
+// in front of it, say): it may evict, for all Redfence can tell.
+const (
+	policyRefused    = "unknown (INFO refused: allow the Redis user +info)"
+	policyUnreported = "unknown (INFO memory has no maxmemory or maxmemory_policy)"
+)
+
+// errNoPolicy is evictionPolicy's error for an INFO memory answer without
+// maxmemory or maxmemory_policy.
+var errNoPolicy = errors.New("info memory: no maxmemory or maxmemory_policy")
 
 // checkEviction reads every node's eviction policy in parallel, each within
 // NodeTimeout, and notes it. A node that does not answer keeps its state.
@@ -81,6 +89,8 @@ func (l *Locker) checkEviction(ctx context.Context) {
 			case errors.Is(err, ErrCommandRefused):
 				// Unknown, so counted out as if it evicted.
 				l.noteEviction(i, policyRefused)
+			case errors.Is(err, errNoPolicy):
+				l.noteEviction(i, policyUnreported)
 			}
 		}
 	})
@@ -113,6 +123,10 @@ func (l *Locker) noteEviction(i int, policy string) {
 	case policy == policyRefused && was == "":
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node refuses INFO: whether it may evict lock keys (or restarted) cannot be told, so its votes do not count until it answers INFO again and every lease it may have lost has expired; allow the Redis user +info",
+			slog.String("node", m.Addr()))
+	case policy == policyUnreported && was == "":
+		l.opts.Observer.Quarantine(m.Addr(), until)
+		l.opts.Logger.Warn("node's INFO memory has no maxmemory or maxmemory_policy: whether it may evict lock keys cannot be told, so its votes do not count until it says and every lease it may have lost has expired; connect Redfence to the Redis server itself, not a proxy",
 			slog.String("node", m.Addr()))
 	case policy != "" && was == "":
 		l.opts.Observer.Quarantine(m.Addr(), until)

@@ -2113,9 +2113,10 @@ const (
 	// maxmemory-policy, so it may drop lock keys; the quarantine moves on
 	// until it stops.
 	QuarantineEvicting = "evicting"
-	// QuarantineInfoRefused: the node refuses INFO, so whether it may evict
-	// keys or restarted cannot be told; counted as if it evicted.
-	QuarantineInfoRefused = "info_refused"
+	// QuarantinePolicyUnknown: the node's eviction policy cannot be read
+	// (it refuses INFO, or its INFO memory has no maxmemory_policy), so
+	// whether it may evict keys cannot be told; counted as if it evicted.
+	QuarantinePolicyUnknown = "policy_unknown"
 	// QuarantineEvicted: the node stopped evicting; a lease it evicted may
 	// still be live until the quarantine ends.
 	QuarantineEvicted = "evicted"
@@ -2185,8 +2186,8 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 		}
 		reason := QuarantineLostMemory
 		switch {
-		case m.evicting == policyRefused:
-			reason = QuarantineInfoRefused
+		case m.evicting == policyRefused || m.evicting == policyUnreported:
+			reason = QuarantinePolicyUnknown
 		case m.evicting != "":
 			reason = QuarantineEvicting
 		case !m.unrecorded && m.evictEnd.After(now) && !m.evictEnd.Before(m.until):

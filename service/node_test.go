@@ -1,7 +1,10 @@
 package service
 
 import (
+	"context"
 	"errors"
+	"fmt"
+	"log/slog"
 	"net"
 	"strings"
 	"syscall"
@@ -10,6 +13,7 @@ import (
 
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // TestRedisNode_ExtendNeverShortens: on a real node, a renewal lengthens a
@@ -173,8 +177,54 @@ func TestEvictionPolicy(t *testing.T) {
 		{"# Memory\r\nused_memory:1000\r\n", "", true},
 	} {
 		got, err := evictionPolicy(tc.info)
-		if got != tc.want || (err != nil) != tc.err {
+		if got != tc.want || (err != nil) != tc.err || (err != nil && !errors.Is(err, errNoPolicy)) {
 			t.Errorf("evictionPolicy(%q) = %q, %v; want %q (error %v)", tc.info, got, err, tc.want, tc.err)
 		}
+	}
+}
+
+// policyNode is a memNode whose eviction policy is policy, or err.
+type policyNode struct {
+	*memNode
+	policy string
+	err    error
+}
+
+func (n *policyNode) EvictionPolicy(context.Context) (string, error) { return n.policy, n.err }
+
+// TestLocker_EvictionPolicyUnknown: a node whose eviction policy cannot be
+// read (INFO refused, or INFO memory without it) is counted out as if it
+// evicted, with the reason; one whose check merely failed keeps its state.
+func TestLocker_EvictionPolicyUnknown(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		err     error
+		out     bool
+		warning string
+	}{
+		{"Refused", fmt.Errorf("info memory: %w", ErrCommandRefused), true, "node refuses INFO"},
+		{"Unreported", errNoPolicy, true, "has no maxmemory or maxmemory_policy"},
+		{"Timeout", context.DeadlineExceeded, false, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var logs testutil.Buffer
+			ns, ms := nodes(3)
+			ns[0] = &policyNode{memNode: ms[0], err: tc.err}
+			l := newLocker(t, ns, &memIssuer{}, Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+			l.checkEviction(t.Context())
+			st := l.Nodes(t.Context())[0]
+			if counted := l.counts(0, l.opts.Now()); counted == tc.out {
+				t.Errorf("node 0 counts = %v; want %v", counted, !tc.out)
+			}
+			if tc.out && (st.QuarantinedUntil.IsZero() || st.QuarantineReason != QuarantinePolicyUnknown) {
+				t.Errorf("Nodes shows %+v; want quarantined as %q", st, QuarantinePolicyUnknown)
+			}
+			if !tc.out && !st.QuarantinedUntil.IsZero() {
+				t.Errorf("Nodes shows %+v; want not quarantined", st)
+			}
+			if !strings.Contains(logs.String(), tc.warning) {
+				t.Errorf("log = %s; want it to say %q", logs.String(), tc.warning)
+			}
+		})
 	}
 }

@@ -932,7 +932,7 @@ func TestLocker_INFORevoked(t *testing.T) {
 	}
 	testutil.WaitFor(t, 20*time.Second, "node 0 counted out as refusing INFO", func() (bool, error) {
 		st := l.Nodes(ctx)[0]
-		return !st.QuarantinedUntil.IsZero() && st.QuarantineReason == service.QuarantineInfoRefused, nil
+		return !st.QuarantinedUntil.IsZero() && st.QuarantineReason == service.QuarantinePolicyUnknown, nil
 	})
 	for i := range 3 {
 		key := fmt.Sprintf("info-revoked-%d", i)

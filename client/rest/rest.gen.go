@@ -247,9 +247,10 @@ type Node struct {
 	// server recorded that it may have lost leases. `evicting`: it has a
 	// `maxmemory` limit with an evicting `maxmemory-policy`. `evicted`:
 	// it stopped evicting, and a lease it evicted may still be live.
-	// `info_refused`: it refuses `INFO` (allow the Redis user `+info`),
-	// so whether it evicts or restarted cannot be told. Clients must
-	// accept values not listed here.
+	// `policy_unknown`: its eviction policy cannot be read (it refuses
+	// `INFO`: allow the Redis user `+info`; or its `INFO memory` has no
+	// `maxmemory_policy`), so whether it evicts cannot be told. Clients
+	// must accept values not listed here.
 	//
 	//
 	// Example: lost_memory
