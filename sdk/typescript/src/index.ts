@@ -29,8 +29,8 @@ export type ErrorKind =
   | "held" // lock-held, wait-timeout
   | "lost" // lock-lost, not-holder, or the lease's deadline passed
   | "stale" // stale-token
-  | "unavailable" // quorum-unavailable, fencing-unavailable, lease-expired, store-unavailable, shutting-down, 5xx, 429, network
-  | "invalid" // invalid-request, request-too-large, unsupported-media-type
+  | "unavailable" // quorum-unavailable, fencing-unavailable, lease-expired, store-unavailable, shutting-down, request-timeout, 5xx, 429, network, timeout
+  | "invalid" // invalid-request, request-too-large, unsupported-media-type; a request that could not be sent as asked
   | "not-found" // resource-not-found, not-found
   | "denied" // 401, 403
   | "unknown";
@@ -48,6 +48,7 @@ const KINDS: Record<string, ErrorKind> = {
   "lease-expired": "unavailable",
   "store-unavailable": "unavailable",
   "shutting-down": "unavailable",
+  "request-timeout": "unavailable",
   "invalid-request": "invalid",
   "request-too-large": "invalid",
   "unsupported-media-type": "invalid",
@@ -68,14 +69,33 @@ function kindOf(slug: string, status: number): ErrorKind {
 
 /** What a RedfenceError is made from. */
 export interface ErrorInit {
-  /** The problem document of the answer, if it was one. */
-  problem?: Problem | undefined;
+  /**
+   * The body of the error answer: used as the problem document when it is
+   * one (an object with a string `type`); anything else (a proxy's HTML page,
+   * an empty body) is ignored.
+   */
+  problem?: unknown;
+  /** The answer, for its Retry-After header when the body has no retry_after_ms. */
+  response?: Response | undefined;
   /** The underlying error (network failure). */
   cause?: unknown;
   /** A message when there is no problem document. */
   detail?: string;
   /** Overrides the kind derived from the problem type and status. */
   kind?: ErrorKind;
+}
+
+function isProblem(v: unknown): v is Problem {
+  return typeof v === "object" && v !== null && typeof (v as { type?: unknown }).type === "string";
+}
+
+/** Parses a Retry-After header (delay-seconds or an HTTP date) into ms; 0 if absent or unreadable. */
+function retryAfterHeader(v: string | null | undefined): number {
+  if (!v) return 0;
+  const t = v.trim();
+  if (/^\d+$/.test(t)) return Number(t) * 1000;
+  const at = Date.parse(t);
+  return Number.isNaN(at) ? 0 : Math.max(at - Date.now(), 0);
 }
 
 /** An error answer of Redfence, or a failure to reach it. */
@@ -94,7 +114,8 @@ export class RedfenceError extends Error {
   readonly currentFencingToken: number | undefined;
 
   constructor(op: string, name: string, status: number, init: ErrorInit = {}) {
-    const { problem, cause, detail } = init;
+    const { cause, detail } = init;
+    const problem = isProblem(init.problem) ? init.problem : undefined;
     const slug = problem?.type.startsWith(PREFIX) ? problem.type.slice(PREFIX.length) : "";
     const what = status !== 0 ? (slug ? `${status} ${slug}` : `HTTP ${status}`) : cause !== undefined ? `unreachable: ${String(cause)}` : "";
     const text = problem?.detail ?? detail;
@@ -105,7 +126,7 @@ export class RedfenceError extends Error {
     this.slug = slug;
     this.problem = problem;
     this.kind = init.kind ?? kindOf(slug, status);
-    this.retryAfterMs = problem?.retry_after_ms ?? 0;
+    this.retryAfterMs = problem?.retry_after_ms ?? retryAfterHeader(init.response?.headers.get("Retry-After"));
     this.currentFencingToken = problem?.current_fencing_token;
   }
 }
@@ -119,6 +140,12 @@ export interface RedfenceOptions {
   owner?: string;
   /** A fetch implementation (default: globalThis.fetch). */
   fetch?: (input: Request) => Promise<Response>;
+  /**
+   * How long one request may take before it fails with kind "unavailable",
+   * in ms (default 30 000); an acquire gets its waitMs on top. A renewal is
+   * bounded by the lease's deadline instead.
+   */
+  timeoutMs?: number;
 }
 
 export interface LockOptions {
@@ -128,13 +155,56 @@ export interface LockOptions {
   waitMs?: number;
   /** Owner label (not a secret). */
   owner?: string;
-  /** Renew after this fraction of the TTL (default 1/3); 0 turns renewal off. */
+  /**
+   * Renew after this fraction of the TTL (default 1/3); 0 turns renewal off.
+   * Renewal goes on until the lease is released or lost, as Redisson's
+   * watchdog does: a lease from a bare `acquire()` that is never released
+   * stays held while this process runs (bound it with maxHoldMs).
+   */
   renewFraction?: number;
   /** Stop renewing once a renewal would hold the lock longer than this, in ms (default: no cap). */
   maxHoldMs?: number;
+  /** Ends an acquire that is still waiting (it rejects with the signal's reason); no effect once granted. */
+  signal?: AbortSignal;
 }
 
 type Grant = components["schemas"]["LockResponse"];
+
+/** The reason a lease's signal carries when its holder released it. */
+const releasedReason = (name: string) =>
+  new RedfenceError("release", name, 0, { detail: "the lease was released", kind: "lost" });
+
+/** Reasons that mean "released by its holder", not lost. */
+const released = new WeakSet<object>();
+
+/**
+ * Runs a request with a timeout and an optional caller's signal: the
+ * signal is given to fetch, and the promise also settles when it aborts,
+ * even with a fetch that ignores it.
+ */
+function bounded<T>(run: (signal: AbortSignal) => Promise<T>, timeoutMs: number, outer?: AbortSignal): Promise<T> {
+  const signals = [AbortSignal.timeout(Math.max(Math.ceil(timeoutMs), 1))];
+  if (outer) signals.push(outer);
+  const signal = AbortSignal.any(signals);
+  if (signal.aborted) return Promise.reject(signal.reason);
+  let onAbort: () => void = () => undefined;
+  const aborted = new Promise<never>((_, reject) => {
+    onAbort = () => reject(signal.reason);
+    signal.addEventListener("abort", onAbort, { once: true });
+  });
+  return Promise.race([run(signal), aborted]).finally(() => signal.removeEventListener("abort", onAbort));
+}
+
+/** The RedfenceError for a request that got no answer: unreachable, timed out or cancelled. */
+function noAnswer(op: string, name: string, cause: unknown, outer?: AbortSignal): RedfenceError {
+  if (outer?.aborted && cause === outer.reason) {
+    return new RedfenceError(op, name, 0, { cause, detail: "cancelled by the caller's signal", kind: "unavailable" });
+  }
+  if (cause instanceof DOMException && cause.name === "TimeoutError") {
+    return new RedfenceError(op, name, 0, { detail: "no answer in time", kind: "unavailable" });
+  }
+  return new RedfenceError(op, name, 0, { cause });
+}
 
 /** A held lock. Send `fencingToken` with every write made under it. */
 export class Lease {
@@ -158,7 +228,10 @@ export class Lease {
   #abort = new AbortController();
   #renewTimer: ReturnType<typeof setTimeout> | undefined;
   #expiryTimer: ReturnType<typeof setTimeout> | undefined;
-  #released: Promise<void> | undefined;
+  #lastRenewError: RedfenceError | undefined;
+  // The release under way, or the one that settled it for good (deleted,
+  // or nothing held); a release that failed otherwise may be tried again.
+  #release: Promise<void> | undefined;
 
   /** @internal */
   constructor(rf: Redfence, name: string, lockToken: string, g: Grant, sent: number, opts: LockOptions) {
@@ -172,7 +245,7 @@ export class Lease {
     this.#acquired = sent;
     this.#opts = opts;
     this.signal = this.#abort.signal;
-    this.#schedule();
+    if (this.remainingMs > 0) this.#schedule();
   }
 
   /** Milliseconds left until the deadline (send time + validity_ms); negative once passed. */
@@ -185,8 +258,13 @@ export class Lease {
     return new Date(Date.now() + this.remainingMs);
   }
 
-  /** Whether the lease still lasts. */
+  /**
+   * Whether the lease still lasts: not lost, not released, and its deadline
+   * not passed (checked now, not only when the expiry timer runs: after a
+   * pause, I/O callbacks may run before timers).
+   */
   get held(): boolean {
+    if (!this.signal.aborted && this.remainingMs <= 0) this.#expire();
     return !this.signal.aborted;
   }
 
@@ -205,28 +283,45 @@ export class Lease {
   }
 
   #expire(): void {
+    if (this.signal.aborted) return;
     if (this.remainingMs > 0) {
       this.#schedule();
       return;
     }
-    this.#end(new RedfenceError("lease", this.name, 0, { detail: "the deadline passed without a renewal", kind: "lost" }));
+    const last = this.#lastRenewError;
+    this.#end(new RedfenceError("lease", this.name, 0, {
+      detail: last ? `the deadline passed without a renewal (the last one failed: ${last.message})` : "the deadline passed without a renewal",
+      kind: "lost",
+      ...(last ? { cause: last } : {}),
+    }));
   }
 
   #end(reason: unknown): void {
     clearTimeout(this.#renewTimer);
     clearTimeout(this.#expiryTimer);
-    this.#abort.abort(reason);
+    if (!this.signal.aborted) this.#abort.abort(reason);
   }
 
   async #renew(): Promise<void> {
-    if (this.signal.aborted) return;
+    if (!this.held) return;
     try {
       await this.extend();
+      this.#lastRenewError = undefined;
     } catch (err) {
       if (this.signal.aborted) return;
+      if (err instanceof RedfenceError) {
+        this.#lastRenewError = err;
+        if (err.kind === "denied" || err.kind === "invalid") {
+          // Asking again cannot succeed (a revoked key, say): the lease
+          // ends now, with the reason, rather than at its deadline.
+          this.#end(err);
+          return;
+        }
+      }
       // Not decided (unavailable): retry soon, while time is left.
       clearTimeout(this.#renewTimer);
-      const delay = Math.min(Math.max(this.ttlMs / 12, 50), 1000, Math.max(this.remainingMs / 2, 10));
+      let delay = Math.min(Math.max(this.ttlMs / 12, 50), 1000, Math.max(this.remainingMs / 2, 10));
+      if (err instanceof RedfenceError && err.retryAfterMs > 0) delay = Math.min(Math.max(delay, err.retryAfterMs), Math.max(this.remainingMs / 2, 10));
       this.#renewTimer = setTimeout(() => void this.#renew(), delay);
       this.#renewTimer.unref?.();
     }
@@ -234,17 +329,21 @@ export class Lease {
 
   /** Renews the lease now; a RedfenceError of kind "lost" means it is gone (and has ended). */
   async extend(ttlMs = this.ttlMs): Promise<void> {
-    if (this.signal.aborted) throw this.signal.reason;
+    if (!this.held) throw this.signal.reason;
     const sent = performance.now();
-    const { data, error, response } = await this.#rf.api.POST("/v1/locks/{name}/extend", {
-      params: { path: { name: this.name }, header: { "Lock-Token": this.#lockToken } },
-      body: { ttl_ms: ttlMs },
-      signal: AbortSignal.any([this.signal, AbortSignal.timeout(Math.max(Math.ceil(this.remainingMs), 1))]),
-    }).catch((cause: unknown) => {
-      throw new RedfenceError("extend", this.name, 0, { cause });
+    const { data, error, response } = await bounded(
+      (signal) => this.#rf.api.POST("/v1/locks/{name}/extend", {
+        params: { path: { name: this.name }, header: { "Lock-Token": this.#lockToken } },
+        body: { ttl_ms: ttlMs },
+        signal,
+      }),
+      this.remainingMs,
+      this.signal,
+    ).catch((cause: unknown) => {
+      throw noAnswer("extend", this.name, cause);
     });
     if (!data) {
-      const err = new RedfenceError("extend", this.name, response.status, { problem: error as Problem | undefined });
+      const err = new RedfenceError("extend", this.name, response.status, { problem: error, response });
       if (err.kind === "lost") this.#end(err);
       throw err;
     }
@@ -257,28 +356,44 @@ export class Lease {
     this.#schedule();
   }
 
-  /** Stops renewal and deletes the lock. Resolves when deleted; rejects with kind "lost" if it was already gone. Idempotent. */
+  /**
+   * Stops renewal, ends the lease (its signal aborts, released) and deletes
+   * the lock. Resolves when it was deleted; rejects with kind "lost" if it
+   * was already gone. When the server could not be asked (kind
+   * "unavailable"), the lock runs out at its deadline unless a later call,
+   * which sends the delete again, succeeds. A call while one is under way,
+   * or after one that settled it, returns that one's outcome.
+   */
   release(): Promise<void> {
-    this.#released ??= (async () => {
-      clearTimeout(this.#renewTimer);
-      clearTimeout(this.#expiryTimer);
-      try {
-        const { error, response } = await this.#rf.api.DELETE("/v1/locks/{name}", {
+    if (this.#release) return this.#release;
+    const reason = releasedReason(this.name);
+    released.add(reason); // a release, not a loss (see withLock)
+    this.#end(reason);
+    const p = (async () => {
+      const { error, response } = await bounded(
+        (signal) => this.#rf.api.DELETE("/v1/locks/{name}", {
           params: { path: { name: this.name }, header: { "Lock-Token": this.#lockToken } },
-        }).catch((cause: unknown) => {
-          throw new RedfenceError("release", this.name, 0, { cause });
-        });
-        if (response.status !== 204) {
-          throw new RedfenceError("release", this.name, response.status, { problem: error as Problem | undefined });
-        }
-      } finally {
-        if (!this.signal.aborted) {
-          this.#abort.abort(new RedfenceError("release", this.name, 0, { detail: "the lease was released", kind: "lost" }));
-        }
+          signal,
+        }),
+        this.#rf.timeoutMs,
+      ).catch((cause: unknown) => {
+        throw noAnswer("release", this.name, cause);
+      });
+      if (response.status !== 204) {
+        throw new RedfenceError("release", this.name, response.status, { problem: error, response });
       }
     })();
-    return this.#released;
+    this.#release = p;
+    p.catch((err: unknown) => {
+      if (!(err instanceof RedfenceError) || err.kind !== "lost") this.#release = undefined; // may be tried again
+    });
+    return p;
   }
+}
+
+/** Whether reason (a lease signal's) says the holder released it. */
+function isReleased(reason: unknown): boolean {
+  return typeof reason === "object" && reason !== null && released.has(reason);
 }
 
 /** A Redfence client: the generated API client plus leases. */
@@ -286,15 +401,27 @@ export class Redfence {
   /** The openapi-fetch client, typed by the types generated from openapi.yaml. */
   readonly api: Client<paths>;
   readonly #owner: string | undefined;
+  /** @internal */
+  readonly timeoutMs: number;
 
   constructor(opts: RedfenceOptions) {
     const headers: Record<string, string> = {};
-    if (opts.apiKey) headers.Authorization = `Bearer ${opts.apiKey}`;
+    if (opts.apiKey) {
+      // Checked here, without quoting it: fetch's own error would.
+      if (!/^[\x21-\x7e]+$/.test(opts.apiKey)) throw new TypeError("redfence: the API key has characters a header cannot carry (whitespace or non-ASCII)");
+      headers.Authorization = `Bearer ${opts.apiKey}`;
+    }
     this.api = createClient<paths>({ baseUrl: opts.baseUrl, headers, ...(opts.fetch ? { fetch: opts.fetch } : {}) });
     this.#owner = opts.owner;
+    this.timeoutMs = opts.timeoutMs ?? 30_000;
   }
 
-  /** Takes the lock on name; rejects with a RedfenceError (kind "held" when it is taken). */
+  /**
+   * Takes the lock on name; rejects with a RedfenceError (kind "held" when it
+   * is taken, "lost" when the grant's validity ran out before its answer
+   * arrived: it is released again). The lease renews itself until released
+   * or lost (see LockOptions.renewFraction).
+   */
   async acquire(name: string, opts: LockOptions = {}): Promise<Lease> {
     const owner = opts.owner ?? this.#owner;
     const body: components["schemas"]["AcquireRequest"] = {};
@@ -302,22 +429,34 @@ export class Redfence {
     if (opts.waitMs !== undefined) body.wait_ms = opts.waitMs;
     if (owner) body.owner = owner;
     const sent = performance.now();
-    const { data, error, response } = await this.api
-      .POST("/v1/locks/{name}", { params: { path: { name } }, body })
-      .catch((cause: unknown) => {
-        throw new RedfenceError("acquire", name, 0, { cause });
-      });
-    if (!data) throw new RedfenceError("acquire", name, response.status, { problem: error as Problem | undefined });
+    const { data, error, response } = await bounded(
+      (signal) => this.api.POST("/v1/locks/{name}", { params: { path: { name } }, body, signal }),
+      this.timeoutMs + (opts.waitMs ?? 0),
+      opts.signal,
+    ).catch((cause: unknown) => {
+      throw noAnswer("acquire", name, cause, opts.signal);
+    });
+    if (!data) throw new RedfenceError("acquire", name, response.status, { problem: error, response });
     if (!data.lock_token) throw new RedfenceError("acquire", name, response.status, { detail: "the answer has no lock_token" });
-    return new Lease(this, name, data.lock_token, data, sent, opts);
+    const lease = new Lease(this, name, data.lock_token, data, sent, opts);
+    if (!lease.held) {
+      // Granted, but its validity ran out before the answer arrived (a
+      // pause, a slow network): never handed out as held.
+      await lease.release().catch(() => undefined);
+      throw new RedfenceError("acquire", name, response.status, {
+        detail: "the grant's validity ran out before its answer arrived (it was released)", kind: "lost",
+      });
+    }
+    return lease;
   }
 
   /**
    * Acquires the lock on name, runs fn with the lease (use `lease.signal` to
    * stop when it ends and `lease.fencingToken` for writes), renews it while
-   * fn runs, and always releases it. Resolves to fn's result; rejects with
-   * fn's error, or with a "lost" RedfenceError if the lease was lost before
-   * fn returned.
+   * fn runs, and always releases it (a release the server could not answer
+   * is retried while the lease lasts). Resolves to fn's result; rejects with
+   * fn's error, with a "lost" RedfenceError if the lease was lost (or its
+   * deadline passed) before fn returned, or with the release's error.
    */
   async withLock<T>(name: string, fn: (lease: Lease) => Promise<T> | T, opts: LockOptions = {}): Promise<T> {
     const lease = await this.acquire(name, opts);
@@ -334,11 +473,23 @@ export class Redfence {
     } finally {
       clearInterval(keepAlive);
     }
-    const lost = lease.signal.aborted ? lease.signal.reason : undefined;
-    try {
-      await lease.release();
-    } catch (err) {
-      if (!lost) throw err;
+    const held = lease.held; // checks the deadline now
+    // fn may have released it itself: that is no loss.
+    const lost = held || isReleased(lease.signal.reason) ? undefined : lease.signal.reason;
+    // A release the server could not answer is sent again while the lease
+    // lasts (after that the lock has run out anyway).
+    const end = performance.now() + Math.max(lease.remainingMs, 0);
+    for (;;) {
+      try {
+        await lease.release();
+        break;
+      } catch (err) {
+        if (lost) break; // the loss is what the caller must hear of
+        if (!held && err instanceof RedfenceError && err.kind === "lost") break; // fn's own release said so already
+        const wait = err instanceof RedfenceError && err.kind === "unavailable" ? Math.max(err.retryAfterMs, 100) : -1;
+        if (wait < 0 || performance.now() + wait >= end) throw err;
+        await new Promise((r) => setTimeout(r, wait));
+      }
     }
     if (lost) throw lost;
     return result;
@@ -346,12 +497,18 @@ export class Redfence {
 
   /** Writes data to the reference store with a fencing token; rejects with kind "stale" when a newer token exists. */
   async putResource(name: string, fencingToken: number, data: JsonValue): Promise<components["schemas"]["Resource"]> {
-    const { data: res, error, response } = await this.api
-      .PUT("/v1/resources/{name}", { params: { path: { name } }, body: { fencing_token: fencingToken, data } })
-      .catch((cause: unknown) => {
-        throw new RedfenceError("put", name, 0, { cause });
-      });
-    if (!res) throw new RedfenceError("put", name, response.status, { problem: error as Problem | undefined });
+    try {
+      JSON.stringify(data);
+    } catch (cause) {
+      throw new RedfenceError("put", name, 0, { cause, detail: "data is not JSON", kind: "invalid" });
+    }
+    const { data: res, error, response } = await bounded(
+      (signal) => this.api.PUT("/v1/resources/{name}", { params: { path: { name } }, body: { fencing_token: fencingToken, data }, signal }),
+      this.timeoutMs,
+    ).catch((cause: unknown) => {
+      throw noAnswer("put", name, cause);
+    });
+    if (!res) throw new RedfenceError("put", name, response.status, { problem: error, response });
     return res;
   }
 }

@@ -1,0 +1,218 @@
+// Tests of the SDK's own logic against a scripted server (a fetch that
+// answers as told): answers a real server gives only under faults (a
+// proxy's error page, a 503 with Retry-After only, a grant that arrives
+// after its validity) and timings that a real one cannot be made to show.
+// sdk.test.mjs runs the same SDK against a real Redfence.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { setTimeout as delay } from "node:timers/promises";
+
+import { Redfence, RedfenceError } from "../dist/index.js";
+
+const problem = (status, slug, extra = {}, headers = {}) =>
+  new Response(JSON.stringify({ type: `urn:redfence:problem:${slug}`, title: slug, status, ...extra }), {
+    status,
+    headers: { "content-type": "application/problem+json", ...headers },
+  });
+const grant = (validity = 10_000, ttl = validity) =>
+  new Response(
+    JSON.stringify({ name: "n", lock_token: "jzocnifUtgU-kaoMf0LY4Vtgw_c", fencing_token: 7, ttl_ms: ttl, validity_ms: validity, expires_at: "2030-01-01T00:00:00Z", owner: "" }),
+    { status: 201, headers: { "content-type": "application/json" } },
+  );
+const noContent = () => new Response(null, { status: 204 });
+
+/** A client whose server is route(kind, nth call of that kind) -> Response; kind: acquire, extend, release, put. */
+function scripted(route, opts = {}) {
+  const calls = [];
+  const rf = new Redfence({
+    baseUrl: "http://scripted",
+    apiKey: "rf_0123456789abcdef_secret",
+    ...opts,
+    fetch: async (req) => {
+      const kind = req.url.endsWith("/extend") ? "extend" : req.url.includes("/resources/") ? "put" : req.method === "DELETE" ? "release" : "acquire";
+      calls.push(kind);
+      return route(kind, calls.filter((c) => c === kind).length, req);
+    },
+  });
+  const count = (kind) => calls.filter((c) => c === kind).length;
+  return { rf, calls, count };
+}
+
+test("an error answer that is not a problem document (a proxy's page, an empty body) is a RedfenceError", async () => {
+  for (const [res, kind] of [
+    [new Response("<html>502 Bad Gateway</html>", { status: 502, headers: { "content-type": "text/html" } }), "unavailable"],
+    [new Response(null, { status: 429, headers: { "retry-after": "7" } }), "unavailable"],
+    [new Response(JSON.stringify({ message: "no" }), { status: 400, headers: { "content-type": "application/json" } }), "invalid"],
+  ]) {
+    const { rf } = scripted(() => res.clone());
+    await assert.rejects(rf.acquire("n"), (e) => {
+      assert.ok(e instanceof RedfenceError, `${e}`);
+      assert.equal(e.kind, kind);
+      assert.equal(e.status, res.status);
+      assert.equal(e.slug, "");
+      assert.equal(e.problem, undefined);
+      return true;
+    });
+  }
+});
+
+test("retryAfterMs falls back to the Retry-After header (the server's 503s carry only that)", async () => {
+  const { rf } = scripted(() => problem(503, "quorum-unavailable", {}, { "retry-after": "1" }));
+  await assert.rejects(rf.acquire("n"), (e) => e.kind === "unavailable" && e.retryAfterMs === 1000);
+  const { rf: rf2 } = scripted(() => problem(409, "lock-held", { retry_after_ms: 1234 }, { "retry-after": "2" }));
+  await assert.rejects(rf2.acquire("n"), (e) => e.kind === "held" && e.retryAfterMs === 1234);
+});
+
+test("the deadline counts from the send time, and a grant whose validity ran out before its answer arrived is not handed out", async () => {
+  const { rf, count } = scripted(async (kind) => {
+    if (kind === "acquire") {
+      await delay(300);
+      return grant(1000);
+    }
+    return noContent();
+  });
+  const lease = await rf.acquire("n", { renewFraction: 0 });
+  assert.ok(lease.remainingMs <= 700, `remainingMs ${lease.remainingMs}: not counted from the send time`);
+  await lease.release();
+
+  const late = scripted(async (kind) => {
+    if (kind === "acquire") {
+      await delay(200);
+      return grant(100);
+    }
+    return noContent();
+  });
+  await assert.rejects(late.rf.acquire("n"), (e) => e.kind === "lost");
+  assert.equal(late.count("release"), 1, "the late grant was not released");
+  assert.equal(count("release"), 1);
+});
+
+test("lease.held turns false when the deadline passes, before the expiry timer runs", async () => {
+  const { rf } = scripted((kind) => (kind === "acquire" ? grant(150) : noContent()));
+  const lease = await rf.acquire("n", { renewFraction: 0 });
+  const until = performance.now() + 200;
+  while (performance.now() < until); // blocks the event loop past the deadline: no timer can run
+  assert.equal(lease.held, false);
+  assert.equal(lease.signal.aborted, true);
+  assert.equal(lease.signal.reason.kind, "lost");
+  await lease.release().catch(() => undefined);
+});
+
+test("withLock reports a lease whose deadline passed while fn ran as lost", async () => {
+  const { rf } = scripted((kind) => (kind === "acquire" ? grant(150) : noContent()));
+  await assert.rejects(
+    rf.withLock("n", () => {
+      const until = performance.now() + 200;
+      while (performance.now() < until);
+      return "done";
+    }, { renewFraction: 0 }),
+    (e) => e.kind === "lost",
+  );
+});
+
+test("a release the server could not answer can be sent again; withLock does so", async () => {
+  const { rf, count } = scripted((kind, n) => {
+    if (kind === "acquire") return grant();
+    if (kind === "release" && n === 1) return problem(503, "quorum-unavailable", {}, { "retry-after": "0" });
+    return noContent();
+  });
+  const lease = await rf.acquire("n");
+  await assert.rejects(lease.release(), (e) => e.kind === "unavailable");
+  assert.equal(lease.held, false, "a lease given up is not held, even if the delete failed");
+  await lease.release();
+  await lease.release(); // settled: no third request
+  assert.equal(count("release"), 2);
+
+  const again = scripted((kind, n) => {
+    if (kind === "acquire") return grant();
+    if (kind === "release" && n < 3) return problem(503, "quorum-unavailable", {}, { "retry-after": "0" });
+    return noContent();
+  });
+  assert.equal(await again.rf.withLock("n", () => 42), 42);
+  assert.equal(again.count("release"), 3);
+});
+
+test("a release answered not-holder is final", async () => {
+  const { rf, count } = scripted((kind) => (kind === "acquire" ? grant() : problem(409, "not-holder")));
+  const lease = await rf.acquire("n");
+  await assert.rejects(lease.release(), (e) => e.kind === "lost");
+  await assert.rejects(lease.release(), (e) => e.kind === "lost");
+  assert.equal(count("release"), 1);
+  // withLock: the lease was held when fn returned, so the lost release is an error.
+  await assert.rejects(rf.withLock("n", () => 1), (e) => e.kind === "lost" && e.slug === "not-holder");
+});
+
+test("withLock resolves with fn's result when fn released the lease itself", async () => {
+  const { rf, count } = scripted((kind) => (kind === "acquire" ? grant() : noContent()));
+  assert.equal(await rf.withLock("n", async (lease) => {
+    await lease.release();
+    assert.equal(lease.held, false);
+    return 42;
+  }), 42);
+  assert.equal(count("release"), 1);
+});
+
+test("a renewal answered lock-lost ends the lease at once; one answered 401 too, with its reason", async () => {
+  for (const [res, slug] of [[problem(409, "lock-lost"), "lock-lost"], [problem(401, "unauthorized"), "unauthorized"]]) {
+    const { rf, count } = scripted((kind) => (kind === "acquire" ? grant(3000) : kind === "extend" ? res.clone() : noContent()));
+    const t0 = performance.now();
+    await assert.rejects(
+      rf.withLock("n", (lease) => new Promise((resolve) => lease.signal.addEventListener("abort", resolve))),
+      (e) => e.slug === slug,
+    );
+    assert.ok(performance.now() - t0 < 2500, "the lease ran on to its deadline");
+    assert.equal(count("extend"), 1, `${slug}: renewal was retried`);
+  }
+});
+
+test("a renewal that keeps failing ends the lease at its deadline, saying why", async () => {
+  const { rf } = scripted((kind) => (kind === "acquire" ? grant(400) : kind === "extend" ? problem(503, "quorum-unavailable") : noContent()));
+  const lease = await rf.acquire("n");
+  const keepAlive = setInterval(() => undefined, 1000); // a bare lease's timers are unref'd
+  await new Promise((resolve) => lease.signal.addEventListener("abort", resolve));
+  clearInterval(keepAlive);
+  assert.equal(lease.signal.reason.kind, "lost");
+  assert.match(lease.signal.reason.message, /quorum-unavailable/);
+  await lease.release().catch(() => undefined);
+});
+
+test("no request is sent after release", async () => {
+  const { rf, calls } = scripted((kind) => (kind === "acquire" || kind === "extend" ? grant(300) : noContent()));
+  const lease = await rf.acquire("n");
+  await lease.release();
+  const n = calls.length;
+  await delay(600);
+  assert.deepEqual(calls.slice(n), []);
+});
+
+test("an acquire can be cancelled with LockOptions.signal, and times out without an answer", async () => {
+  const { rf } = scripted(() => new Promise(() => {})); // never answers, ignores abort
+  const ac = new AbortController();
+  const p = rf.acquire("n", { waitMs: 60_000, signal: ac.signal });
+  ac.abort(new Error("shutting down"));
+  await assert.rejects(p, (e) => e instanceof RedfenceError && e.kind === "unavailable" && /cancelled/.test(e.message));
+
+  const slow = scripted(() => new Promise(() => {}), { timeoutMs: 100 });
+  const keepAlive = setInterval(() => undefined, 1000); // a real fetch's socket would keep the process up
+  try {
+    await assert.rejects(slow.rf.acquire("n"), (e) => e.kind === "unavailable" && /no answer in time/.test(e.message));
+  } finally {
+    clearInterval(keepAlive);
+  }
+});
+
+test("an API key a header cannot carry is refused without being quoted; local errors are invalid", async () => {
+  assert.throws(() => new Redfence({ baseUrl: "http://x", apiKey: "rf_id_SuperSecret\nX: y" }), (e) => !String(e.message).includes("SuperSecret"));
+  const { rf, count } = scripted(() => noContent());
+  await assert.rejects(rf.putResource("n", 1, { big: 1n }), (e) => e.kind === "invalid" && e.status === 0);
+  assert.equal(count("put"), 0);
+});
+
+test("no error or lease shows the lock token or the API key", async () => {
+  const { rf } = scripted((kind) => (kind === "acquire" ? grant() : problem(409, "not-holder")));
+  const lease = await rf.acquire("n");
+  const err = await lease.release().catch((e) => e);
+  for (const s of [JSON.stringify(lease), String(lease), JSON.stringify(err), String(err), err.stack, JSON.stringify(rf)]) {
+    assert.ok(!s.includes("jzocnifUtgU") && !s.includes("secret"), s);
+  }
+});
