@@ -41,9 +41,14 @@ import (
 // Options configures a Client. Zero fields take the documented defaults.
 type Options struct {
 	// HTTPClient sends the requests. The default is a client with
-	// http.DefaultTransport and no overall timeout: each call is bounded by
-	// its context.
+	// http.DefaultTransport. A copy of it is used that follows no
+	// redirects: the API never redirects, and a redirect would carry the
+	// lock token (a secret) to wherever it points.
 	HTTPClient *http.Client
+	// RequestTimeout bounds each request (an acquire's gets its wait on
+	// top; a renewal is bounded by the lease's deadline too); a request
+	// that times out fails with ErrUnavailable. The default is 30s.
+	RequestTimeout time.Duration
 	// APIKey, if set, is sent as "Authorization: Bearer <APIKey>".
 	APIKey string
 	// Owner labels the leases this client acquires (shown by GET and in the
@@ -67,8 +72,14 @@ type Client struct {
 // New returns a client for the Redfence server at baseURL
 // (e.g. "http://127.0.0.1:8080").
 func New(baseURL string, opts Options) (*Client, error) {
-	if opts.HTTPClient == nil {
-		opts.HTTPClient = &http.Client{}
+	hc := &http.Client{}
+	if opts.HTTPClient != nil {
+		*hc = *opts.HTTPClient
+	}
+	hc.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	opts.HTTPClient = hc
+	if opts.RequestTimeout <= 0 {
+		opts.RequestTimeout = 30 * time.Second
 	}
 	if opts.MaxServerWait <= 0 {
 		opts.MaxServerWait = 30 * time.Second
@@ -94,22 +105,44 @@ func New(baseURL string, opts Options) (*Client, error) {
 // package does not wrap (GET /v1/locks/{name}, /v1/nodes, ...).
 func (c *Client) REST() *rest.Client { return c.api }
 
+// maxAnswer bounds how much of an answer is read: a document echoed by
+// PUT or read by GET is at most the server's body limit
+// (REDFENCE_MAX_BODY_BYTES, 1 MiB by default) plus its envelope.
+const maxAnswer = 64 << 20
+
+// errRequestTimeout is the cause of a request that ran out of
+// Options.RequestTimeout.
+var errRequestTimeout = errors.New("no answer within the request timeout")
+
+// timeout bounds one request by the client's RequestTimeout plus extra: the
+// context a request runs with, cancelled with errRequestTimeout as cause.
+func (c *Client) timeout(ctx context.Context, extra time.Duration) (context.Context, context.CancelFunc) {
+	return context.WithTimeoutCause(ctx, c.opts.RequestTimeout+extra, errRequestTimeout)
+}
+
 // exchange reads a response whole and returns its body, or the error for a
-// status other than want.
-func exchange(ctx context.Context, op, name string, resp *http.Response, err error, want int) ([]byte, error) {
-	if err != nil {
-		if cerr := ctx.Err(); cerr != nil {
-			return nil, fmt.Errorf("client: %s %q: %w", op, name, cerr)
+// status other than want. ctx is the request's context: a caller's
+// cancellation is returned as such; its own timeout (see Client.timeout) as
+// ErrUnavailable, after which idle connections are closed (a connection
+// that went dead without a word is one of the ways a request times out).
+func (c *Client) exchange(ctx context.Context, op, name string, resp *http.Response, err error, want int) ([]byte, error) {
+	failed := func(status int, err error) error {
+		if errors.Is(context.Cause(ctx), errRequestTimeout) {
+			c.opts.HTTPClient.CloseIdleConnections()
+			return &Error{Op: op, Name: name, Status: status, sentinel: ErrUnavailable, cause: errRequestTimeout}
 		}
-		return nil, &Error{Op: op, Name: name, sentinel: ErrUnavailable, cause: err}
+		if cerr := ctx.Err(); cerr != nil {
+			return fmt.Errorf("client: %s %q: %w", op, name, cerr)
+		}
+		return &Error{Op: op, Name: name, Status: status, sentinel: ErrUnavailable, cause: err}
+	}
+	if err != nil {
+		return nil, failed(0, err)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
 	if err != nil {
-		if cerr := ctx.Err(); cerr != nil {
-			return nil, fmt.Errorf("client: %s %q: %w", op, name, cerr)
-		}
-		return nil, &Error{Op: op, Name: name, Status: resp.StatusCode, sentinel: ErrUnavailable, cause: err}
+		return nil, failed(resp.StatusCode, err)
 	}
 	if resp.StatusCode != want {
 		return nil, problemError(op, name, resp, body)
@@ -149,9 +182,13 @@ func (c *Client) acquireOnce(ctx context.Context, name string, ttl, wait time.Du
 	if owner != "" {
 		body.Owner = &owner
 	}
+	// The server counts a grant's validity from the request's arrival, so
+	// an answer later than TTL after it (wait included) has none left.
+	ctx, cancel := c.timeout(ctx, wait+ttl)
+	defer cancel()
 	sent := time.Now()
 	resp, err := c.api.AcquireLock(ctx, name, nil, body)
-	b, err := exchange(ctx, "acquire", name, resp, err, http.StatusCreated)
+	b, err := c.exchange(ctx, "acquire", name, resp, err, http.StatusCreated)
 	if err != nil {
 		return nil, err
 	}
@@ -166,9 +203,11 @@ func (c *Client) acquireOnce(ctx context.Context, name string, ttl, wait time.Du
 // extend sends one extend request.
 func (c *Client) extend(ctx context.Context, name, lockToken string, ttl time.Duration) (*grant, error) {
 	ms := ttl.Milliseconds()
+	ctx, cancel := c.timeout(ctx, 0)
+	defer cancel()
 	sent := time.Now()
 	resp, err := c.api.ExtendLock(ctx, name, &rest.ExtendLockParams{LockToken: lockToken}, rest.ExtendRequest{TtlMs: &ms})
-	b, err := exchange(ctx, "extend", name, resp, err, http.StatusOK)
+	b, err := c.exchange(ctx, "extend", name, resp, err, http.StatusOK)
 	if err != nil {
 		return nil, err
 	}
@@ -182,8 +221,10 @@ func (c *Client) extend(ctx context.Context, name, lockToken string, ttl time.Du
 
 // release sends one release request.
 func (c *Client) release(ctx context.Context, name, lockToken string) error {
+	ctx, cancel := c.timeout(ctx, 0)
+	defer cancel()
 	resp, err := c.api.ReleaseLock(ctx, name, &rest.ReleaseLockParams{LockToken: lockToken})
-	_, err = exchange(ctx, "release", name, resp, err, http.StatusNoContent)
+	_, err = c.exchange(ctx, "release", name, resp, err, http.StatusNoContent)
 	return err
 }
 
@@ -227,8 +268,10 @@ func (c *Client) PutResource(ctx context.Context, name string, token fencing.Tok
 	if err != nil {
 		return nil, fmt.Errorf("client: put %q: %w", name, err)
 	}
+	ctx, cancel := c.timeout(ctx, 0)
+	defer cancel()
 	resp, err := c.api.PutResourceWithBody(ctx, name, nil, "application/json", bytes.NewReader(body))
-	b, err := exchange(ctx, "put", name, resp, err, http.StatusOK)
+	b, err := c.exchange(ctx, "put", name, resp, err, http.StatusOK)
 	if err != nil {
 		return nil, err
 	}
@@ -242,8 +285,10 @@ func (c *Client) PutResource(ctx context.Context, name string, token fencing.Tok
 // GetResource reads the document stored under name; the error matches
 // ErrNotFound when none was ever written.
 func (c *Client) GetResource(ctx context.Context, name string) (*Resource, error) {
+	ctx, cancel := c.timeout(ctx, 0)
+	defer cancel()
 	resp, err := c.api.GetResource(ctx, name, nil)
-	b, err := exchange(ctx, "get", name, resp, err, http.StatusOK)
+	b, err := c.exchange(ctx, "get", name, resp, err, http.StatusOK)
 	if err != nil {
 		return nil, err
 	}
@@ -262,7 +307,8 @@ func (c *Client) GetResource(ctx context.Context, name string) (*Resource, error
 // It returns the acquire error, or else fn's error unchanged; if fn returned
 // nil but the lease was lost before it did, an error matching ErrLost (fn's
 // writes may have raced another holder: only their fencing tokens protected
-// them); otherwise the release error, if any.
+// them); otherwise the release error, if any (a release the server could not
+// answer, ErrUnavailable, is sent again while the lease lasts).
 func (c *Client) Do(ctx context.Context, name string, opts *LockOptions, fn func(ctx context.Context, l *Lease) error) (err error) {
 	l, err := c.Acquire(ctx, name, opts)
 	if err != nil {
@@ -276,7 +322,7 @@ func (c *Client) Do(ctx context.Context, name string, opts *LockOptions, fn func
 		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer rcancel()
 		lostErr := l.Err()
-		rerr := l.Release(rctx)
+		rerr := l.releaseRetrying(rctx)
 		if err == nil {
 			if errors.Is(lostErr, ErrLost) {
 				err = lostErr

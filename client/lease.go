@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -96,13 +97,17 @@ type Lease struct {
 	deadline time.Time // sent + validity of the newest (re)grant
 	renewals int
 
-	releaseOnce sync.Once
-	releaseErr  error
+	// relMu serialises Release; relDone says a release settled it (the
+	// lock deleted, or nothing held: relErr), so later calls return that.
+	relMu   sync.Mutex
+	relDone bool
+	relErr  error
 }
 
 // Acquire takes the lock on name and starts its watchdog. It tries once,
-// or keeps trying until opts.Wait has passed; the error then matches ErrHeld.
-// It returns ctx's error when ctx ends first.
+// or keeps trying until opts.Wait has passed (through a server that could
+// not answer meanwhile, ErrUnavailable, too); the error then matches ErrHeld
+// (or ErrUnavailable). It returns ctx's error when ctx ends first.
 func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*Lease, error) {
 	o, err := opts.withDefaults()
 	if err != nil {
@@ -120,23 +125,58 @@ func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*
 		owner = c.opts.Owner
 	}
 	waitEnd := time.Now().Add(o.Wait)
+	backoff := 50 * time.Millisecond
 	for {
 		wait := min(time.Until(waitEnd), c.opts.MaxServerWait)
 		g, err := c.acquireOnce(ctx, name, o.TTL, max(wait, 0), owner)
-		if err != nil {
-			if errors.Is(err, ErrHeld) && time.Until(waitEnd) > 0 {
-				continue // one chunk of a long wait ran out
+		if err == nil {
+			return c.newLease(name, g, o)
+		}
+		left := time.Until(waitEnd)
+		switch {
+		case left <= 0:
+			return nil, err
+		case errors.Is(err, ErrHeld):
+			continue // one chunk of a long wait ran out
+		case errors.Is(err, ErrUnavailable):
+			// Not reached, or it could not decide (a restart, a
+			// majority of nodes down): try again while the wait lasts.
+			var e *Error
+			d := backoff
+			if errors.As(err, &e) && e.RetryAfter > d {
+				d = e.RetryAfter
 			}
+			backoff = min(2*backoff, time.Second)
+			d = min(jitter(d), left)
+			t := time.NewTimer(d)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+				t.Stop()
+				return nil, fmt.Errorf("client: acquire %q: %w (after: %w)", name, ctx.Err(), err)
+			}
+		default:
 			return nil, err
 		}
-		return c.newLease(name, g, o)
 	}
 }
 
+// jitter returns d plus up to a fifth of it at random, so that clients
+// told the same Retry-After do not all come back at once.
+func jitter(d time.Duration) time.Duration {
+	if d <= 0 {
+		return d
+	}
+	return d + rand.N(d/5+1)
+}
+
 func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) {
+	// Granted when the deadline less the TTL was (after any wait on the
+	// server), not when the request was sent: MaxHold counts from then.
+	deadline := g.sent.Add(g.validity)
 	l := &Lease{
-		c: c, name: name, token: g.lock, fencing: g.fencing, owner: g.owner, ttl: g.ttl, acquired: g.sent, opts: o,
-		watchdogRet: make(chan struct{}), deadline: g.sent.Add(g.validity),
+		c: c, name: name, token: g.lock, fencing: g.fencing, owner: g.owner, ttl: g.ttl, acquired: later(g.sent, deadline.Add(-g.ttl)), opts: o,
+		watchdogRet: make(chan struct{}), deadline: deadline,
 	}
 	l.life, l.end = context.WithCancelCause(context.Background())
 	l.stopped, l.stop = context.WithCancel(context.Background())
@@ -275,9 +315,15 @@ func (l *Lease) watch() {
 				return
 			default:
 				// The server could not decide or was not reached: retry
-				// soon, while time is left; the expiry timer still runs.
+				// soon (after its Retry-After, if it gave one), while time
+				// is left; the expiry timer still runs.
 				l.c.opts.Logger.Warn("redfence lease: renewal failed, retrying", slog.String("name", l.name), slog.String("error", err.Error()))
-				renew.Reset(min(max(l.interval()/4, 50*time.Millisecond), time.Second, max(time.Until(l.endAt())/2, 10*time.Millisecond)))
+				d := min(max(l.interval()/4, 50*time.Millisecond), time.Second)
+				var e *Error
+				if errors.As(err, &e) && e.RetryAfter > d {
+					d = e.RetryAfter
+				}
+				renew.Reset(min(jitter(d), max(time.Until(l.endAt())/2, 10*time.Millisecond)))
 			}
 		}
 	}
@@ -304,10 +350,14 @@ func (l *Lease) capped() string {
 }
 
 // renew sends one extend request for the lease's TTL, bounded by the current
-// end of the lease and by Release, and ends the lease if it is lost.
+// end of the lease, by Release, and by half the renewal interval (1s at
+// least): a renewal stuck on a connection that went dead without a word is
+// abandoned in time to retry on a new one. It ends the lease if it is lost.
 func (l *Lease) renew(watchdog bool) error {
 	ctx, cancel := context.WithDeadline(l.stopped, l.endAt())
 	defer cancel()
+	ctx, cancelTry := context.WithTimeoutCause(ctx, max(l.interval()/2, time.Second), errRequestTimeout)
+	defer cancelTry()
 	return l.extendWith(ctx, l.ttl, watchdog)
 }
 
@@ -325,11 +375,16 @@ func (l *Lease) extendWith(ctx context.Context, ttl time.Duration, watchdog bool
 		return err
 	}
 	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.Err(); err != nil {
+		// It ended while the renewal was on its way (it ran out, or was
+		// released): the server's new lease is nobody's; it runs out.
+		return err
+	}
 	l.deadline = g.sent.Add(g.validity)
 	if watchdog {
 		l.renewals++
 	}
-	l.mu.Unlock()
 	return nil
 }
 
@@ -337,15 +392,61 @@ func (l *Lease) extendWith(ctx context.Context, ttl time.Duration, watchdog bool
 // the lease (Done closes, with ErrReleased as the cause unless it was lost
 // before). It returns nil when the server deleted the lock; an error matching
 // ErrLost when the lease had been lost already (nothing was held); other
-// errors when the server could not be asked, in which case the lock simply
-// runs out at its deadline. Only the first call does anything; later calls
-// return its result.
+// errors (ErrUnavailable) when the server could not be asked, in which case
+// the lock runs out at its deadline unless a later Release, which asks
+// again, succeeds. Once a call returned nil or ErrLost, later calls return
+// the same without asking.
 func (l *Lease) Release(ctx context.Context) error {
-	l.releaseOnce.Do(func() {
-		l.stop()
-		<-l.watchdogRet
-		l.releaseErr = l.c.release(ctx, l.name, l.token)
-		l.end(ErrReleased)
-	})
-	return l.releaseErr
+	l.relMu.Lock()
+	defer l.relMu.Unlock()
+	if l.relDone {
+		return l.relErr
+	}
+	l.stop()
+	<-l.watchdogRet
+	err := l.c.release(ctx, l.name, l.token)
+	l.end(ErrReleased)
+	if err == nil || errors.Is(err, ErrLost) {
+		l.relDone, l.relErr = true, err
+	}
+	return err
+}
+
+// releaseRetrying is Release, sent again after ErrUnavailable (honouring
+// Retry-After) until ctx ends or the lease's deadline passes: after that the
+// lock has run out by itself.
+func (l *Lease) releaseRetrying(ctx context.Context) error {
+	end := l.Deadline()
+	backoff := 50 * time.Millisecond
+	for {
+		err := l.Release(ctx)
+		if err == nil || !errors.Is(err, ErrUnavailable) {
+			return err
+		}
+		d := backoff
+		var e *Error
+		if errors.As(err, &e) && e.RetryAfter > d {
+			d = e.RetryAfter
+		}
+		backoff = min(2*backoff, time.Second)
+		d = jitter(d)
+		if time.Until(end) <= d {
+			return err
+		}
+		t := time.NewTimer(d)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		}
+	}
+}
+
+// later returns the later of a and b.
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }

@@ -7,11 +7,13 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -169,6 +171,23 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		fmt.Fprintf(stderr, "redfence lock: --grace %v plus the safety %v must be below two thirds of --ttl %v\n", f.grace, safety, f.ttl)
 		return errUsage
 	}
+	// The command is looked up first: one that cannot run takes no lock
+	// (and burns no fencing token), and fails as a shell would.
+	if _, err := exec.LookPath(command[0]); err != nil {
+		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
+		if errors.Is(err, fs.ErrPermission) {
+			return &exitError{code: 126}
+		}
+		return &exitError{code: 127}
+	}
+	// While it supervises the command, nothing may stop redfence lock
+	// without stopping the command: Ctrl-Z (SIGTSTP) and background
+	// terminal I/O would stop it alone (the command runs in its own
+	// process group) while the command ran on past the lease, and a closed
+	// stderr pipe (SIGPIPE) would kill it. (SIGSTOP and SIGKILL cannot be
+	// caught: the command then gets SIGKILL with it, see runLocked.)
+	signal.Ignore(syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
+	defer signal.Reset(syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
 	ev := &lockEvents{w: stderr, verbose: f.verbose}
 	hc, err := f.httpClient()
 	if err != nil {
@@ -227,7 +246,7 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		// lock is renewed for ever. It reads end-of-file instead.
 		cmd.Stdin = nil
 	}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = commandAttr()
 	// Output copying (when stdout is not a file) must not outlive the
 	// process group by much once it is gone.
 	cmd.WaitDelay = time.Second
@@ -240,8 +259,14 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		fmt.Fprintf(stderr, "redfence lock: lease on %q ended before the command could start (%v)\n", lease.Name(), err)
 		return 1, true
 	}
-	if err := cmd.Start(); err != nil {
+	runtime.LockOSThread()
+	err := cmd.Start()
+	runtime.UnlockOSThread()
+	if err != nil {
 		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
+		if errors.Is(err, fs.ErrPermission) {
+			return 126, false
+		}
 		return 127, false
 	}
 	pgid := cmd.Process.Pid

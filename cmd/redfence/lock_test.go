@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -17,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redfence/redfence/client"
 	"github.com/redfence/redfence/client/clienttest"
 	"github.com/redfence/redfence/internal/testutil"
 )
@@ -472,5 +474,120 @@ func TestLock_HelpHidesKey(t *testing.T) {
 	f, _, _, err = parseLockArgs([]string{"--api-key", "other", "--server", "http://h:2", "x", "--", "true"}, &stderr)
 	if err != nil || f.apiKey != "other" || f.server != "http://h:2" {
 		t.Errorf("parseLockArgs with flags = %+v, %v; want the flags to win", f, err)
+	}
+}
+
+// lockHelper starts redfence lock ARGS in a process of its own (see
+// TestLockHelperProcess) and returns it with a channel that receives its
+// Wait's result.
+func lockHelper(t *testing.T, stderr io.Writer, args ...string) (*exec.Cmd, <-chan error) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], append([]string{"-test.run=^TestLockHelperProcess$", "--", "lock"}, args...)...)
+	cmd.Env = append(os.Environ(), "REDFENCE_LOCK_HELPER=1")
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGCONT)
+		_ = cmd.Process.Kill()
+	})
+	return cmd, exited
+}
+
+// TestLock_NotStoppedAlone: Ctrl-Z (SIGTSTP) and a closed stderr pipe
+// (SIGPIPE) do not stop or kill redfence lock while its command runs on in
+// its own process group: it goes on supervising, and a SIGTERM after them
+// still reaches the command and ends the run.
+func TestLock_NotStoppedAlone(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	dir := t.TempDir()
+	script := `trap 'exit 3' TERM; : > "$1/started"; while :; do sleep 0.05; done`
+	var stderr testutil.Buffer
+	cmd, exited := lockHelper(t, &stderr, "--server", s.URL, "not-stopped", "--", "sh", "-c", script, "sh", dir)
+	testutil.WaitFor(t, lockWait, "the command to start", func() (bool, error) {
+		_, err := os.Stat(filepath.Join(dir, "started"))
+		return err == nil, nil
+	})
+	for _, sig := range []syscall.Signal{syscall.SIGTSTP, syscall.SIGTTOU, syscall.SIGPIPE, syscall.SIGTERM} {
+		if err := cmd.Process.Signal(sig); err != nil {
+			t.Fatal(err)
+		}
+	}
+	select {
+	case <-exited:
+	case <-time.After(lockWait):
+		t.Fatalf("redfence lock did not end after SIGTSTP, SIGTTOU, SIGPIPE then SIGTERM (stopped by one of them?); stderr:\n%s", stderr.String())
+	}
+	if got := cmd.ProcessState.ExitCode(); got != 3 {
+		t.Errorf("redfence lock exited %d; want 3, the command's status after SIGTERM; stderr:\n%s", got, stderr.String())
+	}
+}
+
+// TestLock_CommandDiesWithIt: when redfence lock is killed (SIGKILL cannot be
+// caught), its command is killed too rather than run on with the token.
+func TestLock_CommandDiesWithIt(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	dir := t.TempDir()
+	script := `echo $$ > "$1/pid.tmp"; mv "$1/pid.tmp" "$1/pid"; while :; do sleep 0.05; done`
+	var stderr testutil.Buffer
+	cmd, exited := lockHelper(t, &stderr, "--server", s.URL, "dies-with-it", "--", "sh", "-c", script, "sh", dir)
+	var pid int
+	testutil.WaitFor(t, lockWait, "the command to start", func() (bool, error) {
+		b, err := os.ReadFile(filepath.Join(dir, "pid"))
+		if err != nil {
+			return false, nil
+		}
+		pid, err = strconv.Atoi(strings.TrimSpace(string(b)))
+		return err == nil, err
+	})
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	<-exited
+	testutil.WaitFor(t, lockWait, "the command to be killed with redfence lock", func() (bool, error) {
+		// Gone, or a zombie nobody reaps yet: either way it runs no more.
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return true, nil
+		}
+		_, rest, _ := strings.Cut(string(b), ") ")
+		return strings.HasPrefix(rest, "Z"), nil
+	})
+}
+
+// TestLock_CommandCannotRun: a command that is not found (127) or cannot be
+// executed (126) takes no lock, so it burns no fencing token.
+func TestLock_CommandCannotRun(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	notExec := filepath.Join(t.TempDir(), "not-executable")
+	if err := os.WriteFile(notExec, []byte("#!/bin/sh\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		command string
+		status  int
+	}{{"redfence-no-such-command", 127}, {notExec, 126}} {
+		r := startLock(t.Context(), "--server", s.URL, "cannot-run", "--", tc.command)
+		if got := r.wait(t); got != tc.status {
+			t.Errorf("redfence lock -- %s exited %d; want %d; stderr:\n%s", tc.command, got, tc.status, r.stderr.String())
+		}
+	}
+	c, err := client.New(s.URL, client.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.Acquire(t.Context(), "cannot-run", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(context.Background())
+	if l.FencingToken() != 1 {
+		t.Errorf("first grant after the refused commands got token %d; want 1 (they took no lock)", l.FencingToken())
 	}
 }

@@ -1,0 +1,286 @@
+package client_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence/client"
+	"github.com/redfence/redfence/client/clienttest"
+)
+
+// proxy forwards TCP connections to target. freeze makes every connection
+// open at that moment silently drop all bytes both ways (half-open: a
+// backend that died behind a load balancer, a NAT entry dropped), while new
+// connections work; refuse closes the next n connections at once.
+type proxy struct {
+	ln     net.Listener
+	mu     sync.Mutex
+	frozen []*atomic.Bool
+	refuse atomic.Int64
+	conns  atomic.Int64 // connections accepted
+}
+
+func newProxy(t *testing.T, target string) *proxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proxy{ln: ln}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			in, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			p.conns.Add(1)
+			if p.refuse.Add(-1) >= 0 {
+				in.Close()
+				continue
+			}
+			out, err := net.Dial("tcp", target)
+			if err != nil {
+				in.Close()
+				continue
+			}
+			f := new(atomic.Bool)
+			p.mu.Lock()
+			p.frozen = append(p.frozen, f)
+			p.mu.Unlock()
+			pipe := func(dst, src net.Conn) {
+				buf := make([]byte, 32<<10)
+				for {
+					n, err := src.Read(buf)
+					if n > 0 && !f.Load() {
+						if _, werr := dst.Write(buf[:n]); werr != nil {
+							return
+						}
+					}
+					if err != nil {
+						dst.Close()
+						return
+					}
+				}
+			}
+			go pipe(out, in)
+			go pipe(in, out)
+		}
+	}()
+	return p
+}
+
+func (p *proxy) url() string { return "http://" + p.ln.Addr().String() }
+
+func (p *proxy) freeze() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, f := range p.frozen {
+		f.Store(true)
+	}
+}
+
+// TestLease_RenewalOnDeadConnection: a renewal stuck on a kept-alive
+// connection that went dead is abandoned in time and retried on a new one,
+// so the lease lives on while the server is reachable.
+func TestLease_RenewalOnDeadConnection(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	p := newProxy(t, strings.TrimPrefix(s.URL, "http://"))
+	c := newClient(t, p.url())
+	renewed := make(chan struct{}, 16)
+	l, err := c.Acquire(t.Context(), "dead-conn", &client.LockOptions{TTL: 3 * time.Second, OnRenew: func(time.Time) { renewed <- struct{}{} }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(context.Background())
+	p.freeze() // the connection the acquire used, which the watchdog reuses
+	for range 2 {
+		select {
+		case <-renewed:
+		case <-l.Done():
+			t.Fatalf("lease ended after its connection went dead (%v), although the server answers on a new one", l.Err())
+		}
+	}
+}
+
+// TestClient_NoRedirect: an answer that redirects is not followed: the lock
+// token (a secret) is sent nowhere else, and the redirect is an error.
+func TestClient_NoRedirect(t *testing.T) {
+	t.Parallel()
+	var leaked atomic.Value
+	leaked.Store("")
+	other := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		leaked.Store(r.Header.Get("Lock-Token") + "|" + r.Header.Get("Authorization"))
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	defer other.Close()
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, `{"name":"r","lock_token":"SECRET-LOCK-TOKEN-abcdefghij","fencing_token":7,"ttl_ms":10000,"validity_ms":9000,"expires_at":"2030-01-01T00:00:00Z","owner":""}`)
+	})
+	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		// Another port of the same host: Go keeps Authorization there too.
+		http.Redirect(w, r, other.URL+r.URL.Path, http.StatusTemporaryRedirect)
+	})
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	c, err := client.New(srv.URL, client.Options{APIKey: "rf_0123456789abcdef_secret", HTTPClient: &http.Client{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.Acquire(t.Context(), "r", &client.LockOptions{NoRenew: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = l.Release(t.Context())
+	if got := leaked.Load().(string); got != "" {
+		t.Errorf("Release followed a redirect and sent %q elsewhere", got)
+	}
+	if err == nil {
+		t.Error("Release = nil after a redirect; want an error (the lock was not deleted)")
+	}
+}
+
+// TestAcquire_WaitThroughOutage: an acquire with a wait keeps trying through
+// a server that cannot be reached for a while (a rolling restart).
+func TestAcquire_WaitThroughOutage(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	p := newProxy(t, strings.TrimPrefix(s.URL, "http://"))
+	p.refuse.Store(3) // the first three connections are closed at once
+	c := newClient(t, p.url())
+	l, err := c.Acquire(t.Context(), "outage", &client.LockOptions{Wait: time.Minute})
+	if err != nil {
+		t.Fatalf("Acquire with a wait through 3 refused connections = %v", err)
+	}
+	if n := p.conns.Load(); n < 4 {
+		t.Errorf("%d connections; want at least 4 (3 refused, then the grant)", n)
+	}
+	if err := l.Release(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	// Without a wait, the first failure is the answer.
+	p.refuse.Store(1)
+	c2, err := client.New(p.url(), client.Options{HTTPClient: &http.Client{Transport: &http.Transport{}}}) // no pooled connection
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c2.Acquire(t.Context(), "outage-once", nil); !errors.Is(err, client.ErrUnavailable) {
+		t.Errorf("Acquire without a wait, connection closed = %v; want ErrUnavailable", err)
+	}
+}
+
+// TestClient_RequestTimeout: a server that accepts and never answers fails
+// a request with ErrUnavailable after RequestTimeout (plus an acquire's wait
+// and TTL), instead of hanging.
+func TestClient_RequestTimeout(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var mu sync.Mutex
+	var held []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c) // never answered
+			mu.Unlock()
+		}
+	}()
+	defer func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	c, err := client.New("http://"+ln.Addr().String(), client.Options{RequestTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Acquire(t.Context(), "hung", &client.LockOptions{TTL: 200 * time.Millisecond}); !errors.Is(err, client.ErrUnavailable) {
+		t.Errorf("Acquire against a hung server = %v; want ErrUnavailable", err)
+	}
+	if _, err := c.GetResource(t.Context(), "hung"); !errors.Is(err, client.ErrUnavailable) {
+		t.Errorf("GetResource against a hung server = %v; want ErrUnavailable", err)
+	}
+	// The caller's own cancellation is reported as such.
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	if _, err := c.GetResource(ctx, "hung"); !errors.Is(err, context.Canceled) || errors.Is(err, client.ErrUnavailable) {
+		t.Errorf("GetResource with a cancelled context = %v; want context.Canceled", err)
+	}
+}
+
+// TestRelease_Retry: a release the server could not answer (503) can be
+// sent again, and Do does so; one that settled is not sent again.
+func TestRelease_Retry(t *testing.T) {
+	t.Parallel()
+	var releases atomic.Int64
+	var fail atomic.Int64
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, `{"name":"r","lock_token":"AAAAAAAAAAAAAAAAAAAAAAAAAAA","fencing_token":7,"ttl_ms":10000,"validity_ms":9000,"expires_at":"2030-01-01T00:00:00Z","owner":""}`)
+	})
+	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		releases.Add(1)
+		if fail.Add(-1) >= 0 {
+			w.Header().Set("Content-Type", "application/problem+json")
+			w.Header().Set("Retry-After", "0")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			io.WriteString(w, `{"type":"urn:redfence:problem:quorum-unavailable","title":"t","status":503}`)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	c := newClient(t, srv.URL)
+
+	fail.Store(1)
+	l, err := c.Acquire(t.Context(), "r", &client.LockOptions{NoRenew: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(t.Context()); !errors.Is(err, client.ErrUnavailable) {
+		t.Fatalf("first Release = %v; want ErrUnavailable", err)
+	}
+	if l.Err() == nil {
+		t.Error("the lease lasts after Release; want it ended")
+	}
+	if err := l.Release(t.Context()); err != nil {
+		t.Fatalf("second Release = %v; want nil", err)
+	}
+	if err := l.Release(t.Context()); err != nil || releases.Load() != 2 {
+		t.Errorf("third Release = %v after %d requests; want nil without a third request", err, releases.Load())
+	}
+
+	releases.Store(0)
+	fail.Store(2)
+	if err := c.Do(t.Context(), "r", &client.LockOptions{NoRenew: true}, func(context.Context, *client.Lease) error { return nil }); err != nil {
+		t.Errorf("Do with two failed releases = %v; want nil (sent again)", err)
+	}
+	if n := releases.Load(); n != 3 {
+		t.Errorf("Do sent %d releases; want 3", n)
+	}
+}

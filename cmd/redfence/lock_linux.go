@@ -1,0 +1,12 @@
+package main
+
+import "syscall"
+
+// commandAttr runs redfence lock's COMMAND in a process group of its own,
+// and has the kernel kill it (Pdeathsig) if redfence lock dies (SIGKILL, the
+// OOM killer) rather than let it run on with the token unwatched. Pdeathsig
+// fires when the thread that started COMMAND exits: the thread is locked
+// around Start (see runLocked), and Go ends no thread otherwise.
+func commandAttr() *syscall.SysProcAttr {
+	return &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+}
