@@ -31,6 +31,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/redfence/redfence/fencing"
@@ -115,6 +116,10 @@ func newHandler(st *Store, log *slog.Logger) http.Handler {
 			fencing.Refuse(w, r, err, stale.Current)
 		case errors.Is(err, ErrVersion):
 			problem(w, r, http.StatusPreconditionFailed, "version-changed", err.Error())
+		case dataError(err):
+			// JSON that jsonb cannot hold (a \u0000, a number beyond its
+			// range): asking again cannot help.
+			problem(w, r, http.StatusBadRequest, "invalid-request", "Postgres cannot store this JSON (jsonb refuses \\u0000 and numbers beyond its range)")
 		case err != nil:
 			log.Error("write failed", "id", r.PathValue("id"), "error", err.Error())
 			fencing.Refuse(w, r, err, 0)
@@ -135,6 +140,13 @@ func newHandler(st *Store, log *slog.Logger) http.Handler {
 		}
 	})
 	return mux
+}
+
+// dataError reports whether err is Postgres refusing the data itself
+// (SQLSTATE class 22, data exception), not an outage.
+func dataError(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && strings.HasPrefix(pe.Code, "22")
 }
 
 // problem answers with an RFC 9457 problem+json document, as

@@ -202,6 +202,21 @@ func TestPausedHolder_ReadModifyWrite(t *testing.T) {
 	}
 }
 
+// TestUnstorableJSON: valid JSON that jsonb refuses is a 400 (asking again
+// cannot help), not a 503, and stores nothing.
+func TestUnstorableJSON(t *testing.T) {
+	t.Parallel()
+	d := newDocs(t)
+	for _, body := range []string{`{"a":"\u0000"}`, `{"a":1e1000000}`} {
+		if code, v := d.put("unstorable", 5, "", body); code != http.StatusBadRequest {
+			t.Errorf("PUT %s = %d %v; want 400", body, code, v)
+		}
+	}
+	if code, v := d.get("unstorable"); code != http.StatusNotFound {
+		t.Errorf("GET after the refused writes = %d %v; want 404", code, v)
+	}
+}
+
 // TestIfMatchOnMissingDocument: a version compare-and-set on a document that
 // does not exist is refused (412, RFC 9110) and creates nothing.
 func TestIfMatchOnMissingDocument(t *testing.T) {
