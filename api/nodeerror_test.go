@@ -65,9 +65,11 @@ func TestQuorumDetail(t *testing.T) {
 		want  string
 	}{
 		{nil, "fewer Redis nodes than a majority answered"},
-		{n(service.Yes, service.Yes, service.Timeout, service.Failed, service.No), "fewer Redis nodes than a majority answered"},
-		{n(service.Yes, service.Quarantined, service.Timeout, service.No, service.No), "fewer Redis nodes than a majority answered"},
-		{n(service.Yes, service.Yes, service.Quarantined, service.No, service.No), "1 of 5 nodes are quarantined"},
+		{n(service.Yes, service.Yes, service.Timeout, service.Failed, service.No), "of 5 nodes, 2 did not answer"},
+		{n(service.Yes, service.Timeout, service.Timeout, service.Failed, service.No), "fewer Redis nodes than a majority answered"},
+		{n(service.Yes, service.Quarantined, service.Timeout, service.No, service.No), "of 5 nodes, 1 did not answer and 1 are quarantined"},
+		{n(service.Yes, service.Yes, service.Timeout, service.No, service.No), "of 5 nodes, 1 did not answer and 0 are quarantined"},
+		{n(service.Yes, service.Yes, service.Quarantined, service.No, service.No), "0 did not answer and 1 are quarantined"},
 		{n(service.Yes, service.Yes, service.No, service.No), "the nodes' answers split"},
 	} {
 		if got := quorumDetail(tc.nodes); !strings.Contains(got, tc.want) {

@@ -578,10 +578,10 @@ func quorumDetail(nodes []service.NodeResult) string {
 		}
 	}
 	switch {
-	case len(nodes) == 0 || failed > 0:
+	case len(nodes) == 0 || len(nodes)-failed < len(nodes)/2+1:
 		return "fewer Redis nodes than a majority answered; see nodes"
-	case quarantined > 0:
-		return fmt.Sprintf("no majority either way: %d of %d nodes are quarantined (their answers do not count) and the others' answers split; retry (see nodes)", quarantined, len(nodes))
+	case quarantined > 0 || failed > 0:
+		return fmt.Sprintf("no majority either way: of %d nodes, %d did not answer and %d are quarantined (their answers do not count), and the others' answers split; retry (see nodes)", len(nodes), failed, quarantined)
 	default:
 		return "no majority either way: the nodes' answers split; retry (see nodes)"
 	}

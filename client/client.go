@@ -40,10 +40,11 @@ import (
 
 // Options configures a Client. Zero fields take the documented defaults.
 type Options struct {
-	// HTTPClient sends the requests. The default is a client with
-	// http.DefaultTransport. A copy of it is used that follows no
+	// HTTPClient sends the requests. The default is a client with a clone
+	// of http.DefaultTransport. A copy of it is used that follows no
 	// redirects: the API never redirects, and a redirect would carry the
-	// lock token (a secret) to wherever it points.
+	// lock token (a secret) to wherever it points. A request that times
+	// out closes its transport's idle connections (one may be dead).
 	HTTPClient *http.Client
 	// RequestTimeout bounds each request (an acquire's gets its wait on
 	// top; a renewal is bounded by the lease's deadline too); a request
@@ -72,7 +73,10 @@ type Client struct {
 // New returns a client for the Redfence server at baseURL
 // (e.g. "http://127.0.0.1:8080").
 func New(baseURL string, opts Options) (*Client, error) {
-	hc := &http.Client{}
+	// A transport of its own by default: a request that times out closes
+	// the idle connections of its client's transport (see exchange), which
+	// must not be every idle connection of the process.
+	hc := &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()}
 	if opts.HTTPClient != nil {
 		*hc = *opts.HTTPClient
 	}

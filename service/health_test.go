@@ -83,3 +83,19 @@ func TestLocker_ReachLogFromRounds(t *testing.T) {
 		return strings.Contains(logs.String(), `msg="node not answering" node=node4`), nil
 	})
 }
+
+// TestLocker_ReachLogCallerGone: a caller that goes away (an HTTP
+// client that gave up on GET /v1/locks/x or /readyz) is no news of the
+// nodes: it must not log them as not answering, nor a lost majority.
+func TestLocker_ReachLogCallerGone(t *testing.T) {
+	var logs testutil.Buffer
+	ns, _ := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	_, _ = l.Status(ctx, key)
+	_ = l.Nodes(ctx)
+	if s := logs.String(); strings.Contains(s, "not answering") || strings.Contains(s, "fewer Redis nodes answer") {
+		t.Errorf("a cancelled caller was logged as the nodes' failure:\n%s", s)
+	}
+}

@@ -1463,7 +1463,9 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 			v.Outcome = No
 		}
 		l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
-		l.noteReach(i, v.Outcome, err)
+		if ctx.Err() == nil { // a caller that left is no news of the node
+			l.noteReach(i, v.Outcome, err)
+		}
 		countMu.Lock()
 		got++
 		switch v.Outcome {
@@ -2100,7 +2102,7 @@ type NodeStatus struct {
 
 // errRecordPending is the NodeStatus error of a node whose restart or loss
 // of memory could not be recorded in the Registry yet.
-var errRecordPending = errors.New("the node restarted or lost its memory, and this could not be recorded in Postgres yet (retried every second; its votes do not count meanwhile)")
+var errRecordPending = errors.New("news of the node (a restart, a loss of memory or an eviction spell) could not be recorded in Postgres yet (retried every second; its votes do not count meanwhile)")
 
 // Why a node's votes do not count (NodeStatus.QuarantineReason).
 const (
@@ -2201,7 +2203,7 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 			// not read as the node's).
 			out[i].Up = false
 			out[i].Err = errRecordPending
-			out[i].QuarantinedUntil, out[i].QuarantineReason = until, QuarantineLostMemory
+			out[i].QuarantinedUntil, out[i].QuarantineReason = until, reason
 			continue
 		}
 		if until.After(now) {

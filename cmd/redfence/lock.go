@@ -184,10 +184,13 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	// without stopping the command: Ctrl-Z (SIGTSTP) and background
 	// terminal I/O would stop it alone (the command runs in its own
 	// process group) while the command ran on past the lease, and a closed
-	// stderr pipe (SIGPIPE) would kill it. (SIGSTOP and SIGKILL cannot be
-	// caught: the command then gets SIGKILL with it, see runLocked.)
-	signal.Ignore(syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
-	defer signal.Reset(syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
+	// stderr pipe (SIGPIPE) would kill it. They are caught and dropped,
+	// not ignored: an ignored signal stays ignored in the command (SIG_IGN
+	// survives exec), a caught one does not. (SIGSTOP and SIGKILL cannot
+	// be caught: the command then gets SIGKILL with it, see runLocked.)
+	absorbed := make(chan os.Signal, 1)
+	signal.Notify(absorbed, syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
+	defer signal.Stop(absorbed)
 	ev := &lockEvents{w: stderr, verbose: f.verbose}
 	hc, err := f.httpClient()
 	if err != nil {
@@ -259,10 +262,23 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		fmt.Fprintf(stderr, "redfence lock: lease on %q ended before the command could start (%v)\n", lease.Name(), err)
 		return 1, true
 	}
-	runtime.LockOSThread()
-	err := cmd.Start()
-	runtime.UnlockOSThread()
-	if err != nil {
+	// Started and waited for by one goroutine locked to its thread for the
+	// command's whole life: the kernel's parent-death signal (commandAttr)
+	// follows the thread that started the command, which must not end
+	// before the command does. (Its goroutine exits locked, so the thread
+	// ends then, the command already reaped.)
+	started := make(chan error, 1)
+	exited := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
+		exited <- cmd.Wait()
+	}()
+	if err := <-started; err != nil {
 		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
 		if errors.Is(err, fs.ErrPermission) {
 			return 126, false
@@ -270,8 +286,6 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		return 127, false
 	}
 	pgid := cmd.Process.Pid
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
 	signalGroup := func(s syscall.Signal) {
 		if err := syscall.Kill(-pgid, s); err != nil && !errors.Is(err, syscall.ESRCH) {
 			fmt.Fprintf(stderr, "redfence lock: sending %v: %v\n", s, err)

@@ -591,3 +591,31 @@ func TestLock_CommandCannotRun(t *testing.T) {
 		t.Errorf("first grant after the refused commands got token %d; want 1 (they took no lock)", l.FencingToken())
 	}
 }
+
+// TestLock_CommandSignalsDefault: the signals redfence lock absorbs for
+// itself do not reach its command ignored (SIG_IGN survives exec: every
+// pipeline in the command would run with SIGPIPE ignored).
+func TestLock_CommandSignalsDefault(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	dir := t.TempDir()
+	out := filepath.Join(dir, "status")
+	script := `grep '^SigIgn' /proc/self/status > "$1"`
+	var stderr testutil.Buffer
+	_, exited := lockHelper(t, &stderr, "--server", s.URL, "sigign", "--", "sh", "-c", script, "sh", out)
+	<-exited
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatalf("%v; stderr:\n%s", err, stderr.String())
+	}
+	f := strings.Fields(string(b))
+	mask, err := strconv.ParseUint(f[len(f)-1], 16, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, sig := range []syscall.Signal{syscall.SIGPIPE, syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU} {
+		if mask&(1<<(uint(sig)-1)) != 0 {
+			t.Errorf("the command runs with %v ignored (SigIgn %s)", sig, f[len(f)-1])
+		}
+	}
+}

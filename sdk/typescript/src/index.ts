@@ -352,6 +352,9 @@ export class Lease {
       this.#end(err);
       throw err;
     }
+    // It may have ended while the renewal was on its way (released, or
+    // its deadline passed): the server's new lease is then nobody's.
+    if (this.signal.aborted) throw this.signal.reason;
     this.#deadline = sent + data.validity_ms;
     this.#schedule();
   }
@@ -388,6 +391,25 @@ export class Lease {
       if (!(err instanceof RedfenceError) || err.kind !== "lost") this.#release = undefined; // may be tried again
     });
     return p;
+  }
+}
+
+/**
+ * Releases lease, sending the release again after an "unavailable" failure
+ * (after its Retry-After, 100 ms at least) while the lease's time lasts:
+ * after that the lock has run out by itself.
+ */
+async function releaseRetrying(lease: Lease): Promise<void> {
+  const end = performance.now() + Math.max(lease.remainingMs, 0);
+  for (;;) {
+    try {
+      await lease.release();
+      return;
+    } catch (err) {
+      const wait = err instanceof RedfenceError && err.kind === "unavailable" ? Math.max(err.retryAfterMs, 100) : -1;
+      if (wait < 0 || performance.now() + wait >= end) throw err;
+      await new Promise((r) => setTimeout(r, wait));
+    }
   }
 }
 
@@ -468,7 +490,7 @@ export class Redfence {
     try {
       result = await fn(lease);
     } catch (err) {
-      await lease.release().catch(() => undefined);
+      await releaseRetrying(lease).catch(() => undefined);
       throw err;
     } finally {
       clearInterval(keepAlive);
@@ -476,20 +498,12 @@ export class Redfence {
     const held = lease.held; // checks the deadline now
     // fn may have released it itself: that is no loss.
     const lost = held || isReleased(lease.signal.reason) ? undefined : lease.signal.reason;
-    // A release the server could not answer is sent again while the lease
-    // lasts (after that the lock has run out anyway).
-    const end = performance.now() + Math.max(lease.remainingMs, 0);
-    for (;;) {
-      try {
-        await lease.release();
-        break;
-      } catch (err) {
-        if (lost) break; // the loss is what the caller must hear of
-        if (!held && err instanceof RedfenceError && err.kind === "lost") break; // fn's own release said so already
-        const wait = err instanceof RedfenceError && err.kind === "unavailable" ? Math.max(err.retryAfterMs, 100) : -1;
-        if (wait < 0 || performance.now() + wait >= end) throw err;
-        await new Promise((r) => setTimeout(r, wait));
-      }
+    try {
+      await releaseRetrying(lease);
+    } catch (err) {
+      // A loss is what the caller must hear of; a "lost" answer to fn's
+      // own release, fn heard already.
+      if (!lost && (held || !(err instanceof RedfenceError) || err.kind !== "lost")) throw err;
     }
     if (lost) throw lost;
     return result;

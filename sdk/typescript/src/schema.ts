@@ -1341,8 +1341,8 @@ export interface operations {
              *     that stalled past the node timeout may still apply the attempt's
              *     `SET` when it resumes; the server deletes it again once the node
              *     answers):
-             *     `quorum-unavailable` (too few nodes answered, or with quarantined
-             *     nodes not counting the others' answers split; see `nodes`),
+             *     `quorum-unavailable` (too few nodes answered, or the answers that
+             *     count split with neither side a majority; see `nodes`),
              *     `fencing-unavailable` (Postgres did not issue a token in time) or
              *     `lease-expired` (the lease ran out before the token was issued), or
              *     `shutting-down` (the server began shutting down during `wait_ms`
