@@ -114,7 +114,7 @@ func (l *Locker) noteEviction(i int, policy string) {
 	// (Init registered it).
 	record := policy != "" && !m.evictRecorded && epoch != ""
 	m.evictRecorded = policy != "" && (m.evictRecorded || record)
-	req := recoveryReq{seen: epoch, runID: m.runID, durable: m.durable}
+	req := recoveryReq{runID: m.runID, durable: m.durable, evict: true}
 	m.mu.Unlock()
 	if record {
 		l.recover(i, req, false) // a quarantine for the other servers too

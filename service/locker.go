@@ -749,6 +749,10 @@ type recoveryReq struct {
 	runID   string
 	durable bool
 	unseen  bool
+	// evict: an eviction spell, quarantined from whatever epoch is the
+	// node's when it is recorded (seen is ignored): news that does not go
+	// stale when a mark under way moves the epoch on.
+	evict bool
 }
 
 // lossReq is the recovery of the node found without the marker of epoch,
@@ -856,6 +860,11 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 	next, err := newEpoch()
 	if err != nil {
 		return false
+	}
+	if req.evict {
+		m.mu.Lock()
+		req.seen = m.epoch
+		m.mu.Unlock()
 	}
 	var cur string
 	var left time.Duration

@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 )
@@ -77,5 +78,56 @@ func TestLocker_MarkRaceRestartsQuarantine(t *testing.T) {
 	}
 	if marks != 1 {
 		t.Errorf("node 0 was re-marked %d times for one memory loss; want 1", marks)
+	}
+}
+
+// TestLocker_EvictionDuringMark: an eviction spell first seen while a mark
+// is under way (the node's epoch about to move on) is still recorded for
+// the other servers: its quarantine is taken from the epoch current when it
+// is recorded, not from the one it was seen with.
+func TestLocker_EvictionDuringMark(t *testing.T) {
+	ctx := context.Background()
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := newRegistry(clk)
+	ns, ms := nodes(5)
+	pn := &policyNode{memNode: ms[0]}
+	ns[0] = pn
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now, MaxTTL: time.Minute})
+	if err := l.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ms[0].restart() // a memory loss: its recovery marks the node
+	firstMark := make(chan struct{})
+	var once sync.Once
+	ms[0].hook = func(_ context.Context, op string) error {
+		if op == "mark" {
+			once.Do(func() {
+				// While the mark is on its way, the node turns out to
+				// evict, 10 s after the loss.
+				clk.Advance(10 * time.Second)
+				pn.set("allkeys-lru", nil)
+				l.checkEviction(ctx)
+				close(firstMark)
+			})
+		}
+		return nil
+	}
+	lost := clk.Now()
+	if _, err := l.Acquire(ctx, key, Request{TTL: 30 * time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	<-firstMark
+	m := l.members[0]
+	m.mu.Lock()
+	done := m.recovery
+	m.mu.Unlock()
+	if done != nil {
+		<-done
+	}
+	reg.mu.Lock()
+	until := reg.until[ms[0].Addr()]
+	reg.mu.Unlock()
+	if want := lost.Add(10 * time.Second).Add(l.quarantineFor()); until.Before(want) {
+		t.Errorf("recorded quarantine ends %v after the loss; want the eviction's, at least %v", until.Sub(lost), want.Sub(lost))
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -183,14 +184,26 @@ func TestEvictionPolicy(t *testing.T) {
 	}
 }
 
-// policyNode is a memNode whose eviction policy is policy, or err.
+// policyNode is a memNode whose eviction policy is policy, or err (set
+// them with set once the Locker runs: its checks read them).
 type policyNode struct {
 	*memNode
+	pmu    sync.Mutex
 	policy string
 	err    error
 }
 
-func (n *policyNode) EvictionPolicy(context.Context) (string, error) { return n.policy, n.err }
+func (n *policyNode) set(policy string, err error) {
+	n.pmu.Lock()
+	defer n.pmu.Unlock()
+	n.policy, n.err = policy, err
+}
+
+func (n *policyNode) EvictionPolicy(context.Context) (string, error) {
+	n.pmu.Lock()
+	defer n.pmu.Unlock()
+	return n.policy, n.err
+}
 
 // TestLocker_EvictionPolicyUnknown: a node whose eviction policy cannot be
 // read (INFO refused, or INFO memory without it) is counted out as if it
