@@ -46,7 +46,8 @@ chaos: deps
 
 ## test-ts:   TypeScript SDK (sdk/typescript): npm ci, build, node --test against a real redfence dev
 test-ts: deps build
-	@command -v node >/dev/null && command -v npm >/dev/null || { echo "test-ts needs Node.js >= 20 and npm" >&2; exit 1; }
+	@command -v node >/dev/null && command -v npm >/dev/null || { echo "test-ts needs Node.js >= 20.3 and npm" >&2; exit 1; }
+	@node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a === 20 && b >= 3) ? 0 : 1)' || { echo "test-ts needs Node.js >= 20.3 (found $$(node --version))" >&2; exit 1; }
 	cd sdk/typescript && npm ci --no-audit --no-fund && REDFENCE_BIN=$(CURDIR)/$(BIN) npm test
 
 ## bench:     Redfence vs redsync vs etcd side by side (bench/, ~11 min); rewrites README's table (extra flags via BENCHFLAGS=...)
