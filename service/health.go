@@ -73,8 +73,12 @@ func (l *Locker) noteReach(i int, o Outcome, err error) {
 	addr := l.nodes[i].Addr()
 	switch {
 	case logNode:
+		why := o.String()
+		if err != nil {
+			why = err.Error()
+		}
 		l.opts.Logger.Warn("node not answering", slog.String("node", addr), slog.String("outcome", o.String()),
-			slog.String("error", err.Error()), slog.Int("answering", answering), slog.Int("nodes", n))
+			slog.String("error", why), slog.Int("answering", answering), slog.Int("nodes", n))
 	case logBack:
 		l.opts.Logger.Info("node answering again", slog.String("node", addr), slog.Int("answering", answering), slog.Int("nodes", n))
 	}
