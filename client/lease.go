@@ -141,18 +141,9 @@ func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*
 		case errors.Is(err, ErrUnavailable):
 			// Not reached, or it could not decide (a restart, a
 			// majority of nodes down): try again while the wait lasts.
-			var e *Error
-			d := backoff
-			if errors.As(err, &e) && e.RetryAfter > d {
-				d = e.RetryAfter
-			}
+			d := min(retryDelay(err, backoff), left)
 			backoff = min(2*backoff, time.Second)
-			d = min(jitter(d), left)
-			t := time.NewTimer(d)
-			select {
-			case <-t.C:
-			case <-ctx.Done():
-				t.Stop()
+			if !sleep(ctx, d) {
 				return nil, fmt.Errorf("client: acquire %q: %w (after: %w)", name, ctx.Err(), err)
 			}
 		default:
@@ -161,13 +152,32 @@ func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*
 	}
 }
 
-// jitter returns d plus up to a fifth of it at random, so that clients
-// told the same Retry-After do not all come back at once.
-func jitter(d time.Duration) time.Duration {
+// retryDelay is how long to wait before trying again after err: its
+// Retry-After, if it gave one longer than floor, else floor; plus up to a
+// fifth of that at random, so that clients told the same Retry-After do not
+// all come back at once.
+func retryDelay(err error, floor time.Duration) time.Duration {
+	d := floor
+	var e *Error
+	if errors.As(err, &e) && e.RetryAfter > d {
+		d = e.RetryAfter
+	}
 	if d <= 0 {
 		return d
 	}
 	return d + rand.N(d/5+1)
+}
+
+// sleep waits d, or until ctx ends (then false).
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) {
@@ -318,12 +328,8 @@ func (l *Lease) watch() {
 				// soon (after its Retry-After, if it gave one), while time
 				// is left; the expiry timer still runs.
 				l.c.opts.Logger.Warn("redfence lease: renewal failed, retrying", slog.String("name", l.name), slog.String("error", err.Error()))
-				d := min(max(l.interval()/4, 50*time.Millisecond), time.Second)
-				var e *Error
-				if errors.As(err, &e) && e.RetryAfter > d {
-					d = e.RetryAfter
-				}
-				renew.Reset(min(jitter(d), max(time.Until(l.endAt())/2, 10*time.Millisecond)))
+				d := retryDelay(err, min(max(l.interval()/4, 50*time.Millisecond), time.Second))
+				renew.Reset(min(d, max(time.Until(l.endAt())/2, 10*time.Millisecond)))
 			}
 		}
 	}
@@ -423,21 +429,9 @@ func (l *Lease) releaseRetrying(ctx context.Context) error {
 		if err == nil || !errors.Is(err, ErrUnavailable) {
 			return err
 		}
-		d := backoff
-		var e *Error
-		if errors.As(err, &e) && e.RetryAfter > d {
-			d = e.RetryAfter
-		}
+		d := retryDelay(err, backoff)
 		backoff = min(2*backoff, time.Second)
-		d = jitter(d)
-		if time.Until(end) <= d {
-			return err
-		}
-		t := time.NewTimer(d)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
+		if time.Until(end) <= d || !sleep(ctx, d) {
 			return err
 		}
 	}
