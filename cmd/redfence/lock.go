@@ -265,12 +265,15 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	// Started and waited for by one goroutine locked to its thread for the
 	// command's whole life: the kernel's parent-death signal (commandAttr)
 	// follows the thread that started the command, which must not end
-	// before the command does. (Its goroutine exits locked, so the thread
-	// ends then, the command already reaped.)
+	// before the command does. It is unlocked once the command is reaped:
+	// a goroutine that exits locked ends its thread, and with it every
+	// other child that thread started with a parent-death signal (servers
+	// a test or an embedding program runs).
 	started := make(chan error, 1)
 	exited := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
 		if err := cmd.Start(); err != nil {
 			started <- err
 			return

@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -299,18 +300,30 @@ func (p *process) launch(context.Context) error {
 	// Grandchildren may hold the output pipe open; do not let them delay
 	// the reaping of the server itself.
 	cmd.WaitDelay = 2 * time.Second
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("cluster: start %s: %w", p.path, err)
-	}
+	// Pdeathsig fires when the thread that started the server ends, not
+	// when the process does, and the Go runtime ends a thread whose
+	// goroutine exits locked to it. So the server is started on a thread
+	// held until it has exited, whatever the caller's goroutine does.
+	started := make(chan error, 1)
 	exit := make(chan struct{})
-	p.proc, p.exit, p.err = cmd.Process, exit, nil
 	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		started <- nil
 		err := cmd.Wait()
 		p.mu.Lock()
 		p.err = err
 		p.mu.Unlock()
 		close(exit)
 	}()
+	if err := <-started; err != nil {
+		return fmt.Errorf("cluster: start %s: %w", p.path, err)
+	}
+	p.proc, p.exit, p.err = cmd.Process, exit, nil
 	return nil
 }
 
