@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
-	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -22,6 +21,7 @@ import (
 	"golang.org/x/term"
 
 	"github.com/redfence/redfence/client"
+	"github.com/redfence/redfence/internal/childproc"
 )
 
 const lockHelp = `Usage: redfence lock [flags] NAME -- COMMAND [ARGS...]
@@ -262,26 +262,11 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 		fmt.Fprintf(stderr, "redfence lock: lease on %q ended before the command could start (%v)\n", lease.Name(), err)
 		return 1, true
 	}
-	// Started and waited for by one goroutine locked to its thread for the
-	// command's whole life: the kernel's parent-death signal (commandAttr)
-	// follows the thread that started the command, which must not end
-	// before the command does. It is unlocked once the command is reaped:
-	// a goroutine that exits locked ends its thread, and with it every
-	// other child that thread started with a parent-death signal (servers
-	// a test or an embedding program runs).
-	started := make(chan error, 1)
-	exited := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := cmd.Start(); err != nil {
-			started <- err
-			return
-		}
-		started <- nil
-		exited <- cmd.Wait()
-	}()
-	if err := <-started; err != nil {
+	// childproc keeps the thread that forked the command alive until the
+	// command is reaped: the parent-death signal (commandAttr) follows that
+	// thread, not the process.
+	exited, err := childproc.Start(cmd)
+	if err != nil {
 		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
 		if errors.Is(err, fs.ErrPermission) {
 			return 126, false

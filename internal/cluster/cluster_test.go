@@ -3,11 +3,7 @@ package cluster_test
 import (
 	"context"
 	"errors"
-	"fmt"
-	"io/fs"
 	"net"
-	"os"
-	"runtime"
 	"syscall"
 	"testing"
 	"time"
@@ -17,6 +13,7 @@ import (
 
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 func newClient(t *testing.T, addr string) *redis.Client {
@@ -87,59 +84,25 @@ func TestRedis_PauseResume(t *testing.T) {
 // it ends, and the Go runtime ends the thread of a goroutine that exits
 // locked to it (as `redfence lock` does). A server started from such a
 // goroutine must live on.
+// A server started from a goroutine that then exits locked to its thread
+// (ending the thread, as the runtime does) must live on.
 func TestRedis_OutlivesStartingThread(t *testing.T) {
 	t.Parallel()
-	type result struct {
-		r   *cluster.Redis
-		tid int
-		err error
-	}
-	done := make(chan result, 1)
-	var run func(held chan<- struct{})
-	run = func(held chan<- struct{}) {
-		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
-		if held != nil {
-			close(held)
-		}
-		if syscall.Gettid() == os.Getpid() {
-			// The runtime never ends the main thread: hold it until
-			// another goroutine holds another thread.
-			h := make(chan struct{})
-			go run(h)
-			<-h
-			runtime.UnlockOSThread()
-			return
-		}
-		r, err := cluster.StartRedis(t.Context(), cluster.RedisOptions{})
-		done <- result{r, syscall.Gettid(), err}
-	}
-	go run(nil)
-	res := <-done
-	if res.err != nil {
-		t.Fatal(res.err)
+	var r *cluster.Redis
+	var err error
+	testutil.OnEndingThread(t, func() { r, err = cluster.StartRedis(t.Context(), cluster.RedisOptions{}) })
+	if err != nil {
+		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		if err := res.r.Close(); err != nil {
+		if err := r.Close(); err != nil {
 			t.Error(err)
 		}
 	})
-	// Once the thread is gone from /proc, any death signal has been sent,
-	// and a server with SIGKILL pending never answers again.
-	task := fmt.Sprintf("/proc/self/task/%d", res.tid)
-	for {
-		if _, err := os.Stat(task); errors.Is(err, fs.ErrNotExist) {
-			break
-		}
-		select {
-		case <-t.Context().Done():
-			t.Fatal("the starting thread did not end")
-		case <-time.After(time.Millisecond): // polls the kernel's state
-		}
-	}
-	if err := ping(t, newClient(t, res.r.Addr()), 5*time.Second); err != nil {
+	if err := ping(t, newClient(t, r.Addr()), 5*time.Second); err != nil {
 		t.Errorf("PING after the starting thread ended: %v; want PONG", err)
 	}
-	if !res.r.Running() {
+	if !r.Running() {
 		t.Error("Running() = false after the starting thread ended; want true")
 	}
 }

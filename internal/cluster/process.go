@@ -10,12 +10,13 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/redfence/redfence/internal/childproc"
 )
 
 const (
@@ -300,29 +301,20 @@ func (p *process) launch(context.Context) error {
 	// Grandchildren may hold the output pipe open; do not let them delay
 	// the reaping of the server itself.
 	cmd.WaitDelay = 2 * time.Second
-	// Pdeathsig fires when the thread that started the server ends, not
-	// when the process does, and the Go runtime ends a thread whose
-	// goroutine exits locked to it. So the server is started on a thread
-	// held until it has exited, whatever the caller's goroutine does.
-	started := make(chan error, 1)
+	// The parent-death signal follows the thread that forks the server:
+	// childproc holds that thread until the server exits.
+	waited, err := childproc.Start(cmd)
+	if err != nil {
+		return fmt.Errorf("cluster: start %s: %w", p.path, err)
+	}
 	exit := make(chan struct{})
 	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		if err := cmd.Start(); err != nil {
-			started <- err
-			return
-		}
-		started <- nil
-		err := cmd.Wait()
+		err := <-waited
 		p.mu.Lock()
 		p.err = err
 		p.mu.Unlock()
 		close(exit)
 	}()
-	if err := <-started; err != nil {
-		return fmt.Errorf("cluster: start %s: %w", p.path, err)
-	}
 	p.proc, p.exit, p.err = cmd.Process, exit, nil
 	return nil
 }
