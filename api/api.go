@@ -1192,6 +1192,11 @@ func (h *Handler) getResource(w http.ResponseWriter, r *http.Request) {
 
 func (h *Handler) nodes(w http.ResponseWriter, r *http.Request) {
 	ns := h.locker.Nodes(r.Context())
+	if err := r.Context().Err(); err != nil {
+		// The client left: the pings it cut short say nothing of the nodes.
+		h.writeError(w, r, fmt.Errorf("nodes: %w", err))
+		return
+	}
 	resp := &NodeList{Quorum: h.locker.Quorum(), Nodes: make([]Node, len(ns))}
 	for i, n := range ns {
 		resp.Nodes[i] = Node{Address: n.Addr, Up: n.Up, LatencyMS: float64(n.Latency.Microseconds()) / 1000}
@@ -1226,7 +1231,14 @@ func (h *Handler) readyz(w http.ResponseWriter, r *http.Request) {
 	ph := &PostgresHealth{Up: true}
 	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
 	defer cancel()
-	if err := h.store.Ping(ctx); err != nil {
+	err := h.store.Ping(ctx)
+	if cerr := r.Context().Err(); cerr != nil {
+		// The client left: the checks it cut short say nothing of the
+		// servers.
+		h.writeError(w, r, fmt.Errorf("readiness: %w", cerr))
+		return
+	}
+	if err != nil {
 		ph.Up, ph.Error = false, "postgres does not answer"
 		h.log.LogAttrs(r.Context(), slog.LevelWarn, "readiness: postgres down", slog.String("error", err.Error()))
 	}

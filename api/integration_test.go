@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
@@ -503,5 +504,43 @@ func TestAPI_NullDocument(t *testing.T) {
 	r.decode(t, &res)
 	if r.status != 200 || string(res.Data) != "null" {
 		t.Errorf("GET = %d %s; want 200 with data null", r.status, r.body)
+	}
+}
+
+// TestAPI_CallerLeft: a request whose client has left (its context ended)
+// is answered 499 cancelled, never as an outage (503) or a report of nodes
+// being down: the calls it cut short say nothing of Redis or Postgres.
+func TestAPI_CallerLeft(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	g := e.mustAcquire("left", map[string]any{"ttl_ms": 30000})
+	gone, leave := context.WithCancel(t.Context())
+	leave()
+	for _, tc := range []struct {
+		method, path, body string
+		hdr                []string
+	}{
+		{http.MethodGet, "/v1/locks/left", "", nil},
+		{http.MethodPost, "/v1/locks/left/extend", `{"ttl_ms":30000}`, []string{"Lock-Token", g.LockToken, "Content-Type", "application/json"}},
+		{http.MethodGet, "/v1/nodes", "", nil},
+		{http.MethodGet, "/readyz", "", nil},
+	} {
+		req := httptest.NewRequestWithContext(gone, tc.method, tc.path, strings.NewReader(tc.body))
+		for i := 0; i < len(tc.hdr); i += 2 {
+			req.Header.Set(tc.hdr[i], tc.hdr[i+1])
+		}
+		rec := httptest.NewRecorder()
+		e.srv.Config.Handler.ServeHTTP(rec, req)
+		r := readResponse(t, rec.Result())
+		if p := r.problem(t); r.status != 499 || p.Type != api.ProblemTypePrefix+"cancelled" {
+			t.Errorf("%s %s of a client that left = %d %s; want 499 cancelled", tc.method, tc.path, r.status, p.Type)
+		}
+	}
+	// Nothing was down, and the lease is as it was.
+	if r := e.do(e.client, http.MethodGet, "/readyz", nil); r.status != 200 {
+		t.Errorf("GET /readyz = %d; want 200", r.status)
+	}
+	if r := e.release("left", g.LockToken); r.status != 204 {
+		t.Errorf("release = %d; want 204", r.status)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -87,5 +88,73 @@ func TestLocker_CallerLeftDuringIssuance(t *testing.T) {
 	}
 	if g2.Fencing <= g.Fencing+1 {
 		t.Errorf("next token %d; want above %d (the abandoned grant's token is spent)", g2.Fencing, g.Fencing+1)
+	}
+}
+
+// opCounter counts the node requests reported for each op.
+type opCounter struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (c *opCounter) NodeOp(_, op string, _ service.Outcome, _ time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n == nil {
+		c.n = map[string]int{}
+	}
+	c.n[op]++
+}
+func (*opCounter) Waiting(int)                  {}
+func (*opCounter) Quarantine(string, time.Time) {}
+
+func (c *opCounter) get(op string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n[op]
+}
+
+// TestLocker_CallerLeftIsNoOutage: a caller that has left (its context
+// ended) gets context.Canceled from Status and Extend, not ErrQuorum or
+// ErrFencing, and its cut-short node requests are not reported: they are
+// no news of the nodes or of Postgres, which answer normally.
+func TestLocker_CallerLeftIsNoOutage(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	obs := &opCounter{}
+	l := e.lockerWith(t, nil, service.Options{Registry: e.db, Observer: obs})
+	ctx := t.Context()
+	const key = "caller-left"
+	g, err := l.Acquire(ctx, key, service.Request{TTL: 3 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ttls := obs.get("ttl")
+	gone, leave := context.WithCancel(ctx)
+	leave()
+	for _, tc := range []struct {
+		op string
+		f  func() error
+	}{
+		{"Status", func() error { _, err := l.Status(gone, key); return err }},
+		{"Extend", func() error { _, err := l.Extend(gone, key, g.Token, 3*time.Second); return err }},
+	} {
+		err := tc.f()
+		if !errors.Is(err, context.Canceled) || errors.Is(err, service.ErrQuorum) || errors.Is(err, service.ErrFencing) {
+			t.Errorf("%s of a caller that left = %v; want context.Canceled, neither ErrQuorum nor ErrFencing", tc.op, err)
+		}
+	}
+	if n := obs.get("ttl") - ttls; n != 0 {
+		t.Errorf("%d ttl requests reported for a caller that left; want none", n)
+	}
+	// The nodes and Postgres were fine all along.
+	if st, err := l.Status(ctx, key); err != nil || !st.Held {
+		t.Errorf("Status = %+v, %v; want held", st, err)
+	}
+	if n := obs.get("ttl") - ttls; n != len(e.nodes) {
+		t.Errorf("%d ttl requests reported for a caller that stayed; want %d", n, len(e.nodes))
+	}
+	if err := l.Release(ctx, key, g.Token); err != nil {
+		t.Fatal(err)
 	}
 }

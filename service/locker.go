@@ -111,7 +111,8 @@ func (l *Locker) quarantineEnd(left time.Duration) time.Time {
 // must be cheap and safe for concurrent use.
 type Observer interface {
 	// NodeOp reports one request to one node: op is acquire, extend, release,
-	// ttl, ping or sweep (a delete sent again, see sweeper).
+	// ttl, ping or sweep (a delete sent again, see sweeper). A request cut
+	// short because its caller left is not reported.
 	NodeOp(addr, op string, outcome Outcome, d time.Duration)
 	// Waiting reports a blocking acquire starting (+1) or ending (-1) a wait.
 	Waiting(delta int)
@@ -1471,8 +1472,8 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 		default:
 			v.Outcome = No
 		}
-		l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
 		if ctx.Err() == nil { // a caller that left is no news of the node
+			l.opts.Observer.NodeOp(v.Addr, name, v.Outcome, v.Latency)
 			l.noteReach(i, v.Outcome, err)
 		}
 		countMu.Lock()
@@ -1893,6 +1894,9 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	// being unavailable fails the extend with every lease as it was.
 	rec, err := l.last(ctx, key)
 	if err != nil {
+		if cerr := ctx.Err(); cerr != nil { // the caller left: no news of Postgres
+			return nil, fmt.Errorf("extend %q: %w", key, cerr)
+		}
 		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Cause: err}
 	}
 	if rec.Holder != HolderID(token) {
@@ -2080,11 +2084,19 @@ func (l *Locker) Status(ctx context.Context, key string) (*Status, error) {
 	}}, nil, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	l.drain(t, votes)
+	// A caller that left cut the reads short: that is no news of the nodes
+	// or of Postgres.
 	if t.yes < l.quorum && len(l.nodes)-t.no >= l.quorum {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("status %q: %w", key, err)
+		}
 		return nil, &Error{Op: "status", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
 	}
 	rec, err := l.last(ctx, key)
 	if err != nil {
+		if cerr := ctx.Err(); cerr != nil {
+			return nil, fmt.Errorf("status %q: %w", key, cerr)
+		}
 		return nil, &Error{Op: "status", Key: key, Err: ErrFencing, Nodes: t.results, Cause: err}
 	}
 	st := &Status{Key: key, Last: rec}

@@ -96,8 +96,10 @@ type AcquireResponse struct {
 	// your send time, so the deadline falls before the lease ends however
 	// long the request took: TTL, plus any time spent waiting before the
 	// winning attempt began, minus a clock-drift allowance on both (so
-	// after a `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease
-	// a majority of nodes kept, which may also be longer).
+	// it may exceed `ttl_ms` by the time between the request's arrival and
+	// the winning attempt: a `wait_ms` wait, or an API-key check that had
+	// to ask Postgres; for extend, the lease a majority of nodes kept,
+	// which may also be longer).
 	//
 	//
 	// Example: 9886
@@ -193,8 +195,10 @@ type LockResponse struct {
 	// your send time, so the deadline falls before the lease ends however
 	// long the request took: TTL, plus any time spent waiting before the
 	// winning attempt began, minus a clock-drift allowance on both (so
-	// after a `wait_ms` wait it may exceed `ttl_ms`; for extend, the lease
-	// a majority of nodes kept, which may also be longer).
+	// it may exceed `ttl_ms` by the time between the request's arrival and
+	// the winning attempt: a `wait_ms` wait, or an API-key check that had
+	// to ask Postgres; for extend, the lease a majority of nodes kept,
+	// which may also be longer).
 	//
 	//
 	// Example: 9886
@@ -306,7 +310,9 @@ type NodeOutcome struct {
 	// failed; `timeout`: no answer within the per-node timeout;
 	// `quarantined`: the node restarted without its data recently, so its
 	// answer does not count until every lease it may have forgotten has
-	// expired, or it may evict keys (see `GET /v1/nodes`).
+	// expired, or it may evict keys (see `GET /v1/nodes`). Such a node's
+	// refusal of an acquire is still reported (and counted) as `no`: it
+	// holds another lease's key, written since.
 	Outcome string `json:"outcome"`
 }
 
