@@ -28,7 +28,7 @@ import (
 const ProblemTypePrefix = "urn:redfence:problem:"
 
 // memoryLost is the error of a node this round found without its data.
-const memoryLost = "the node restarted without its data (its epoch marker is gone), so it is quarantined"
+const memoryLost = "the node does not hold the epoch marker this server expected (it restarted without its data, or another server found it restarted and marked it anew), so it is quarantined"
 
 // Problem is an RFC 9457 problem details object, with Redfence's extension
 // members.
