@@ -45,7 +45,7 @@ type Config struct {
 	LogFormat         string        `split_words:"true" default:"json" desc:"json or text"`
 	Auth              bool          `envconfig:"AUTH" default:"true" desc:"require an API key (Authorization: Bearer) on /v1 and /metrics; false lets anyone who reaches the port do anything"`
 	AuthCacheTTL      time.Duration `envconfig:"AUTH_CACHE_TTL" default:"1s" desc:"how long a server trusts a cached API key: the bound on applying a revocation whose notification was lost"`
-	RateLimit         float64       `split_words:"true" default:"100" desc:"requests per second per API key on average, on each server (token bucket); 0 turns rate limits off"`
+	RateLimit         float64       `split_words:"true" default:"100" desc:"requests per second per API key on average, on each server (token bucket); 0 turns rate limits off (redfence dev: 0 unless set)"`
 	RateBurst         int           `split_words:"true" default:"200" desc:"requests an API key may send at once (the token bucket's size; it refills at REDFENCE_RATE_LIMIT)"`
 	TLSCertFile       string        `envconfig:"TLS_CERT_FILE" desc:"PEM certificate chain: serve HTTPS (with REDFENCE_TLS_KEY_FILE); reloaded when the file changes"`
 	TLSKeyFile        string        `envconfig:"TLS_KEY_FILE" desc:"PEM private key of REDFENCE_TLS_CERT_FILE"`

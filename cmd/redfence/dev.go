@@ -34,6 +34,15 @@ func devAddr(fs *flag.FlagSet, flagAddr string, lookup func(string) (string, boo
 	return devDefaultAddr
 }
 
+// devRateLimit turns the per-key rate limit off unless REDFENCE_RATE_LIMIT
+// is set (lookup): a trial server on loopback is often load-tested, and its
+// one key with every scope would otherwise be held to serve's default.
+func devRateLimit(cfg *Config, lookup func(string) (string, bool)) {
+	if _, ok := lookup("REDFENCE_RATE_LIMIT"); !ok {
+		cfg.RateLimit = 0
+	}
+}
+
 func cmdDev(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flags("dev", `Starts local servers and serves on them, for trying Redfence out:
 with no REDFENCE_REDIS_ADDRS / REDFENCE_DATABASE_URL it starts its own
@@ -42,8 +51,9 @@ binaries, or Docker through dockertest when they are missing), migrates, and
 serves. Ctrl-C stops everything it started and removes its temporary data.
 
 Unlike serve, dev listens on loopback unless told otherwise (--addr, or
-else REDFENCE_LISTEN_ADDR) and logs text unless REDFENCE_LOG_FORMAT is set;
-the settings below are otherwise the same.`, stderr)
+else REDFENCE_LISTEN_ADDR), logs text unless REDFENCE_LOG_FORMAT is set, and
+limits no API key's rate unless REDFENCE_RATE_LIMIT is set; the settings
+below are otherwise the same.`, stderr)
 	addr := fs.String("addr", devDefaultAddr, "HTTP listen address (default: REDFENCE_LISTEN_ADDR if set)")
 	n := fs.Int("nodes", 5, "number of Redis nodes to start")
 	if err := parseFlags(fs, args, stdout); err != nil {
@@ -60,6 +70,7 @@ the settings below are otherwise the same.`, stderr)
 		return err
 	}
 	cfg.ListenAddr = devAddr(fs, *addr, os.LookupEnv)
+	devRateLimit(cfg, os.LookupEnv)
 	logw := newAsyncWriter(stderr)
 	defer logw.Close()
 	log := cfg.logger(logw)

@@ -212,3 +212,25 @@ func TestDevAddr(t *testing.T) {
 		}
 	}
 }
+
+// TestDevRateLimit: dev limits no key's rate unless REDFENCE_RATE_LIMIT is
+// set, even to serve's default.
+func TestDevRateLimit(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		env  map[string]string
+		rate float64 // as loaded from the environment
+		want float64
+	}{
+		{nil, 100, 0},
+		{map[string]string{"REDFENCE_RATE_LIMIT": "100"}, 100, 100},
+		{map[string]string{"REDFENCE_RATE_LIMIT": "5"}, 5, 5},
+		{map[string]string{"REDFENCE_RATE_BURST": "10"}, 100, 0},
+	} {
+		cfg := &Config{RateLimit: tc.rate}
+		devRateLimit(cfg, func(k string) (string, bool) { v, ok := tc.env[k]; return v, ok })
+		if cfg.RateLimit != tc.want {
+			t.Errorf("devRateLimit with %v: RateLimit = %v; want %v", tc.env, cfg.RateLimit, tc.want)
+		}
+	}
+}
