@@ -64,6 +64,10 @@ const answerTimeout = 10 * time.Second
 // LockTokenHeader carries the lock token to extend and release.
 const LockTokenHeader = "Lock-Token"
 
+// lockTokenLen is the length of a lock token: 20 random bytes in unpadded
+// base64url.
+const lockTokenLen = 27
+
 // Options tunes a Handler. Zero fields take the documented defaults.
 type Options struct {
 	// DefaultTTL is used when a request gives no ttl_ms. The default is 10s.
@@ -229,7 +233,7 @@ func (h *Handler) newRouter() *chi.Mux {
 	r := chi.NewRouter()
 	r.Use(h.front)
 	notFound := func(w http.ResponseWriter, r *http.Request) {
-		writeProblem(w, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
+		writeProblem(w, r, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
 			Detail: "no route " + instance(r), Instance: instance(r), RequestID: requestID(r.Context())})
 	}
 	r.NotFound(notFound)
@@ -252,7 +256,7 @@ func (h *Handler) newRouter() *chi.Mux {
 			return
 		}
 		w.Header().Set("Allow", strings.Join(allow, ", "))
-		writeProblem(w, &Problem{Type: kMethod.typ, Title: kMethod.title, Status: kMethod.status,
+		writeProblem(w, req, &Problem{Type: kMethod.typ, Title: kMethod.title, Status: kMethod.status,
 			Detail:   fmt.Sprintf("%s is not allowed here; use %s", req.Method, strings.Join(allow, ", ")),
 			Instance: instance(req), RequestID: requestID(req.Context())})
 	})
@@ -322,7 +326,7 @@ func lockToken(r *http.Request) (string, error) {
 			InvalidParam{Name: LockTokenHeader, Reason: "required, once"})
 	}
 	t := v[0]
-	if len(t) != 27 || !base64URL(t) {
+	if len(t) != lockTokenLen || !base64URL(t) {
 		return "", invalid(LockTokenHeader+" is malformed: want the 27-character lock_token returned by acquire",
 			InvalidParam{Name: LockTokenHeader, Reason: "must be 27 characters of base64url"})
 	}
@@ -347,10 +351,10 @@ func tokenInPath(r *http.Request) (string, bool) {
 	default:
 		return "", false
 	}
-	if len(name) != 27 || !base64URL(name) {
+	if len(name) != lockTokenLen || !base64URL(name) {
 		return "", false
 	}
-	if v := r.Header[LockTokenHeader]; len(v) == 1 && v[0] != name && len(v[0]) == 27 && base64URL(v[0]) {
+	if v := r.Header[LockTokenHeader]; len(v) == 1 && v[0] != name && len(v[0]) == lockTokenLen && base64URL(v[0]) {
 		return "", false // a well-formed token of its own: the name is a name
 	}
 	return name, true

@@ -248,6 +248,47 @@ func TestLockTokenInPath(t *testing.T) {
 	}
 }
 
+// TestOwnLockTokenNotQuoted: a request's own lock token (its Lock-Token
+// header) pasted anywhere else in it, as a field name, in any path or as
+// the method, is quoted by neither the problem nor the log, and the
+// request changes nothing.
+func TestOwnLockTokenNotQuoted(t *testing.T) {
+	t.Parallel()
+	e := newFakeEnv(t, false)
+	g := e.acquire(t, e.h, "orders", `{"ttl_ms":30000}`)
+	tok := g.LockToken
+	hdr := []string{LockTokenHeader, tok}
+	for _, tc := range []struct{ method, target, body string }{
+		{http.MethodPost, "/v1/locks/orders/extend", `{"` + tok + `":1}`},
+		{http.MethodPost, "/v1/locks/orders", `{"` + tok + `":1}`},
+		{http.MethodPut, "/v1/locks/" + tok, ""},
+		{http.MethodPatch, "/v1/locks/" + tok, ""},
+		{http.MethodGet, "/v1/locks/" + tok + "/extend", ""},
+		{http.MethodDelete, "/v1/locks/" + tok + "/", ""},
+		{http.MethodDelete, "/v1/locks/orders/" + tok, ""},
+		{http.MethodGet, "/v1/nope/%" + fmt.Sprintf("%X", tok[0]) + tok[1:], ""},
+		{tok, "/v1/locks/orders", ""},
+	} {
+		w := e.do(e.h, tc.method, tc.target, tc.body, hdr...)
+		if w.Code < 400 {
+			t.Errorf("%.10s %s: %d; want an error", tc.method, tc.target, w.Code)
+		}
+		if strings.Contains(w.Body.String(), tok) {
+			t.Errorf("%.10s %s %s: the problem quotes the lock token: %s", tc.method, tc.target, tc.body, w.Body)
+		}
+		if tc.method != tok && !strings.Contains(w.Body.String(), "[redacted]") {
+			t.Errorf("%.10s %s %s: the problem does not show where the token was: %s", tc.method, tc.target, tc.body, w.Body)
+		}
+	}
+	if strings.Contains(e.logs.String(), tok) {
+		t.Errorf("the log contains the lock token:\n%s", e.logs.String())
+	}
+	// Nothing was released or extended: the holder still releases it.
+	if w := e.do(e.h, http.MethodDelete, "/v1/locks/orders", "", hdr...); w.Code != http.StatusNoContent {
+		t.Errorf("release by the holder = %d %s; want 204", w.Code, w.Body)
+	}
+}
+
 // TestReleaseAnswersBeforeAudit checks that a release whose audit line
 // waits for Postgres (another server's grant) answers the client first: a
 // release does not need Postgres.
@@ -360,6 +401,11 @@ func TestRequestIDs(t *testing.T) {
 		}
 		seen[id] = true
 	}
+	for _, path := range []string{"/healthz", "/v1/nope"} {
+		if got := e.do(e.h, http.MethodGet, path, "").Header().Get("X-Content-Type-Options"); got != "nosniff" {
+			t.Errorf("GET %s: X-Content-Type-Options %q; want nosniff", path, got)
+		}
+	}
 	other := NewHandler(e.l, benchFakeStore{e.l}, Options{}).ids.next()
 	if other[:8] == e.h.ids.next()[:8] {
 		t.Errorf("two Handlers share the request id prefix %s", other[:8])
@@ -371,6 +417,9 @@ func TestRequestIDs(t *testing.T) {
 		{"has space", ""},
 		{"ünïcode", ""},
 		{benchAPIKey, ""},                                            // an API key: a secret, never logged
+		{"x" + benchAPIKey, ""},                                      // one inside the ID
+		{"id." + benchAPIKey[:25], ""},                               // one cut short
+		{"perf_1", "perf_1"},                                         // "rf_" without a key id is no key
 		{"XO-BHVUBfJCMQRnPhNlbb6nNeSU", ""},                          // a lock token's shape
 		{"XO-BHVUBfJCMQRnPhNlbb6nNeS", "XO-BHVUBfJCMQRnPhNlbb6nNeS"}, // 26 characters: a plain ID
 	} {

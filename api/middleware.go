@@ -203,11 +203,11 @@ func sharesRun(s, secret string, n int) bool {
 }
 
 // validRequestID accepts a client's ID only if it is short and plain, so it
-// is safe to log and echo, and cannot be a secret pasted by mistake: not an
-// API key (rf_...) and not of a lock token's shape (27 characters of
-// base64url).
+// is safe to log and echo, and cannot be a secret pasted by mistake: it
+// holds no API key, whole or cut short (rf_ and a key id, anywhere in it),
+// and is not of a lock token's shape (27 characters of base64url).
 func validRequestID(s string) bool {
-	if s == "" || len(s) > 64 || strings.HasPrefix(s, apikey.Prefix) || len(s) == 27 && base64URL(s) {
+	if s == "" || len(s) > 64 || holdsKey(s) || len(s) == lockTokenLen && base64URL(s) {
 		return false
 	}
 	for i := 0; i < len(s); i++ {
@@ -217,6 +217,12 @@ func validRequestID(s string) bool {
 		}
 	}
 	return true
+}
+
+// holdsKey reports whether s holds an API key, whole or cut short.
+func holdsKey(s string) bool {
+	_, ok := apikey.FindID(s)
+	return ok
 }
 
 // front is the middleware every request goes through, in this order:
@@ -245,6 +251,9 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 	}
 	st.id = id
 	setHeader(&st.rw, RequestIDHeader, id)
+	// Every answer is JSON, problem+json or text in its declared type: a
+	// browser must not guess another.
+	st.rw.Header()["X-Content-Type-Options"] = []string{"nosniff"}
 	r = r.WithContext(st)
 	if route != "" {
 		r.Pattern = route // as the router sets it
@@ -279,7 +288,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 	}
 	h.logRecord(r.Context(), end, nil, slog.LevelInfo, "http request",
 		slog.String("request_id", id),
-		slog.String("method", apikey.Redact(r.Method)),
+		slog.String("method", redact(r, r.Method)),
 		slog.String("path", instance(r)),
 		slog.String("route", route),
 		slog.Int("status", status),
@@ -303,7 +312,7 @@ func (h *Handler) recoverPanic(w http.ResponseWriter, r *http.Request) {
 		h.logRecord(r.Context(), time.Now(), nil, slog.LevelError, "panic", slog.String("request_id", id),
 			slog.Any("panic", v), slog.String("stack", string(debug.Stack())))
 	}
-	writeProblem(w, &Problem{Type: kInternal.typ, Title: kInternal.title,
+	writeProblem(w, r, &Problem{Type: kInternal.typ, Title: kInternal.title,
 		Status: kInternal.status, Instance: instance(r), RequestID: id})
 }
 

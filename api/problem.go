@@ -501,33 +501,35 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 	if k == kInternal {
 		level = slog.LevelError
 	}
-	// err never carries a lock token: service errors name keys and nodes
-	// only. A key's name is the client's, and may be an API key.
+	// err quotes the client's text at most (a name, a field name), which
+	// may hold an API key or the request's own lock token.
 	if ctx := r.Context(); h.raw.Enabled(ctx, level) {
 		h.logRecord(ctx, time.Now(), PrincipalFrom(ctx), level, "request failed", slog.String("request_id", p.RequestID),
-			slog.String("problem", k.slug), slog.String("error", apikey.Redact(err.Error())))
+			slog.String("problem", k.slug), slog.String("error", redact(r, err.Error())))
 	}
-	writeProblem(w, p)
+	writeProblem(w, r, p)
 }
 
-func writeProblem(w http.ResponseWriter, p *Problem) {
-	redactProblem(p)
+// writeProblem writes p, the answer to r, without the secrets r's client
+// may have put in the text it quotes (see redactProblem).
+func writeProblem(w http.ResponseWriter, r *http.Request, p *Problem) {
+	redactProblem(r, p)
 	buf := getBuf()
 	defer putBuf(buf)
 	*buf = appendProblem(*buf, p)
 	writeBody(w, p.Status, "application/problem+json", *buf)
 }
 
-// redactProblem replaces the secret of any API key p quotes with
-// "[redacted]" (apikey.Redact): a key pasted into the path, a field name or
-// an owner may be quoted by the detail, the invalid_params and the
-// instance, and a key's name by a node's error.
-func redactProblem(p *Problem) {
-	p.Instance = apikey.Redact(p.Instance)
-	p.Detail = apikey.Redact(p.Detail)
+// redactProblem replaces the secrets p quotes with "[redacted]" (see
+// redact): an API key or r's own lock token pasted into the path, the
+// method, a field name or an owner may be quoted by the detail, the
+// invalid_params and the instance, and a key's name by a node's error.
+func redactProblem(r *http.Request, p *Problem) {
+	p.Instance = redact(r, p.Instance)
+	p.Detail = redact(r, p.Detail)
 	copied := false
 	for i, ip := range p.InvalidParams {
-		name, reason := apikey.Redact(ip.Name), apikey.Redact(ip.Reason)
+		name, reason := redact(r, ip.Name), redact(r, ip.Reason)
 		if name == ip.Name && reason == ip.Reason {
 			continue
 		}
@@ -537,8 +539,23 @@ func redactProblem(p *Problem) {
 		p.InvalidParams[i] = InvalidParam{Name: name, Reason: reason}
 	}
 	for i := range p.Nodes {
-		p.Nodes[i].Error = apikey.Redact(p.Nodes[i].Error)
+		p.Nodes[i].Error = redact(r, p.Nodes[i].Error)
 	}
+}
+
+// redact returns s, text a client sent that is logged or echoed, with the
+// secret of every API key in it (apikey.Redact) and every copy of the
+// request's own lock token (its Lock-Token header) replaced by
+// "[redacted]", wherever the client put them: in the path, the method or a
+// field name.
+func redact(r *http.Request, s string) string {
+	s = apikey.Redact(s)
+	for _, t := range r.Header[LockTokenHeader] {
+		if len(t) == lockTokenLen && base64URL(t) {
+			s = strings.ReplaceAll(s, t, "[redacted]")
+		}
+	}
+	return s
 }
 
 // instance is the problem's instance, and the path the access log shows:
@@ -553,6 +570,17 @@ func instance(r *http.Request) string {
 			p = (&url.URL{Path: r.URL.Path}).EscapedPath()
 		}
 		return strings.Replace(p, secret, "[redacted]", 1)
+	}
+	for _, t := range r.Header[LockTokenHeader] {
+		// The request's own lock token, wherever the path has it (a
+		// client that put it in the wrong place).
+		if len(t) != lockTokenLen || !base64URL(t) || !strings.Contains(r.URL.Path, t) {
+			continue
+		}
+		if !strings.Contains(p, t) {
+			p = (&url.URL{Path: r.URL.Path}).EscapedPath()
+		}
+		p = strings.ReplaceAll(p, t, "[redacted]")
 	}
 	if !strings.Contains(r.URL.Path, apikey.Prefix) { // the decoded path holds any key the sent one does
 		return p

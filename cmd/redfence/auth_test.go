@@ -228,7 +228,8 @@ func TestRun_Keys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	gammaID, _ := apikey.ParseID(strings.TrimSpace(out))
+	gamma := strings.TrimSpace(out)
+	gammaID, _ := apikey.ParseID(gamma)
 
 	list := func() [][]string {
 		t.Helper()
@@ -293,6 +294,20 @@ func TestRun_Keys(t *testing.T) {
 	}
 	if _, _, err := keys("revoke", "0000000000000000"); err == nil || !strings.Contains(err.Error(), "0000000000000000") {
 		t.Errorf("keys revoke <unknown id> = %v; want an error naming the id", err)
+	}
+	// A key mistyped or cut short is refused without being echoed, and
+	// revokes nothing; one pasted with spaces around it is the key.
+	for _, arg := range []string{gamma + "x", gamma[:len(gamma)-1], "Bearer " + gamma} {
+		_, errOut, err := keys("revoke", arg)
+		if !errors.Is(err, errUsage) || strings.Contains(errOut, gamma[len(gamma)-20:]) || !strings.Contains(errOut, gammaID) {
+			t.Errorf("keys revoke <near key> = %v, stderr %q; want errUsage naming key id %s, without its secret", err, errOut, gammaID)
+		}
+	}
+	if rows := list(); rows[2][len(rows[2])-1] != "-" {
+		t.Errorf("keys list after near-key revokes = %q; want gamma still active", rows[2])
+	}
+	if out, _, err := keys("revoke", " "+gamma+"\n"); err != nil || !strings.HasPrefix(out, "revoked "+gammaID) {
+		t.Errorf("keys revoke <key with spaces> = %q, %v; want \"revoked %s ...\"", out, err, gammaID)
 	}
 	if out, _, err := keys("-h"); err != nil || !strings.Contains(out, "keys create") {
 		t.Errorf("keys -h = %q, %v; want the help", out, err)

@@ -175,9 +175,17 @@ func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer)
 		fmt.Fprintln(stderr, "redfence keys revoke: give exactly one key id (see redfence keys list)")
 		return errUsage
 	}
-	id := fs.Arg(0)
+	id := strings.TrimSpace(fs.Arg(0))
 	if kid, ok := apikey.ParseID(id); ok {
 		id = kid // the whole key was given
+	} else if !apikey.ValidID(id) {
+		// Never echo it: it may be a key mistyped or cut short.
+		if kid, ok := apikey.FindID(id); ok {
+			fmt.Fprintf(stderr, "redfence keys revoke: the argument is neither a whole API key nor a key id; it names key id %s (to revoke that key: redfence keys revoke %s)\n", kid, kid)
+		} else {
+			fmt.Fprintln(stderr, "redfence keys revoke: the argument is neither an API key nor a key id (16 hex digits; see redfence keys list)")
+		}
+		return errUsage
 	}
 	db, err := keysDB(ctx, stderr)
 	if err != nil {
@@ -195,7 +203,6 @@ func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer)
 	return nil
 }
 
-// devKey creates the key `redfence dev` prints: tenant "dev", every scope.
 // devKey creates the API key redfence dev prints: for tenant "dev", with
 // every scope. With revoke (a database redfence dev did not start, which
 // outlives it) the key is revoked when the server closes, so no key with

@@ -165,6 +165,21 @@ func Redact(s string) string {
 	return b.String()
 }
 
+// FindID returns the id of the first API key in s, whole or cut short: the
+// first key prefix in s followed by a key id. ok is false if s holds none.
+func FindID(s string) (id string, ok bool) {
+	for rest := s; ; {
+		i := strings.Index(rest, Prefix)
+		if i < 0 {
+			return "", false
+		}
+		rest = rest[i+len(Prefix):]
+		if len(rest) >= idLen && ValidID(rest[:idLen]) {
+			return rest[:idLen], true
+		}
+	}
+}
+
 // ValidID reports whether id can be the id of an API key: 16 lower-case hex
 // digits.
 func ValidID(id string) bool {

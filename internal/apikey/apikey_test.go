@@ -155,3 +155,24 @@ func TestRedact(t *testing.T) {
 		}
 	}
 }
+
+func TestFindID(t *testing.T) {
+	key, id := New()
+	for _, tc := range []struct{ in, want string }{
+		{"", ""},
+		{"perf_1", ""},
+		{"rf_", ""},
+		{"rf_0123456789abcde", ""}, // 15 hex digits: no key id
+		{"rf_0123456789ABCDEF", ""},
+		{"rf_0123456789abcdef", "0123456789abcdef"},
+		{key, id},
+		{"x" + key, id},
+		{"req." + key[:Len-10], id},
+		{"rf_rf_" + key[3:], id},
+	} {
+		got, ok := FindID(tc.in)
+		if got != tc.want || ok != (tc.want != "") {
+			t.Errorf("FindID(%q) = %q, %v; want %q", tc.in, got, ok, tc.want)
+		}
+	}
+}
