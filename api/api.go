@@ -971,6 +971,11 @@ func validOwner(s string) string {
 			return "must be printable UTF-8 text (not U+FFFD, which stands for invalid UTF-8)"
 		}
 	}
+	if apikey.Redact(s) != s {
+		// An owner is shown to every reader of the lock: a key in it
+		// would be handed to them.
+		return "must not hold an API key (a secret: every reader of the lock is shown its owner)"
+	}
 	return ""
 }
 

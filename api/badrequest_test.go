@@ -157,14 +157,15 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"ContentTypeNoSlash", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "x+json", nil, 415, "unsupported-media-type"},
 		{"ContentTypeTextJSON", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/json", nil, 415, "unsupported-media-type"},
 		{"OwnerTooManyCharacters", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("é", 257) + `"}`, json, nil, 400, "invalid-request"},
+		{"OwnerHoldsAPIKey", "POST", "/v1/locks/x", `{"owner":"ci rf_0123456789abcdef_` + strings.Repeat("s", 43) + `"}`, json, nil, 400, "invalid-request"},
 	}
 	// The invalid_params name of some refusals: the field at fault, "body"
 	// only for the body as a whole.
 	wantParam := map[string]string{
 		"TTLString": "ttl_ms", "TTLFraction": "ttl_ms", "TTLOverflow": "ttl_ms", "TTLNull": "ttl_ms",
 		"FieldTwice": "ttl_ms", "TTLNegative": "ttl_ms", "OwnerNotString": "owner", "PutTokenString": "fencing_token",
-		"PutTokenAboveMax": "fencing_token",
-		"NotJSON":          "body", "UnknownField": "bogus", "ArrayBody": "body",
+		"PutTokenAboveMax": "fencing_token", "OwnerHoldsAPIKey": "owner",
+		"NotJSON": "body", "UnknownField": "bogus", "ArrayBody": "body",
 	}
 	// Every invalid_params name of some refusals, in order (the path's, the
 	// headers', the body's as JSON in body order, then the values'): each

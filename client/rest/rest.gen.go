@@ -26,7 +26,9 @@ type AcquireRequest struct {
 	// and logged: at most 256 characters (Unicode code points) of printable UTF-8 (no control or
 	// format characters; the only space allowed is U+0020). U+FFFD, the
 	// replacement character, is refused too: a JSON decoder puts it in place
-	// of invalid UTF-8, so it cannot be told from a mangled label.
+	// of invalid UTF-8, so it cannot be told from a mangled label. An owner
+	// holding a whole API key (`rf_…`) is refused: GET would show the key to
+	// every reader of the lock.
 	//
 	//
 	// Example: billing-worker-3
