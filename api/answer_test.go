@@ -3,6 +3,7 @@ package api_test
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -20,13 +21,29 @@ import (
 // TestAcquire_WaitOutlastsWriteTimeout: a blocking acquire granted after
 // the server's WriteTimeout (counted from the request's arrival) still
 // gets its answer, with the lock token: otherwise the lease would be
-// granted to nobody and hold the name for its TTL.
+// granted to nobody and hold the name for its TTL. Over HTTP/2 too, where
+// the deadline passing resets the stream while the handler waits.
 func TestAcquire_WaitOutlastsWriteTimeout(t *testing.T) {
 	t.Parallel()
+	for _, h2c := range []bool{false, true} {
+		t.Run(map[bool]string{false: "HTTP1", true: "H2C"}[h2c], func(t *testing.T) {
+			t.Parallel()
+			testWaitOutlastsWriteTimeout(t, h2c)
+		})
+	}
+}
+
+func testWaitOutlastsWriteTimeout(t *testing.T, h2c bool) {
 	const writeTimeout = 300 * time.Millisecond
 	obs := waitObserver{waiting: make(chan struct{}, 1)}
-	e := newEnv(t, envOptions{writeTimeout: writeTimeout, service: service.Options{Observer: obs}})
+	e := newEnv(t, envOptions{writeTimeout: writeTimeout, h2c: h2c, service: service.Options{Observer: obs}})
 	holder := e.mustAcquire("w", map[string]any{"ttl_ms": 60000})
+	client := http.DefaultClient
+	if h2c {
+		var p http.Protocols
+		p.SetUnencryptedHTTP2(true)
+		client = &http.Client{Transport: &http.Transport{Protocols: &p}}
+	}
 
 	type result struct {
 		status int
@@ -36,12 +53,16 @@ func TestAcquire_WaitOutlastsWriteTimeout(t *testing.T) {
 	done := make(chan result, 1)
 	sent := time.Now()
 	go func() {
-		resp, err := http.Post(e.srv.URL+"/v1/locks/w", "application/json", strings.NewReader(`{"ttl_ms":10000,"wait_ms":30000}`))
+		resp, err := client.Post(e.srv.URL+"/v1/locks/w", "application/json", strings.NewReader(`{"ttl_ms":10000,"wait_ms":30000}`))
 		if err != nil {
 			done <- result{err: err}
 			return
 		}
 		defer resp.Body.Close()
+		if want := map[bool]int{false: 1, true: 2}[h2c]; resp.ProtoMajor != want {
+			done <- result{err: fmt.Errorf("answered over %s; want HTTP/%d", resp.Proto, want)}
+			return
+		}
 		b, err := io.ReadAll(resp.Body)
 		done <- result{resp.StatusCode, b, err}
 	}()

@@ -106,6 +106,12 @@ type Options struct {
 	Now func() time.Time
 	// OpenAPI is the spec served at /openapi.yaml.
 	OpenAPI []byte
+	// WriteTimeout is the serving http.Server's WriteTimeout. It bounds
+	// every answer but a blocking acquire's, which sets its own write
+	// deadline as it starts: its wait plus WriteTimeout (HTTP/2 resets a
+	// stream whose deadline passes, even while its handler waits). 0: the
+	// server has none.
+	WriteTimeout time.Duration
 }
 
 // Handler serves the API.
@@ -870,10 +876,14 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 		}
 	}
 	start := time.Now()
+	if wait > 0 && h.opts.WriteTimeout > 0 {
+		// The server's WriteTimeout runs from the request's arrival, and
+		// a wait may outlast it.
+		_ = http.NewResponseController(w).SetWriteDeadline(start.Add(wait + h.opts.WriteTimeout))
+	}
 	g, err := h.locker.Acquire(r.Context(), key, *sreq)
 	if wait > 0 {
-		// The server's WriteTimeout ran from the request's arrival, and a
-		// wait can outlast it: the answer gets a deadline of its own.
+		// The answer gets a deadline of its own, from now.
 		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(answerTimeout))
 	}
 	if err != nil {

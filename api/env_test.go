@@ -53,8 +53,11 @@ type envOptions struct {
 	// registry records the nodes' epochs in the env's store, as a server
 	// does, so that a node that loses its memory is found out.
 	registry bool
-	// writeTimeout is the test server's http.Server.WriteTimeout (0: none).
+	// writeTimeout is the test server's http.Server.WriteTimeout, and the
+	// handler's (0: none).
 	writeTimeout time.Duration
+	// h2c has the test server speak HTTP/2 cleartext too.
+	h2c bool
 }
 
 func newEnv(t *testing.T, o envOptions) *env {
@@ -108,9 +111,15 @@ func newEnv(t *testing.T, o envOptions) *env {
 			t.Fatal(err)
 		}
 	}
-	h := api.NewHandler(e.locker, db, api.Options{OpenAPI: redfence.OpenAPI, Logger: slog.New(slog.DiscardHandler)})
+	h := api.NewHandler(e.locker, db, api.Options{OpenAPI: redfence.OpenAPI, Logger: slog.New(slog.DiscardHandler), WriteTimeout: o.writeTimeout})
 	e.srv = httptest.NewUnstartedServer(h)
 	e.srv.Config.WriteTimeout = o.writeTimeout
+	if o.h2c {
+		var p http.Protocols
+		p.SetHTTP1(true)
+		p.SetUnencryptedHTTP2(true)
+		e.srv.Config.Protocols = &p
+	}
 	e.srv.Start()
 	t.Cleanup(e.srv.Close)
 	v := openapitest.New(t, redfence.OpenAPI)

@@ -134,7 +134,12 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 	}
 	s.reportNodes(ctx)
 
+	// Every answer but a blocking acquire's (which sets its own deadline:
+	// its wait plus this) is written within writeTimeout of the request's
+	// arrival: a round, an issuance, and room for a slow reader.
+	writeTimeout := cfg.IssueTimeout + 30*time.Second
 	h := api.NewHandler(s.locker, db, api.Options{
+		WriteTimeout:   writeTimeout,
 		DefaultTTL:     cfg.DefaultTTL,
 		MaxBodyBytes:   cfg.MaxBodyBytes,
 		MaxHeaderBytes: cfg.MaxHeaderBytes,
@@ -162,9 +167,8 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		Handler:           h,
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
 		ReadTimeout:       cfg.ReadTimeout,
-		// A blocking acquire may wait MaxWait, then run one more round.
-		WriteTimeout: cfg.MaxWait + cfg.IssueTimeout + 10*time.Second,
-		IdleTimeout:  cfg.IdleTimeout,
+		WriteTimeout:      writeTimeout,
+		IdleTimeout:       cfg.IdleTimeout,
 		// Above the API's own problem+json 431, net/http answers in plain text.
 		MaxHeaderBytes: 2 * cfg.MaxHeaderBytes,
 		ErrorLog:       slog.NewLogLogger(log.Handler(), slog.LevelWarn),
