@@ -32,6 +32,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"time"
 
 	"github.com/redfence/redfence/client/rest"
@@ -73,6 +74,9 @@ type Client struct {
 // New returns a client for the Redfence server at baseURL
 // (e.g. "http://127.0.0.1:8080").
 func New(baseURL string, opts Options) (*Client, error) {
+	if u, err := url.Parse(baseURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return nil, fmt.Errorf("client: %w: server URL %q: want http://host:port or https://host:port", ErrInvalid, baseURL)
+	}
 	// A transport of its own by default: a request that times out closes
 	// the idle connections of its client's transport (see exchange), which
 	// must not be every idle connection of the process.
@@ -326,7 +330,7 @@ func (c *Client) Do(ctx context.Context, name string, opts *LockOptions, fn func
 		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer rcancel()
 		lostErr := l.Err()
-		rerr := l.releaseRetrying(rctx)
+		rerr := l.ReleaseRetrying(rctx)
 		if err == nil {
 			if errors.Is(lostErr, ErrLost) {
 				err = lostErr

@@ -187,6 +187,11 @@ func TestLease_Margin(t *testing.T) {
 		!strings.Contains(err.Error(), "Margin") {
 		t.Errorf("Acquire with a margin beyond the renewal point = %v; want an error about Margin", err)
 	}
+	// Nor one that leaves the renewal less than half a renewal interval.
+	if _, err := c.Acquire(t.Context(), "margin-bad", &client.LockOptions{TTL: 6 * time.Second, Margin: 3*time.Second + time.Millisecond}); err == nil ||
+		!strings.Contains(err.Error(), "Margin") {
+		t.Errorf("Acquire with a margin leaving the renewal under a second = %v; want an error about Margin", err)
+	}
 	l, err = c.Acquire(t.Context(), "margin-bad", &client.LockOptions{TTL: 5 * time.Second})
 	if err != nil {
 		t.Fatalf("Acquire after the refused margin = %v; want the lock free", err)

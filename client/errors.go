@@ -30,7 +30,7 @@ var (
 	ErrStale = errors.New("client: stale fencing token")
 	// ErrUnavailable: the server could not decide (quorum-unavailable,
 	// fencing-unavailable, lease-expired, store-unavailable, shutting-down,
-	// any 5xx or 429)
+	// request-timeout, any 5xx or 429)
 	// or could not be reached. Retrying later may succeed.
 	ErrUnavailable = errors.New("client: service unavailable")
 	// ErrInvalid: the server refused the request itself (invalid-request,
@@ -121,6 +121,7 @@ var sentinels = map[string]error{
 	"lease-expired":          ErrUnavailable,
 	"store-unavailable":      ErrUnavailable,
 	"shutting-down":          ErrUnavailable,
+	"request-timeout":        ErrUnavailable, // the body came too slowly: try again
 	"invalid-request":        ErrInvalid,
 	"request-too-large":      ErrInvalid,
 	"unsupported-media-type": ErrInvalid,

@@ -34,6 +34,7 @@ func TestProblemError(t *testing.T) {
 		{"Fencing", 503, "application/problem+json", problem("fencing-unavailable", 503, ""), nil, ErrUnavailable, "fencing-unavailable", 0, 0},
 		{"LeaseExpired", 503, "application/problem+json", problem("lease-expired", 503, ""), nil, ErrUnavailable, "lease-expired", 0, 0},
 		{"Invalid", 400, "application/problem+json", problem("invalid-request", 400, ""), nil, ErrInvalid, "invalid-request", 0, 0},
+		{"RequestTimeout", 408, "application/problem+json", problem("request-timeout", 408, ""), nil, ErrUnavailable, "request-timeout", 0, 0},
 		{"ResourceNotFound", 404, "application/problem+json", problem("resource-not-found", 404, ""), nil, ErrNotFound, "resource-not-found", 0, 0},
 		{"UnknownTypeByStatus401", 401, "application/problem+json", problem("unauthorized", 401, ""), nil, ErrDenied, "unauthorized", 0, 0},
 		{"UnknownTypeByStatus429", 429, "application/problem+json", problem("rate-limited", 429, ""), http.Header{"Retry-After": {"2"}}, ErrUnavailable, "rate-limited", 2 * time.Second, 0},

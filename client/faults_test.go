@@ -285,3 +285,72 @@ func TestRelease_Retry(t *testing.T) {
 		t.Errorf("Do sent %d releases; want 3", n)
 	}
 }
+
+// TestLease_LostSaysWhy: a lease that runs out because every renewal
+// failed says, in its error, how the last one failed.
+func TestLease_LostSaysWhy(t *testing.T) {
+	t.Parallel()
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, `{"name":"r","lock_token":"AAAAAAAAAAAAAAAAAAAAAAAAAAA","fencing_token":7,"ttl_ms":1000,"validity_ms":900,"expires_at":"2030-01-01T00:00:00Z","owner":""}`)
+	})
+	mux.HandleFunc("POST /v1/locks/{name}/extend", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		io.WriteString(w, `{"type":"urn:redfence:problem:quorum-unavailable","title":"No quorum","status":503,"detail":"2 of 5 nodes answered yes"}`)
+	})
+	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusNoContent) })
+	s := httptest.NewServer(mux)
+	t.Cleanup(s.Close)
+	l, err := newClient(t, s.URL).Acquire(t.Context(), "r", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-l.Done()
+	if err := l.Err(); !errors.Is(err, client.ErrLost) || errors.Is(err, client.ErrUnavailable) || !strings.Contains(err.Error(), "2 of 5 nodes answered yes") {
+		t.Errorf("Err() = %v; want ErrLost only, naming the last renewal's failure", err)
+	}
+}
+
+// TestNew_BadURL: a server URL that cannot be one is refused at once, as
+// invalid, not retried as an outage.
+func TestNew_BadURL(t *testing.T) {
+	t.Parallel()
+	for _, u := range []string{"127.0.0.1:8080", "ftp://127.0.0.1:8080", "http://", "", "http://[::1"} {
+		if _, err := client.New(u, client.Options{}); !errors.Is(err, client.ErrInvalid) {
+			t.Errorf("New(%q) = %v; want ErrInvalid", u, err)
+		}
+	}
+	for _, u := range []string{"http://127.0.0.1:8080", "https://locks.example.com/prefix/"} {
+		if _, err := client.New(u, client.Options{}); err != nil {
+			t.Errorf("New(%q) = %v", u, err)
+		}
+	}
+}
+
+// TestAcquire_MaxHoldBelowTTL: a MaxHold shorter than the lease is
+// refused: before asking when the TTL is given (no token burned), on the
+// grant, which is released, when it is the server's default.
+func TestAcquire_MaxHoldBelowTTL(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	c := newClient(t, s.URL)
+	if _, err := c.Acquire(t.Context(), "mh", &client.LockOptions{TTL: 5 * time.Second, MaxHold: 3 * time.Second}); err == nil || !strings.Contains(err.Error(), "MaxHold") {
+		t.Errorf("Acquire with MaxHold < TTL = %v; want an error about MaxHold", err)
+	}
+	if _, err := c.Acquire(t.Context(), "mh", &client.LockOptions{MaxHold: time.Second}); err == nil || !strings.Contains(err.Error(), "MaxHold") {
+		t.Errorf("Acquire with MaxHold below the server's default TTL = %v; want an error about MaxHold", err)
+	}
+	l, err := c.Acquire(t.Context(), "mh", &client.LockOptions{TTL: 5 * time.Second, MaxHold: 5 * time.Second})
+	if err != nil {
+		t.Fatalf("Acquire after the refusals = %v; want the lock free (released)", err)
+	}
+	if tok := l.FencingToken(); tok != 2 {
+		t.Errorf("fencing token %d; want 2 (only the default-TTL grant was issued)", tok)
+	}
+	if err := l.Release(t.Context()); err != nil {
+		t.Errorf("Release = %v", err)
+	}
+}

@@ -37,13 +37,16 @@ type LockOptions struct {
 	MaxRenewals int
 	// MaxHold caps the lease's total length: the watchdog renews no further
 	// once a renewal would take the deadline past acquisition + MaxHold, so
-	// the lease ends at the latest MaxHold after it was acquired. The Redlock
-	// spec asks clients to bound extensions; the default (0) is no cap.
+	// the lease ends at the latest MaxHold after it was acquired. It must
+	// not be shorter than the TTL (the server's default TTL is checked on
+	// the grant, which is then released). The Redlock spec asks clients to
+	// bound extensions; the default (0) is no cap.
 	MaxHold time.Duration
 	// Margin ends the lease (closes Done) this long before its deadline when
 	// it has not been renewed by then, leaving the holder time to stop before
-	// another client can be granted the lock. It must be less than the TTL
-	// minus the renewal interval. The default is 0: Done closes at the
+	// another client can be granted the lock. It must leave a renewal half
+	// the renewal interval: at most the TTL less one and a half renewal
+	// intervals (TTL/2 by default). The default is 0: Done closes at the
 	// deadline itself.
 	Margin time.Duration
 	// OnRenew, if set, is called by the watchdog after each successful
@@ -65,7 +68,18 @@ func (o *LockOptions) withDefaults() (LockOptions, error) {
 	if v.TTL < 0 || v.Wait < 0 || v.Margin < 0 || v.MaxHold < 0 || v.MaxRenewals < 0 {
 		return v, errors.New("client: negative lock option")
 	}
+	if err := v.checkMaxHold(v.TTL); err != nil {
+		return v, err
+	}
 	return v, nil
+}
+
+// checkMaxHold checks that a first lease of ttl ends within o's MaxHold.
+func (o *LockOptions) checkMaxHold(ttl time.Duration) error {
+	if o.MaxHold > 0 && ttl > o.MaxHold {
+		return fmt.Errorf("client: MaxHold %v is shorter than the TTL %v: the first lease would outlast it", o.MaxHold, ttl)
+	}
+	return nil
 }
 
 // Lease is a held lock. Its methods are safe for concurrent use.
@@ -144,7 +158,8 @@ func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*
 			d := min(retryDelay(err, backoff), left)
 			backoff = min(2*backoff, time.Second)
 			if !sleep(ctx, d) {
-				return nil, fmt.Errorf("client: acquire %q: %w (after: %w)", name, ctx.Err(), err)
+				// Only the context's error matches (see the sentinels).
+				return nil, fmt.Errorf("client: acquire %q: %w (after: %v)", name, ctx.Err(), err)
 			}
 		default:
 			return nil, err
@@ -190,8 +205,13 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 	}
 	l.life, l.end = context.WithCancelCause(context.Background())
 	l.stopped, l.stop = context.WithCancel(context.Background())
-	if err := o.checkMargin(l.ttl); err != nil {
-		// Renewal would come too late to keep the lease: release it again.
+	err := o.checkMargin(l.ttl)
+	if err == nil {
+		err = o.checkMaxHold(l.ttl)
+	}
+	if err != nil {
+		// The server's default TTL: renewal would come too late to keep
+		// the lease, or the lease outlasts MaxHold. Release it again.
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		_ = c.release(ctx, name, g.lock)
@@ -206,11 +226,13 @@ func (o *LockOptions) renewEvery(ttl time.Duration) time.Duration {
 	return time.Duration(float64(ttl) * o.RenewFraction)
 }
 
-// checkMargin checks that o's Margin leaves room to renew a lease of ttl.
+// checkMargin checks that o's Margin leaves room to renew a lease of ttl:
+// half the renewal interval at least between the renewal and the end.
 func (o *LockOptions) checkMargin(ttl time.Duration) error {
 	interval := o.renewEvery(ttl)
-	if o.Margin > 0 && !o.NoRenew && o.Margin >= ttl-interval {
-		return fmt.Errorf("client: Margin %v leaves no room to renew a %v lease every %v", o.Margin, ttl, interval)
+	if o.Margin > 0 && !o.NoRenew && o.Margin > ttl-interval-interval/2 {
+		return fmt.Errorf("client: Margin %v leaves too little room to renew a %v lease every %v (at most %v: the TTL less one and a half renewal intervals)",
+			o.Margin, ttl, interval, ttl-interval-interval/2)
 	}
 	return nil
 }
@@ -290,6 +312,7 @@ func (l *Lease) watch() {
 	if l.opts.NoRenew {
 		renewC, why = nil, "the deadline passed (renewal is off)"
 	}
+	var lastErr error // of the renewals that failed since the last success
 	for {
 		select {
 		case <-l.stopped.Done():
@@ -300,6 +323,9 @@ func (l *Lease) watch() {
 			if d := time.Until(l.endAt()); d > 0 { // Extend moved the deadline
 				expiry.Reset(d)
 				continue
+			}
+			if lastErr != nil {
+				why += fmt.Sprintf(" (the last renewal failed: %v)", lastErr)
 			}
 			l.lose(fmt.Errorf("%w: %s", ErrLost, why))
 			return
@@ -313,6 +339,7 @@ func (l *Lease) watch() {
 			err := l.renew(true)
 			switch {
 			case err == nil:
+				lastErr = nil
 				expiry.Reset(time.Until(l.endAt()))
 				renew.Reset(l.untilRenewal())
 				if l.opts.OnRenew != nil {
@@ -327,6 +354,11 @@ func (l *Lease) watch() {
 				// The server could not decide or was not reached: retry
 				// soon (after its Retry-After, if it gave one), while time
 				// is left; the expiry timer still runs.
+				if lastErr == nil || !errors.Is(err, context.DeadlineExceeded) || time.Until(l.endAt()) > 0 {
+					// (One cut short by the lease's end tells less than
+					// the failure before it.)
+					lastErr = err
+				}
 				l.c.opts.Logger.Warn("redfence lease: renewal failed, retrying", slog.String("name", l.name), slog.String("error", err.Error()))
 				d := retryDelay(err, min(max(l.interval()/4, 50*time.Millisecond), time.Second))
 				renew.Reset(min(d, max(time.Until(l.endAt())/2, 10*time.Millisecond)))
@@ -418,10 +450,11 @@ func (l *Lease) Release(ctx context.Context) error {
 	return err
 }
 
-// releaseRetrying is Release, sent again after ErrUnavailable (honouring
-// Retry-After) until ctx ends or the lease's deadline passes: after that the
-// lock has run out by itself.
-func (l *Lease) releaseRetrying(ctx context.Context) error {
+// ReleaseRetrying is Release, sent again after ErrUnavailable (a server
+// that could not decide or be reached, or 429 rate-limited; honouring
+// Retry-After) until it settles, ctx ends or the lease's deadline passes:
+// after that the lock has run out by itself. It returns the last error.
+func (l *Lease) ReleaseRetrying(ctx context.Context) error {
 	end := l.Deadline()
 	backoff := 50 * time.Millisecond
 	for {

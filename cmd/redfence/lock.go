@@ -47,8 +47,12 @@ A lease can still end while this machine is paused, unnoticed until it
 resumes: pass REDFENCE_FENCING_TOKEN with every write, to storage that
 checks it.
 
+--grace plus that safety must be at most half of --ttl, so that a renewal
+has time before COMMAND would be stopped; --max-hold, if set, at least --ttl.
+
 Exit status: COMMAND's, or 1 if the lock could not be acquired or the lease
-was lost while COMMAND exited 0, 127 if COMMAND could not be started.
+was lost while COMMAND exited 0, 127 if COMMAND was not found, 126 if it
+could not be run.
 
 Flags:
 `
@@ -167,8 +171,14 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return helpOK(err)
 	}
 	safety := lockSafety(f.ttl)
-	if renewAt := f.ttl / 3; f.grace+safety >= f.ttl-renewAt {
-		fmt.Fprintf(stderr, "redfence lock: --grace %v plus the safety %v must be below two thirds of --ttl %v\n", f.grace, safety, f.ttl)
+	if f.grace+safety > f.ttl/2 {
+		// The renewal, a third of the TTL in, must have a sixth of it
+		// before the command is stopped (client.LockOptions.Margin).
+		fmt.Fprintf(stderr, "redfence lock: --grace %v plus the safety %v must be at most half of --ttl %v, to leave time for a renewal\n", f.grace, safety, f.ttl)
+		return errUsage
+	}
+	if f.maxHold > 0 && f.maxHold < f.ttl {
+		fmt.Fprintf(stderr, "redfence lock: --max-hold %v is shorter than --ttl %v: the first lease would outlast it\n", f.maxHold, f.ttl)
 		return errUsage
 	}
 	// The command is looked up first: one that cannot run takes no lock
@@ -221,7 +231,7 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	// only tidies up, and gets a second at most.
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(10*time.Second, max(time.Until(lease.Deadline()), time.Second)))
 	defer cancel()
-	if err := lease.Release(rctx); err != nil && !lost {
+	if err := lease.ReleaseRetrying(rctx); err != nil && !lost {
 		fmt.Fprintf(stderr, "redfence lock: releasing %q: %v (it expires by itself within %v)\n", name, err, f.ttl)
 	} else if err == nil {
 		ev.printf("released %q", name)

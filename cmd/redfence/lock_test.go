@@ -358,6 +358,8 @@ func TestLock_Usage(t *testing.T) {
 		{"TwoNames", []string{"x", "y", "--", "true"}, "one lock NAME"},
 		{"BadTTL", []string{"--ttl", "0s", "x", "--", "true"}, "--ttl must be positive"},
 		{"GraceTooLong", []string{"--ttl", "3s", "--grace", "2s", "x", "--", "true"}, "--grace"},
+		{"GraceLeavesNoRenewal", []string{"--ttl", "3600ms", "x", "--", "true"}, "--grace"},
+		{"MaxHoldBelowTTL", []string{"--ttl", "10s", "--max-hold", "3s", "x", "--", "true"}, "--max-hold"},
 		{"BadFlag", []string{"--nope", "x", "--", "true"}, "not defined"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
