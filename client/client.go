@@ -48,8 +48,10 @@ type Options struct {
 	// out closes its transport's idle connections (one may be dead).
 	HTTPClient *http.Client
 	// RequestTimeout bounds each request (an acquire's gets its wait on
-	// top; a renewal is bounded by the lease's deadline too); a request
-	// that times out fails with ErrUnavailable. The default is 30s.
+	// top, and no more than its TTL after the wait: an answer later than
+	// that grants nothing that lasts; a renewal is bounded by the lease's
+	// deadline too); a request that times out fails with ErrUnavailable.
+	// The default is 30s.
 	RequestTimeout time.Duration
 	// APIKey, if set, is sent as "Authorization: Bearer <APIKey>".
 	APIKey string
@@ -177,7 +179,22 @@ type grant struct {
 }
 
 // acquireOnce sends one acquire request.
+// errDotName is the cause of a name the server cannot be sent: URL paths
+// normalise . and .. away, so the request would reach another route.
+var errDotName = errors.New("a name must not be . or .. (URL paths normalise them away)")
+
+// checkName refuses, as ErrInvalid, a name no request can carry.
+func checkName(op, name string) error {
+	if name == "." || name == ".." {
+		return &Error{Op: op, Name: name, sentinel: ErrInvalid, cause: errDotName}
+	}
+	return nil
+}
+
 func (c *Client) acquireOnce(ctx context.Context, name string, ttl, wait time.Duration, owner string) (*grant, error) {
+	if err := checkName("acquire", name); err != nil {
+		return nil, err
+	}
 	var body rest.AcquireRequest
 	if ttl > 0 {
 		ms := ttl.Milliseconds()
@@ -191,8 +208,12 @@ func (c *Client) acquireOnce(ctx context.Context, name string, ttl, wait time.Du
 		body.Owner = &owner
 	}
 	// The server counts a grant's validity from the request's arrival, so
-	// an answer later than TTL after it (wait included) has none left.
-	ctx, cancel := c.timeout(ctx, wait+ttl)
+	// an answer later than the wait plus the TTL has none left.
+	limit := c.opts.RequestTimeout
+	if ttl > 0 {
+		limit = min(limit, ttl)
+	}
+	ctx, cancel := context.WithTimeoutCause(ctx, wait+limit, errRequestTimeout)
 	defer cancel()
 	sent := time.Now()
 	resp, err := c.api.AcquireLock(ctx, name, nil, body)
@@ -265,6 +286,9 @@ func (r *resourceJSON) resource() *Resource {
 // newest issued for name; otherwise the error matches ErrStale and carries
 // CurrentFencingToken.
 func (c *Client) PutResource(ctx context.Context, name string, token fencing.Token, data any) (*Resource, error) {
+	if err := checkName("put", name); err != nil {
+		return nil, err
+	}
 	raw, err := json.Marshal(data)
 	if err != nil {
 		return nil, fmt.Errorf("client: put %q: encoding data: %w", name, err)
@@ -293,6 +317,9 @@ func (c *Client) PutResource(ctx context.Context, name string, token fencing.Tok
 // GetResource reads the document stored under name; the error matches
 // ErrNotFound when none was ever written.
 func (c *Client) GetResource(ctx context.Context, name string) (*Resource, error) {
+	if err := checkName("get", name); err != nil {
+		return nil, err
+	}
 	ctx, cancel := c.timeout(ctx, 0)
 	defer cancel()
 	resp, err := c.api.GetResource(ctx, name, nil)

@@ -189,8 +189,8 @@ func TestAcquire_WaitThroughOutage(t *testing.T) {
 }
 
 // TestClient_RequestTimeout: a server that accepts and never answers fails
-// a request with ErrUnavailable after RequestTimeout (plus an acquire's wait
-// and TTL), instead of hanging.
+// a request with ErrUnavailable after RequestTimeout (an acquire after its
+// wait plus the lesser of RequestTimeout and its TTL), instead of hanging.
 func TestClient_RequestTimeout(t *testing.T) {
 	t.Parallel()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -227,6 +227,17 @@ func TestClient_RequestTimeout(t *testing.T) {
 	}
 	if _, err := c.GetResource(t.Context(), "hung"); !errors.Is(err, client.ErrUnavailable) {
 		t.Errorf("GetResource against a hung server = %v; want ErrUnavailable", err)
+	}
+	// An acquire waits no longer than its wait plus its TTL, however long
+	// the request timeout: a later answer would grant nothing that lasts.
+	long, err := client.New("http://"+ln.Addr().String(), client.Options{RequestTimeout: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	guard, stop := context.WithTimeout(t.Context(), time.Minute)
+	defer stop()
+	if _, err := long.Acquire(guard, "hung", &client.LockOptions{TTL: 300 * time.Millisecond, Wait: 200 * time.Millisecond}); !errors.Is(err, client.ErrUnavailable) || guard.Err() != nil {
+		t.Errorf("Acquire (wait 200ms, TTL 300ms) against a hung server = %v; want ErrUnavailable after its wait and TTL", err)
 	}
 	// The caller's own cancellation is reported as such.
 	ctx, cancel := context.WithCancel(t.Context())
@@ -352,5 +363,32 @@ func TestAcquire_MaxHoldBelowTTL(t *testing.T) {
 	}
 	if err := l.Release(t.Context()); err != nil {
 		t.Errorf("Release = %v", err)
+	}
+}
+
+// TestClient_DotNames: "." and ".." cannot be sent (URL paths normalise
+// them away, to another route): they are refused as invalid, unsent.
+func TestClient_DotNames(t *testing.T) {
+	t.Parallel()
+	var requests atomic.Int64
+	s := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		requests.Add(1)
+		w.WriteHeader(http.StatusNotFound)
+	}))
+	t.Cleanup(s.Close)
+	c := newClient(t, s.URL)
+	for _, name := range []string{".", ".."} {
+		if _, err := c.Acquire(t.Context(), name, nil); !errors.Is(err, client.ErrInvalid) {
+			t.Errorf("Acquire(%q) = %v; want ErrInvalid", name, err)
+		}
+		if _, err := c.GetResource(t.Context(), name); !errors.Is(err, client.ErrInvalid) {
+			t.Errorf("GetResource(%q) = %v; want ErrInvalid", name, err)
+		}
+		if _, err := c.PutResource(t.Context(), name, 1, 1); !errors.Is(err, client.ErrInvalid) {
+			t.Errorf("PutResource(%q) = %v; want ErrInvalid", name, err)
+		}
+	}
+	if n := requests.Load(); n != 0 {
+		t.Errorf("%d requests reached the server; want none", n)
 	}
 }

@@ -50,7 +50,8 @@ type LockOptions struct {
 	// deadline itself.
 	Margin time.Duration
 	// OnRenew, if set, is called by the watchdog after each successful
-	// renewal with the new deadline. It must not block.
+	// renewal with the new deadline. It must not block, nor call Release
+	// (which waits for the watchdog to return).
 	OnRenew func(deadline time.Time)
 }
 

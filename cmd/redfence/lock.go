@@ -185,7 +185,7 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	// (and burns no fencing token), and fails as a shell would.
 	if _, err := exec.LookPath(command[0]); err != nil {
 		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
-		if errors.Is(err, fs.ErrPermission) {
+		if errors.Is(err, fs.ErrPermission) || errors.Is(err, syscall.EISDIR) {
 			return &exitError{code: 126}
 		}
 		return &exitError{code: 127}
@@ -278,7 +278,7 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	exited, err := childproc.Start(cmd)
 	if err != nil {
 		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
-		if errors.Is(err, fs.ErrPermission) {
+		if errors.Is(err, fs.ErrPermission) || errors.Is(err, syscall.EISDIR) {
 			return 126, false
 		}
 		return 127, false

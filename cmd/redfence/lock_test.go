@@ -563,7 +563,8 @@ func TestLock_CommandDiesWithIt(t *testing.T) {
 }
 
 // TestLock_CommandCannotRun: a command that is not found (127) or cannot be
-// executed (126) takes no lock, so it burns no fencing token.
+// executed (126: not executable, or a directory) takes no lock, so it burns
+// no fencing token.
 func TestLock_CommandCannotRun(t *testing.T) {
 	t.Parallel()
 	s := clienttest.Start(t, clienttest.Options{})
@@ -574,7 +575,7 @@ func TestLock_CommandCannotRun(t *testing.T) {
 	for _, tc := range []struct {
 		command string
 		status  int
-	}{{"redfence-no-such-command", 127}, {notExec, 126}} {
+	}{{"redfence-no-such-command", 127}, {notExec, 126}, {t.TempDir(), 126}} { // a directory: 126, as a shell says
 		r := startLock(t.Context(), "--server", s.URL, "cannot-run", "--", tc.command)
 		if got := r.wait(t); got != tc.status {
 			t.Errorf("redfence lock -- %s exited %d; want %d; stderr:\n%s", tc.command, got, tc.status, r.stderr.String())
