@@ -52,7 +52,8 @@ has time before COMMAND would be stopped; --max-hold, if set, at least --ttl.
 
 Exit status: COMMAND's, or 1 if the lock could not be acquired or the lease
 was lost while COMMAND exited 0, 127 if COMMAND was not found, 126 if it
-could not be run.
+could not be run, 128+N if signal N (SIGINT, SIGTERM) came while waiting
+for the lock.
 
 Flags:
 `
@@ -73,14 +74,12 @@ type lockFlags struct {
 }
 
 // parseLockArgs parses [flags] NAME [flags] [--] COMMAND [ARGS...].
-func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []string, error) {
+// The help (-h) goes to stdout; errors go to stderr.
+func parseLockArgs(args []string, stdout, stderr io.Writer) (*lockFlags, string, []string, error) {
 	f := &lockFlags{}
 	fs := flag.NewFlagSet("lock", flag.ContinueOnError)
-	fs.SetOutput(stdout)
-	fs.Usage = func() {
-		fmt.Fprint(stdout, lockHelp)
-		fs.PrintDefaults()
-	}
+	fs.SetOutput(stderr)
+	fs.Usage = func() {} // the help is printed below, to stdout, when asked for
 	host, _ := os.Hostname()
 	// The environment's values are applied after parsing, not as flag
 	// defaults: the usage text prints defaults, and the API key is a secret.
@@ -107,8 +106,13 @@ func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []strin
 	for rest := before; ; {
 		if err := fs.Parse(rest); err != nil {
 			if errors.Is(err, flag.ErrHelp) {
+				fmt.Fprint(stdout, lockHelp)
+				fs.SetOutput(stdout)
+				fs.PrintDefaults()
 				return nil, "", nil, flag.ErrHelp
 			}
+			fmt.Fprint(stderr, lockHelp) // after flag's own line on the error
+			fs.PrintDefaults()
 			return nil, "", nil, errUsage
 		}
 		rest = fs.Args()
@@ -134,13 +138,13 @@ func parseLockArgs(args []string, stdout io.Writer) (*lockFlags, string, []strin
 	f.keyFile = cmp.Or(f.keyFile, os.Getenv("REDFENCE_CLIENT_KEY_FILE"))
 	switch {
 	case len(positional) != 1:
-		fmt.Fprintf(stdout, "redfence lock: want one lock NAME before the command, got %q\n", positional)
+		fmt.Fprintf(stderr, "redfence lock: want one lock NAME before the command, got %q\n", positional)
 		return nil, "", nil, errUsage
 	case len(command) == 0:
-		fmt.Fprintln(stdout, "redfence lock: no command given: redfence lock NAME -- COMMAND [ARGS...]")
+		fmt.Fprintln(stderr, "redfence lock: no command given: redfence lock NAME -- COMMAND [ARGS...]")
 		return nil, "", nil, errUsage
 	case f.ttl <= 0 || f.wait < 0 || f.grace < 0 || f.maxHold < 0:
-		fmt.Fprintln(stdout, "redfence lock: --ttl must be positive; --wait, --grace and --max-hold not negative")
+		fmt.Fprintln(stderr, "redfence lock: --ttl must be positive; --wait, --grace and --max-hold not negative")
 		return nil, "", nil, errUsage
 	}
 	return f, positional[0], command, nil
@@ -166,7 +170,7 @@ func (f *lockFlags) httpClient() (*http.Client, error) {
 func lockSafety(ttl time.Duration) time.Duration { return min(ttl/10, time.Second) }
 
 func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	f, name, command, err := parseLockArgs(args, stderr)
+	f, name, command, err := parseLockArgs(args, stdout, stderr)
 	if err != nil {
 		return helpOK(err)
 	}
@@ -213,6 +217,10 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		return err
 	}
+	// A signal that ends the acquire (main's context) ends redfence lock
+	// as it would have ended the command: 128+N.
+	stopped := make(chan os.Signal, 1)
+	signal.Notify(stopped, syscall.SIGINT, syscall.SIGTERM)
 	lease, err := c.Acquire(ctx, name, &client.LockOptions{
 		TTL: f.ttl, Wait: f.wait, MaxHold: f.maxHold,
 		// Done closes early enough for SIGTERM, the grace period and the
@@ -220,7 +228,14 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		Margin:  f.grace + safety,
 		OnRenew: func(d time.Time) { ev.printf("renewed %q until %s", name, stamp(d)) },
 	})
+	signal.Stop(stopped)
 	if err != nil {
+		select {
+		case sig := <-stopped:
+			fmt.Fprintf(stderr, "redfence lock: %v while acquiring %q: no lock taken\n", sig, name)
+			return &exitError{code: 128 + int(sig.(syscall.Signal))}
+		default:
+		}
 		return err // names the operation and the lock
 	}
 	ev.printf("acquired %q: fencing token %d, valid until %s", name, lease.FencingToken(), stamp(lease.Deadline()))

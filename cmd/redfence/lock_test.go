@@ -372,15 +372,15 @@ func TestLock_Usage(t *testing.T) {
 		})
 	}
 	var stdout, stderr testutil.Buffer
-	if err := run(t.Context(), []string{"lock", "-h"}, &stdout, &stderr); err != nil || !strings.Contains(stderr.String(), "REDFENCE_FENCING_TOKEN") {
-		t.Errorf("lock -h = %v, %q; want the help", err, stderr.String())
+	if err := run(t.Context(), []string{"lock", "-h"}, &stdout, &stderr); err != nil || !strings.Contains(stdout.String(), "REDFENCE_FENCING_TOKEN") || stderr.String() != "" {
+		t.Errorf("lock -h = %v, stdout %q, stderr %q; want the help on stdout, as every command's", err, stdout.String(), stderr.String())
 	}
 	// Flags may follow NAME, and the command may come without "--".
-	f, name, cmd, err := parseLockArgs([]string{"x", "--ttl", "5s", "--", "echo", "--ttl"}, &stderr)
+	f, name, cmd, err := parseLockArgs([]string{"x", "--ttl", "5s", "--", "echo", "--ttl"}, &stdout, &stderr)
 	if err != nil || name != "x" || f.ttl != 5*time.Second || strings.Join(cmd, " ") != "echo --ttl" {
 		t.Errorf("parseLockArgs(x --ttl 5s -- echo --ttl) = %+v %q %q %v", f, name, cmd, err)
 	}
-	f, name, cmd, err = parseLockArgs([]string{"--wait", "1s", "x", "echo", "--wait"}, &stderr)
+	f, name, cmd, err = parseLockArgs([]string{"--wait", "1s", "x", "echo", "--wait"}, &stdout, &stderr)
 	if err != nil || name != "x" || f.wait != time.Second || strings.Join(cmd, " ") != "echo --wait" {
 		t.Errorf("parseLockArgs(--wait 1s x echo --wait) = %+v %q %q %v", f, name, cmd, err)
 	}
@@ -455,6 +455,53 @@ func TestLock_Signals(t *testing.T) {
 	}
 }
 
+// TestLock_SignalWhileAcquiring: SIGINT while redfence lock waits for the
+// lock ends it with 130 (128+SIGINT), as a shell reports it, saying no lock
+// was taken; the command never runs.
+func TestLock_SignalWhileAcquiring(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	c, err := client.New(s.URL, client.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder, err := c.Acquire(t.Context(), "sig-wait", &client.LockOptions{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Release(context.Background())
+	ran := filepath.Join(t.TempDir(), "ran")
+	cmd := exec.Command(os.Args[0], "-test.run=^TestLockHelperProcess$", "--",
+		"lock", "--server", s.URL, "--wait", "50s", "sig-wait", "--", "touch", ran)
+	cmd.Env = append(os.Environ(), "REDFENCE_LOCK_HELPER=1")
+	var stderr testutil.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	// It waits on the server: the blocked-waiters gauge says so.
+	testutil.WaitFor(t, lockWait, "redfence lock to wait for the lock", func() (bool, error) {
+		resp, err := http.Get(s.URL + "/metrics")
+		if err != nil {
+			return false, err
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		return regexp.MustCompile(`(?m)^redfence_blocked_waiters [1-9]`).Match(b), err
+	})
+	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	if got := cmd.ProcessState.ExitCode(); got != 130 || !strings.Contains(stderr.String(), "no lock taken") {
+		t.Errorf("redfence lock interrupted while waiting exited %d; want 130, saying no lock was taken; stderr:\n%s", got, stderr.String())
+	}
+	if _, err := os.Stat(ran); err == nil {
+		t.Error("the command ran")
+	}
+}
+
 // TestLock_HelpHidesKey: the API key from the environment is used but never
 // printed, not in the help nor in a usage error.
 func TestLock_HelpHidesKey(t *testing.T) {
@@ -468,12 +515,12 @@ func TestLock_HelpHidesKey(t *testing.T) {
 			t.Errorf("%q printed the API key, or no help:\n%s", args, out)
 		}
 	}
-	var stderr testutil.Buffer
-	f, _, _, err := parseLockArgs([]string{"x", "--", "true"}, &stderr)
+	var stdout, stderr testutil.Buffer
+	f, _, _, err := parseLockArgs([]string{"x", "--", "true"}, &stdout, &stderr)
 	if err != nil || f.apiKey != secret || f.server != "http://127.0.0.1:1" {
 		t.Errorf("parseLockArgs = %+v, %v; want the key and server from the environment", f, err)
 	}
-	f, _, _, err = parseLockArgs([]string{"--api-key", "other", "--server", "http://h:2", "x", "--", "true"}, &stderr)
+	f, _, _, err = parseLockArgs([]string{"--api-key", "other", "--server", "http://h:2", "x", "--", "true"}, &stdout, &stderr)
 	if err != nil || f.apiKey != "other" || f.server != "http://h:2" {
 		t.Errorf("parseLockArgs with flags = %+v, %v; want the flags to win", f, err)
 	}
