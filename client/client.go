@@ -77,7 +77,7 @@ type Client struct {
 // (e.g. "http://127.0.0.1:8080").
 func New(baseURL string, opts Options) (*Client, error) {
 	if u, err := url.Parse(baseURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("client: %w: server URL %q: want http://host:port or https://host:port", ErrInvalid, baseURL)
+		return nil, fmt.Errorf("%w: server URL %q: want http://host:port or https://host:port", ErrInvalid, baseURL)
 	}
 	// A transport of its own by default: a request that times out closes
 	// the idle connections of its client's transport (see exchange), which

@@ -188,7 +188,7 @@ func TestLease_Margin(t *testing.T) {
 		t.Errorf("Acquire with a margin beyond the renewal point = %v; want an error about Margin", err)
 	}
 	// Nor one that leaves the renewal less than half a renewal interval.
-	if _, err := c.Acquire(t.Context(), "margin-bad", &client.LockOptions{TTL: 6 * time.Second, Margin: 3*time.Second + time.Millisecond}); err == nil ||
+	if _, err := c.Acquire(t.Context(), "margin-bad", &client.LockOptions{TTL: 6 * time.Second, Margin: 3*time.Second + time.Millisecond}); !errors.Is(err, client.ErrInvalid) ||
 		!strings.Contains(err.Error(), "Margin") {
 		t.Errorf("Acquire with a margin leaving the renewal under a second = %v; want an error about Margin", err)
 	}

@@ -34,7 +34,9 @@ var (
 	// or could not be reached. Retrying later may succeed.
 	ErrUnavailable = errors.New("client: service unavailable")
 	// ErrInvalid: the server refused the request itself (invalid-request,
-	// request-too-large, unsupported-media-type, ...). Retrying cannot help.
+	// request-too-large, unsupported-media-type, ...), or the client did
+	// before sending it (a bad option, server URL or name). Retrying cannot
+	// help.
 	ErrInvalid = errors.New("client: invalid request")
 	// ErrNotFound: no such resource (resource-not-found) or route.
 	ErrNotFound = errors.New("client: not found")

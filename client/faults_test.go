@@ -348,10 +348,10 @@ func TestAcquire_MaxHoldBelowTTL(t *testing.T) {
 	t.Parallel()
 	s := clienttest.Start(t, clienttest.Options{})
 	c := newClient(t, s.URL)
-	if _, err := c.Acquire(t.Context(), "mh", &client.LockOptions{TTL: 5 * time.Second, MaxHold: 3 * time.Second}); err == nil || !strings.Contains(err.Error(), "MaxHold") {
+	if _, err := c.Acquire(t.Context(), "mh", &client.LockOptions{TTL: 5 * time.Second, MaxHold: 3 * time.Second}); !errors.Is(err, client.ErrInvalid) || !strings.Contains(err.Error(), "MaxHold") {
 		t.Errorf("Acquire with MaxHold < TTL = %v; want an error about MaxHold", err)
 	}
-	if _, err := c.Acquire(t.Context(), "mh", &client.LockOptions{MaxHold: time.Second}); err == nil || !strings.Contains(err.Error(), "MaxHold") {
+	if _, err := c.Acquire(t.Context(), "mh", &client.LockOptions{MaxHold: time.Second}); !errors.Is(err, client.ErrInvalid) || !strings.Contains(err.Error(), "MaxHold") {
 		t.Errorf("Acquire with MaxHold below the server's default TTL = %v; want an error about MaxHold", err)
 	}
 	l, err := c.Acquire(t.Context(), "mh", &client.LockOptions{TTL: 5 * time.Second, MaxHold: 5 * time.Second})
@@ -390,5 +390,36 @@ func TestClient_DotNames(t *testing.T) {
 	}
 	if n := requests.Load(); n != 0 {
 		t.Errorf("%d requests reached the server; want none", n)
+	}
+}
+
+// TestRelease_AnswerLost: a release that took effect but whose answer was
+// lost (the connection dropped) is sent again and finds nothing held
+// (not-holder): within the lease's deadline that is the release done, not
+// a loss, so Do returns fn's success.
+func TestRelease_AnswerLost(t *testing.T) {
+	t.Parallel()
+	var releases atomic.Int64
+	mux := grantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA")
+	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		if releases.Add(1) == 1 {
+			conn, _, err := http.NewResponseController(w).Hijack()
+			if err == nil {
+				conn.Close() // deleted, but the answer never leaves
+			}
+			return
+		}
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.WriteHeader(http.StatusConflict)
+		io.WriteString(w, `{"type":"urn:redfence:problem:not-holder","title":"t","status":409}`)
+	})
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	c := newClient(t, srv.URL)
+	if err := c.Do(t.Context(), "r", &client.LockOptions{NoRenew: true}, func(context.Context, *client.Lease) error { return nil }); err != nil {
+		t.Errorf("Do whose release answer was lost = %v; want nil", err)
+	}
+	if n := releases.Load(); n != 2 {
+		t.Errorf("Do sent %d releases; want 2", n)
 	}
 }

@@ -64,10 +64,10 @@ func (o *LockOptions) withDefaults() (LockOptions, error) {
 		v.RenewFraction = 1.0 / 3
 	}
 	if v.RenewFraction <= 0 || v.RenewFraction >= 1 {
-		return v, fmt.Errorf("client: RenewFraction %v is outside (0, 1)", v.RenewFraction)
+		return v, fmt.Errorf("%w: RenewFraction %v is outside (0, 1)", ErrInvalid, v.RenewFraction)
 	}
 	if v.TTL < 0 || v.Wait < 0 || v.Margin < 0 || v.MaxHold < 0 || v.MaxRenewals < 0 {
-		return v, errors.New("client: negative lock option")
+		return v, fmt.Errorf("%w: negative lock option", ErrInvalid)
 	}
 	if err := v.checkMaxHold(v.TTL); err != nil {
 		return v, err
@@ -78,7 +78,7 @@ func (o *LockOptions) withDefaults() (LockOptions, error) {
 // checkMaxHold checks that a first lease of ttl ends within o's MaxHold.
 func (o *LockOptions) checkMaxHold(ttl time.Duration) error {
 	if o.MaxHold > 0 && ttl > o.MaxHold {
-		return fmt.Errorf("client: MaxHold %v is shorter than the TTL %v: the first lease would outlast it", o.MaxHold, ttl)
+		return fmt.Errorf("%w: MaxHold %v is shorter than the TTL %v: the first lease would outlast it", ErrInvalid, o.MaxHold, ttl)
 	}
 	return nil
 }
@@ -232,8 +232,8 @@ func (o *LockOptions) renewEvery(ttl time.Duration) time.Duration {
 func (o *LockOptions) checkMargin(ttl time.Duration) error {
 	interval := o.renewEvery(ttl)
 	if o.Margin > 0 && !o.NoRenew && o.Margin > ttl-interval-interval/2 {
-		return fmt.Errorf("client: Margin %v leaves too little room to renew a %v lease every %v (at most %v: the TTL less one and a half renewal intervals)",
-			o.Margin, ttl, interval, ttl-interval-interval/2)
+		return fmt.Errorf("%w: Margin %v leaves too little room to renew a %v lease every %v (at most %v: the TTL less one and a half renewal intervals)",
+			ErrInvalid, o.Margin, ttl, interval, ttl-interval-interval/2)
 	}
 	return nil
 }
@@ -454,12 +454,18 @@ func (l *Lease) Release(ctx context.Context) error {
 // ReleaseRetrying is Release, sent again after ErrUnavailable (a server
 // that could not decide or be reached, or 429 rate-limited; honouring
 // Retry-After) until it settles, ctx ends or the lease's deadline passes:
-// after that the lock has run out by itself. It returns the last error.
+// after that the lock has run out by itself. It returns the last error,
+// or nil when a release sent again found nothing held before the
+// deadline: an earlier one whose answer was lost may have deleted it, and
+// either way the lock is no longer this lease's.
 func (l *Lease) ReleaseRetrying(ctx context.Context) error {
 	end := l.Deadline()
 	backoff := 50 * time.Millisecond
-	for {
+	for again := false; ; again = true {
 		err := l.Release(ctx)
+		if again && errors.Is(err, ErrLost) && time.Now().Before(end) {
+			return nil
+		}
 		if err == nil || !errors.Is(err, ErrUnavailable) {
 			return err
 		}
