@@ -148,7 +148,7 @@ func Parse(s string) (Token, error) {
 		return 0, fmt.Errorf("%w: empty", ErrInvalid)
 	}
 	n, err := strconv.ParseInt(s, 10, 64)
-	if err != nil || n < 1 {
+	if err != nil || n < 1 || s[0] == '+' {
 		return 0, fmt.Errorf("%w: %q is not a positive integer", ErrInvalid, s)
 	}
 	return Token(n), nil

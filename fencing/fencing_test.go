@@ -36,6 +36,7 @@ func TestParse(t *testing.T) {
 		{"Decimal", "1.5", 0, ErrInvalid},
 		{"Exponent", "1e3", 0, ErrInvalid},
 		{"Hex", "0x10", 0, ErrInvalid},
+		{"Plus", "+5", 0, ErrInvalid},
 		{"Underscore", "1_000", 0, ErrInvalid},
 		{"NonASCIIDigit", "\u0663", 0, ErrInvalid},
 	} {

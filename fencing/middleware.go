@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"slices"
 )
@@ -22,6 +23,11 @@ type RequireOptions struct {
 	// recipe in examples/fenced-store), since a newer write can land between
 	// this check and the handler's.
 	Last func(r *http.Request) (Token, error)
+	// Max is the largest token admitted; a larger one is refused with 400
+	// before the handler runs. The default (0) is MaxToken, the largest
+	// Redfence issues: a token above it was not issued by Redfence, and
+	// once stored it would refuse every real token after it.
+	Max Token
 }
 
 type tokenKey struct{}
@@ -50,6 +56,10 @@ func Require(opts RequireOptions) func(http.Handler) http.Handler {
 	if methods == nil {
 		methods = []string{http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete}
 	}
+	limit := opts.Max
+	if limit <= 0 {
+		limit = MaxToken
+	}
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if !slices.Contains(methods, r.Method) {
@@ -57,6 +67,9 @@ func Require(opts RequireOptions) func(http.Handler) http.Handler {
 				return
 			}
 			t, err := FromRequest(r)
+			if err == nil && t > limit {
+				err = fmt.Errorf("%w: %d is above the largest token issued (%d)", ErrInvalid, t, limit)
+			}
 			if err != nil {
 				Refuse(w, r, err, 0)
 				return

@@ -44,6 +44,9 @@ func TestRequire(t *testing.T) {
 		{"Newer", http.MethodPut, "/x", []string{"6"}, true, 200, "", 6, 0},
 		{"FirstWrite", http.MethodPut, "/fresh", []string{"1"}, true, 200, "", 1, 0},
 		{"LastFails", http.MethodPut, "/broken", []string{"9"}, true, 503, "fencing-unavailable", 0, 0},
+		{"MaxIssued", http.MethodPut, "/x", []string{"9007199254740991"}, false, 200, "", MaxToken, 0},
+		{"AboveMaxIssued", http.MethodPut, "/x", []string{"9007199254740992"}, false, 400, "invalid-request", 0, 0},
+		{"MaxInt64", http.MethodPut, "/x", []string{"9223372036854775807"}, true, 400, "invalid-request", 0, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -117,7 +117,8 @@ export class RedfenceError extends Error {
     const { cause, detail } = init;
     const problem = isProblem(init.problem) ? init.problem : undefined;
     const slug = problem?.type.startsWith(PREFIX) ? problem.type.slice(PREFIX.length) : "";
-    const what = status !== 0 ? (slug ? `${status} ${slug}` : `HTTP ${status}`) : cause !== undefined ? `unreachable: ${String(cause)}` : "";
+    // Not reached: the cause says why, unless a detail does.
+    const what = status !== 0 ? (slug ? `${status} ${slug}` : `HTTP ${status}`) : cause !== undefined && !detail ? `unreachable: ${String(cause)}` : "";
     const text = problem?.detail ?? detail;
     const msg = [what, text].filter(Boolean).join(": ");
     super(`redfence: ${op} "${name}": ${msg}`, cause === undefined ? undefined : { cause });
@@ -156,15 +157,19 @@ export interface LockOptions {
   /** Owner label (not a secret). */
   owner?: string;
   /**
-   * Renew after this fraction of the TTL (default 1/3); 0 turns renewal off.
+   * Renew after this fraction of the TTL (default 1/3), in [0, 1) (else
+   * kind "invalid"); 0 turns renewal off.
    * Renewal goes on until the lease is released or lost, as Redisson's
    * watchdog does: a lease from a bare `acquire()` that is never released
    * stays held while this process runs (bound it with maxHoldMs).
    */
   renewFraction?: number;
-  /** Stop renewing once a renewal would hold the lock longer than this, in ms (default: no cap). */
+  /**
+   * Stop renewing once a renewal would hold the lock longer than this, in ms
+   * (default: no cap). Not less than the TTL (kind "invalid").
+   */
   maxHoldMs?: number;
-  /** Ends an acquire that is still waiting (it rejects with the signal's reason); no effect once granted. */
+  /** Ends an acquire that is still waiting (it rejects with the signal's reason, as fetch does); no effect once granted. */
   signal?: AbortSignal;
 }
 
@@ -195,11 +200,13 @@ function bounded<T>(run: (signal: AbortSignal) => Promise<T>, timeoutMs: number,
   return Promise.race([run(signal), aborted]).finally(() => signal.removeEventListener("abort", onAbort));
 }
 
-/** The RedfenceError for a request that got no answer: unreachable, timed out or cancelled. */
-function noAnswer(op: string, name: string, cause: unknown, outer?: AbortSignal): RedfenceError {
-  if (outer?.aborted && cause === outer.reason) {
-    return new RedfenceError(op, name, 0, { cause, detail: "cancelled by the caller's signal", kind: "unavailable" });
-  }
+/**
+ * The error for a request that got no answer: the signal's reason when
+ * outer (the caller's signal, or a lease's) ended it, as fetch rejects;
+ * else a RedfenceError, unreachable or timed out.
+ */
+function noAnswer(op: string, name: string, cause: unknown, outer?: AbortSignal): unknown {
+  if (outer?.aborted && cause === outer.reason) return cause;
   if (cause instanceof DOMException && cause.name === "TimeoutError") {
     return new RedfenceError(op, name, 0, { detail: "no answer in time", kind: "unavailable" });
   }
@@ -327,7 +334,12 @@ export class Lease {
     }
   }
 
-  /** Renews the lease now; a RedfenceError of kind "lost" means it is gone (and has ended). */
+  /**
+   * Renews the lease now for ttlMs (default: its TTL); a RedfenceError of
+   * kind "lost" means it is gone (and has ended). The server keeps the
+   * longer of the lease's remaining time and ttlMs: extend cannot shorten
+   * a lease.
+   */
   async extend(ttlMs = this.ttlMs): Promise<void> {
     if (!this.held) throw this.signal.reason;
     const sent = performance.now();
@@ -340,7 +352,8 @@ export class Lease {
       this.remainingMs,
       this.signal,
     ).catch((cause: unknown) => {
-      throw noAnswer("extend", this.name, cause);
+      // Released or lost meanwhile: the lease's reason (kind "lost").
+      throw noAnswer("extend", this.name, cause, this.signal);
     });
     if (!data) {
       const err = new RedfenceError("extend", this.name, response.status, { problem: error, response });
@@ -397,15 +410,19 @@ export class Lease {
 /**
  * Releases lease, sending the release again after an "unavailable" failure
  * (after its Retry-After, 100 ms at least) while the lease's time lasts:
- * after that the lock has run out by itself.
+ * after that the lock has run out by itself. A release sent again that
+ * finds nothing held (not-holder) before the deadline is the release done:
+ * an earlier one whose answer was lost may have deleted it, and either way
+ * the lock is no longer this lease's.
  */
 async function releaseRetrying(lease: Lease): Promise<void> {
   const end = performance.now() + Math.max(lease.remainingMs, 0);
-  for (;;) {
+  for (let again = false; ; again = true) {
     try {
       await lease.release();
       return;
     } catch (err) {
+      if (again && err instanceof RedfenceError && err.kind === "lost" && performance.now() < end) return;
       const wait = err instanceof RedfenceError && err.kind === "unavailable" ? Math.max(err.retryAfterMs, 100) : -1;
       if (wait < 0 || performance.now() + wait >= end) throw err;
       await new Promise((r) => setTimeout(r, wait));
@@ -445,6 +462,12 @@ export class Redfence {
    * or lost (see LockOptions.renewFraction).
    */
   async acquire(name: string, opts: LockOptions = {}): Promise<Lease> {
+    const invalid = (detail: string) => new RedfenceError("acquire", name, 0, { detail, kind: "invalid" });
+    const { renewFraction: f, maxHoldMs, ttlMs } = opts;
+    if (f !== undefined && !(f >= 0 && f < 1)) throw invalid(`renewFraction ${f} is outside [0, 1)`);
+    if (maxHoldMs !== undefined && ttlMs !== undefined && !(maxHoldMs >= ttlMs)) {
+      throw invalid(`maxHoldMs ${maxHoldMs} is shorter than ttlMs ${ttlMs}: the first lease would outlast it`);
+    }
     const owner = opts.owner ?? this.#owner;
     const body: components["schemas"]["AcquireRequest"] = {};
     if (opts.ttlMs !== undefined) body.ttl_ms = opts.ttlMs;
@@ -461,6 +484,11 @@ export class Redfence {
     if (!data) throw new RedfenceError("acquire", name, response.status, { problem: error, response });
     if (!data.lock_token) throw new RedfenceError("acquire", name, response.status, { detail: "the answer has no lock_token" });
     const lease = new Lease(this, name, data.lock_token, data, sent, opts);
+    if (maxHoldMs !== undefined && !(maxHoldMs >= lease.ttlMs)) {
+      // The server's default TTL outlasts the cap: not handed out.
+      await lease.release().catch(() => undefined);
+      throw invalid(`maxHoldMs ${maxHoldMs} is shorter than the server's default TTL ${lease.ttlMs} (the grant was released)`);
+    }
     if (!lease.held) {
       // Granted, but its validity ran out before the answer arrived (a
       // pause, a slow network): never handed out as held.
