@@ -104,6 +104,10 @@ func newHandler(st *Store, log *slog.Logger) http.Handler {
 			ifVersion = &n
 		}
 		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 1<<20))
+		if tooLarge := (*http.MaxBytesError)(nil); errors.As(err, &tooLarge) {
+			problem(w, r, http.StatusRequestEntityTooLarge, "request-too-large", fmt.Sprintf("the body is over %d bytes", tooLarge.Limit))
+			return
+		}
 		if err != nil || !json.Valid(body) {
 			problem(w, r, http.StatusBadRequest, "invalid-request", "the body must be JSON")
 			return

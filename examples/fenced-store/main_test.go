@@ -217,6 +217,23 @@ func TestUnstorableJSON(t *testing.T) {
 	}
 }
 
+// TestTooLarge: a body over 1 MiB is refused with 413, not as bad JSON, and
+// a token Redfence never issues (above fencing.MaxToken) with 400: either
+// way nothing is stored.
+func TestTooLarge(t *testing.T) {
+	t.Parallel()
+	d := newDocs(t)
+	if code, v := d.put("big", 5, "", `"`+strings.Repeat("x", 1<<20)+`"`); code != http.StatusRequestEntityTooLarge || v["type"] != "urn:fenced-store:problem:request-too-large" {
+		t.Errorf("PUT of a 1 MiB body = %d %v; want 413 request-too-large", code, v)
+	}
+	if code, v := d.put("big", fencing.MaxToken+1, "", `{}`); code != http.StatusBadRequest {
+		t.Errorf("PUT with token MaxToken+1 = %d %v; want 400", code, v)
+	}
+	if code, v := d.get("big"); code != http.StatusNotFound {
+		t.Errorf("GET after the refused writes = %d %v; want 404", code, v)
+	}
+}
+
 // TestIfMatchOnMissingDocument: a version compare-and-set on a document that
 // does not exist is refused (412, RFC 9110) and creates nothing.
 func TestIfMatchOnMissingDocument(t *testing.T) {
