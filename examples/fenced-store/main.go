@@ -4,14 +4,15 @@
 // lock that protects it, and a write with a token older than the last one
 // applied is refused (409). See README.md for the SQL recipe.
 //
-//	PUT /documents/{id}   Fencing-Token: N, optional If-Match: "<version>", body: any JSON
+//	PUT /documents/{id}   Fencing-Token: N, optional If-Match: "<version>" or If-None-Match: *, body: any JSON
 //	GET /documents/{id}
 //
 // Guarantees: the token check and the write are one SQL statement, so no
 // older token can land after a newer one. Not guaranteed: a paused holder's
 // write that lands before the next holder's first write is accepted (the
 // ">=" rule cannot know a newer token exists); read-modify-write clients
-// close that gap with If-Match (a version compare-and-set).
+// close that gap with If-Match (a version compare-and-set), or, when they
+// read no document, If-None-Match: * (create only).
 package main
 
 import (
@@ -95,10 +96,20 @@ func newHandler(st *Store, log *slog.Logger) http.Handler {
 	mux.Handle("PUT /documents/{id}", fencing.Require(fencing.RequireOptions{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		token, _ := fencing.TokenFrom(r.Context())
 		var ifVersion *int64
-		if v := r.Header.Get("If-Match"); v != "" {
-			n, err := strconv.ParseInt(strings.Trim(v, `"`), 10, 64)
-			if err != nil {
-				problem(w, r, http.StatusBadRequest, "invalid-request", `If-Match must be a version, e.g. "3"`)
+		match, noneMatch := r.Header.Get("If-Match"), r.Header.Get("If-None-Match")
+		switch {
+		case match != "" && noneMatch != "":
+			problem(w, r, http.StatusBadRequest, "invalid-request", "send If-Match or If-None-Match, not both")
+			return
+		case noneMatch == "*":
+			ifVersion = new(int64) // version 0: no document yet; only create it
+		case noneMatch != "":
+			problem(w, r, http.StatusBadRequest, "invalid-request", `If-None-Match must be *: create the document only if there is none`)
+			return
+		case match != "":
+			n, err := strconv.ParseInt(strings.Trim(match, `"`), 10, 64)
+			if err != nil || n < 1 {
+				problem(w, r, http.StatusBadRequest, "invalid-request", `If-Match must be one version the store sent, e.g. "3" (no * and no weak W/ tags)`)
 				return
 			}
 			ifVersion = &n

@@ -42,9 +42,10 @@ func newDocs(t *testing.T) *docs {
 	return &docs{t: t, url: srv.URL}
 }
 
-// put writes body to the document id with token (0: no Fencing-Token) and
-// ifMatch (empty: none); it returns the status and the decoded answer.
-func (d *docs) put(id string, token fencing.Token, ifMatch, body string) (int, map[string]any) {
+// put writes body to the document id with token (0: no Fencing-Token),
+// ifMatch (empty: none) and headers (name, value pairs); it returns the
+// status and the decoded answer.
+func (d *docs) put(id string, token fencing.Token, ifMatch, body string, headers ...string) (int, map[string]any) {
 	d.t.Helper()
 	req, err := http.NewRequest(http.MethodPut, d.url+"/documents/"+id, strings.NewReader(body))
 	if err != nil {
@@ -56,6 +57,9 @@ func (d *docs) put(id string, token fencing.Token, ifMatch, body string) (int, m
 	}
 	if ifMatch != "" {
 		req.Header.Set("If-Match", ifMatch)
+	}
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Add(headers[i], headers[i+1])
 	}
 	return d.do(req)
 }
@@ -214,6 +218,33 @@ func TestUnstorableJSON(t *testing.T) {
 	}
 	if code, v := d.get("unstorable"); code != http.StatusNotFound {
 		t.Errorf("GET after the refused writes = %d %v; want 404", code, v)
+	}
+}
+
+// TestCreateOnly: If-None-Match: * creates a document that does not exist
+// and is refused (412) once one does: a read-modify-write that read no
+// document is protected like one that read a version.
+func TestCreateOnly(t *testing.T) {
+	t.Parallel()
+	d := newDocs(t)
+	// A holder that read 404 (token 33) and a paused one that read 404 too
+	// (token 32): the first create wins, the second is refused.
+	if code, v := d.put("new", 33, "", `{"a":1}`, "If-None-Match", "*"); code != http.StatusOK || v["version"] != float64(1) {
+		t.Fatalf("create-only write of a new document = %d %v; want 200 at version 1", code, v)
+	}
+	if code, v := d.put("new", 34, "", `{"a":2}`, "If-None-Match", "*"); code != http.StatusPreconditionFailed {
+		t.Fatalf("create-only write of an existing document = %d %v; want 412", code, v)
+	}
+	if code, v := d.put("new", 32, "", `{"a":3}`, "If-None-Match", "*"); code != http.StatusConflict {
+		t.Fatalf("create-only write with an older token = %d %v; want 409 stale", code, v)
+	}
+	for _, hdr := range [][]string{{"If-None-Match", `"1"`}, {"If-Match", "*"}, {"If-Match", `W/"1"`}, {"If-Match", `"1"`, "If-None-Match", "*"}} {
+		if code, v := d.put("new", 35, "", `{"a":4}`, hdr...); code != http.StatusBadRequest {
+			t.Errorf("PUT with %q = %d %v; want 400", hdr, code, v)
+		}
+	}
+	if code, v := d.get("new"); code != http.StatusOK || body(t, v) != `{"a": 1}` && body(t, v) != `{"a":1}` {
+		t.Errorf("GET after the refused writes = %d %v; want the first create", code, v)
 	}
 }
 

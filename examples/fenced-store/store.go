@@ -22,12 +22,13 @@ var schema string
 // applied to the row (">=": one holder may write many times), and, when the
 // client sends a version ($4 not null), only if the row is still at that
 // version (compare-and-set for read-modify-write; a row that does not exist
-// is at no version, so such a write does not create it). A refused write
-// changes nothing and returns no row.
+// is at no version, so such a write does not create it). Version 0 means
+// "no row yet" (If-None-Match: *): it only creates. A refused write changes
+// nothing and returns no row.
 const putSQL = `
 INSERT INTO documents AS d (id, body, fencing_token)
 SELECT $1, $2, $3
- WHERE $4::bigint IS NULL OR EXISTS (SELECT 1 FROM documents WHERE id = $1)
+ WHERE $4::bigint IS NULL OR $4 = 0 OR EXISTS (SELECT 1 FROM documents WHERE id = $1)
 ON CONFLICT (id) DO UPDATE
    SET body = EXCLUDED.body,
        fencing_token = EXCLUDED.fencing_token,
@@ -62,8 +63,9 @@ func (s *Store) Migrate(ctx context.Context) error {
 }
 
 // Put writes body under id with token; ifVersion, if not nil, is the version
-// the write was based on. It returns the new version, or an error matching
-// fencing.ErrStale (a *fencing.StaleError) or ErrVersion.
+// the write was based on (0: none, the write only creates the document). It
+// returns the new version, or an error matching fencing.ErrStale (a
+// *fencing.StaleError) or ErrVersion.
 func (s *Store) Put(ctx context.Context, id string, body json.RawMessage, token fencing.Token, ifVersion *int64) (*Document, error) {
 	d := &Document{ID: id, Body: body, FencingToken: token}
 	err := s.pool.QueryRow(ctx, putSQL, id, body, int64(token), ifVersion).Scan(&d.Version, &d.UpdatedAt)
