@@ -106,6 +106,11 @@ type Options struct {
 	Now func() time.Time
 	// OpenAPI is the spec served at /openapi.yaml.
 	OpenAPI []byte
+	// QuietAccessLog logs the access line of every request ("http
+	// request") at debug instead of info: the audit lines stay at info.
+	// Successful probes and scrapes (/healthz, /readyz, /metrics) are
+	// logged at debug anyway.
+	QuietAccessLog bool
 	// WriteTimeout is the serving http.Server's WriteTimeout. It bounds
 	// every answer but a blocking acquire's, which sets its own write
 	// deadline as it starts: its wait plus WriteTimeout (HTTP/2 resets a

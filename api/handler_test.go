@@ -89,7 +89,10 @@ func (e *fakeEnv) acquire(t *testing.T, h http.Handler, name, body string) LockR
 func (e *fakeEnv) lines(t *testing.T, msg string) []map[string]any {
 	t.Helper()
 	var out []map[string]any
-	for _, l := range strings.Split(strings.TrimSpace(e.logs.String()), "\n") {
+	for l := range strings.Lines(e.logs.String()) {
+		if strings.TrimSpace(l) == "" {
+			continue
+		}
 		var m map[string]any
 		if err := json.Unmarshal([]byte(l), &m); err != nil {
 			t.Fatalf("log line %q: %v", l, err)
@@ -493,6 +496,40 @@ func TestAccessLog(t *testing.T) {
 	wantOrder := `"msg":"lock refused","audit":true,"request_id":"rid-1","name":"orders","owner":"w","outcome":"lock-held","tenant":"bench","key_id":"0123456789abcdef"}`
 	if !strings.Contains(e.logs.String(), wantOrder) {
 		t.Errorf("no line ends %s:\n%s", wantOrder, e.logs)
+	}
+
+	// Probes that succeed are logged at debug only; a failing one at info.
+	e.logs.Reset()
+	for _, path := range []string{"/healthz", "/metrics"} {
+		e.do(e.h, http.MethodGet, path, "", "Authorization", "Bearer "+benchAPIKey)
+	}
+	if ls := e.lines(t, "http request"); len(ls) != 0 {
+		t.Errorf("access lines at info for successful probes: %v", ls)
+	}
+	if w := e.do(e.h, http.MethodGet, "/readyz", ""); w.Code != http.StatusServiceUnavailable {
+		t.Fatalf("/readyz on the fake env = %d; want 503", w.Code)
+	}
+	if ls := e.lines(t, "http request"); len(ls) != 1 || ls[0]["route"] != "/readyz" {
+		t.Errorf("access lines after a failing probe = %v; want it at info", ls)
+	}
+	e.logs.Reset()
+	e.h.raw = slog.NewJSONHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug})
+	e.do(e.h, http.MethodGet, "/healthz", "")
+	if ls := e.lines(t, "http request"); len(ls) != 1 || ls[0]["level"] != "DEBUG" {
+		t.Errorf("access lines of a probe with debug on = %v; want one at DEBUG", ls)
+	}
+
+	// QuietAccessLog: no access line at info, the audit lines stay.
+	e.logs.Reset()
+	e.h.raw = slog.NewJSONHandler(e.logs, nil)
+	e.h.log = slog.New(principalLog{e.h.raw})
+	e.h.opts.QuietAccessLog = true
+	e.do(e.h, http.MethodPost, "/v1/locks/orders", `{"owner":"w"}`, "Authorization", "Bearer "+benchAPIKey)
+	if ls := e.lines(t, "http request"); len(ls) != 0 {
+		t.Errorf("access lines with QuietAccessLog = %v; want none at info", ls)
+	}
+	if ls := e.lines(t, "lock refused"); len(ls) != 1 {
+		t.Errorf("audit lines with QuietAccessLog = %v; want the refusal", ls)
 	}
 }
 

@@ -219,6 +219,10 @@ func validRequestID(s string) bool {
 	return true
 }
 
+// probeRoutes are the routes of health probes and metric scrapes: their
+// successful requests are logged at debug.
+var probeRoutes = map[string]bool{"/healthz": true, "/readyz": true, "/metrics": true}
+
 // holdsKey reports whether s holds an API key, whole or cut short.
 func holdsKey(s string) bool {
 	_, ok := apikey.FindID(s)
@@ -279,14 +283,20 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 		route = h.routes.label(chi.RouteContext(r.Context()))
 	}
 	h.m.request(route, r.Method, status, d)
-	if !h.raw.Enabled(r.Context(), slog.LevelInfo) {
+	level := slog.LevelInfo
+	if h.opts.QuietAccessLog || status < 400 && probeRoutes[route] {
+		// Probes and scrapes that succeed, every few seconds, say nothing
+		// an operator needs at info.
+		level = slog.LevelDebug
+	}
+	if !h.raw.Enabled(r.Context(), level) {
 		return
 	}
 	sent := st.rw.bytes
 	if r.Method == http.MethodHead {
 		sent = 0 // net/http drops a HEAD answer's body
 	}
-	h.logRecord(r.Context(), end, nil, slog.LevelInfo, "http request",
+	h.logRecord(r.Context(), end, nil, level, "http request",
 		slog.String("request_id", id),
 		slog.String("method", redact(r, r.Method)),
 		slog.String("path", instance(r)),

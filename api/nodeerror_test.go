@@ -71,6 +71,8 @@ func TestQuorumDetail(t *testing.T) {
 		{n(service.Yes, service.Yes, service.Timeout, service.No, service.No), "of 5 nodes, 1 did not answer and 0 are quarantined"},
 		{n(service.Yes, service.Yes, service.Quarantined, service.No, service.No), "0 did not answer and 1 are quarantined"},
 		{n(service.Yes, service.Yes, service.No, service.No), "the nodes' answers split"},
+		{n(service.Yes, service.Yes, service.Quarantined, service.Quarantined, service.Quarantined), "fewer Redis nodes than a majority count: of 5 nodes, 3 are quarantined"},
+		{n(service.Yes, service.Timeout, service.Quarantined, service.Quarantined, service.Yes), "2 are quarantined"},
 	} {
 		if got := quorumDetail(tc.nodes); !strings.Contains(got, tc.want) {
 			t.Errorf("quorumDetail(%v) = %q; want it to say %q", tc.nodes, got, tc.want)

@@ -605,9 +605,12 @@ func quorumDetail(nodes []service.NodeResult) string {
 			quarantined++
 		}
 	}
+	majority := len(nodes)/2 + 1
 	switch {
-	case len(nodes) == 0 || len(nodes)-failed < len(nodes)/2+1:
+	case len(nodes) == 0 || len(nodes)-failed < majority:
 		return "fewer Redis nodes than a majority answered; see nodes"
+	case len(nodes)-failed-quarantined < majority:
+		return fmt.Sprintf("fewer Redis nodes than a majority count: of %d nodes, %d are quarantined (they restarted without their data, or may evict keys: their answers do not count until their quarantine ends) and %d did not answer; see nodes", len(nodes), quarantined, failed)
 	case quarantined > 0 || failed > 0:
 		return fmt.Sprintf("no majority either way: of %d nodes, %d did not answer and %d are quarantined (their answers do not count), and the others' answers split; retry (see nodes)", len(nodes), failed, quarantined)
 	default:

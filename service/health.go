@@ -30,6 +30,9 @@ type reach struct {
 	// when the last one was.
 	quorumLogged bool
 	quorumLast   time.Time
+	// countLogged: a loss of the counting majority (nodes that answer and
+	// whose votes count: not quarantined) was logged, and its end is not.
+	countLogged bool
 }
 
 func newReach(n int) *reach {
@@ -89,4 +92,72 @@ func (l *Locker) noteReach(i int, o Outcome, err error) {
 	case logQuorumBack:
 		l.opts.Logger.Info("a majority of Redis nodes answers again", slog.Int("answering", answering), slog.Int("nodes", n), slog.Int("quorum", l.quorum))
 	}
+}
+
+// noteCounting logs when fewer nodes than a majority count (they answer,
+// but quarantines keep their votes out) and when a majority counts again:
+// an outage as real as nodes that do not answer, which that log alone
+// would not show.
+func (l *Locker) noteCounting() {
+	r := l.reach
+	now := l.opts.Now()
+	counting, answering := 0, 0
+	for i := range l.nodes {
+		if r.failing[i].Load() {
+			continue
+		}
+		answering++
+		if l.counts(i, now) {
+			counting++
+		}
+	}
+	r.mu.Lock()
+	lost := counting < l.quorum && answering >= l.quorum && !r.countLogged // unanswering is logged by noteReach
+	back := counting >= l.quorum && r.countLogged
+	if lost || back {
+		r.countLogged = lost
+	}
+	r.mu.Unlock()
+	switch {
+	case lost:
+		l.opts.Logger.Error("fewer Redis nodes count than a majority (the others are quarantined): acquires, extends and lock reads fail (503 quorum-unavailable) until the quarantines end",
+			slog.Int("counting", counting), slog.Int("answering", answering), slog.Int("nodes", len(l.nodes)), slog.Int("quorum", l.quorum))
+	case back:
+		l.opts.Logger.Info("a majority of Redis nodes counts again", slog.Int("counting", counting), slog.Int("nodes", len(l.nodes)), slog.Int("quorum", l.quorum))
+	}
+}
+
+// watchQuarantine logs when node i's quarantine, due to end at until, is
+// over, once per quarantine, and checks the counting majority then (see
+// noteCounting). A quarantine extended meanwhile is checked again at its
+// new end.
+func (l *Locker) watchQuarantine(i int, until time.Time) {
+	l.noteCounting()
+	var check func()
+	check = func() {
+		if l.life.Err() != nil {
+			return
+		}
+		m := l.members[i]
+		now := l.opts.Now()
+		m.mu.Lock()
+		end := m.end()
+		running, logged := now.Before(end), m.endLogged.Equal(end)
+		if !running && !logged {
+			m.endLogged = end
+		}
+		m.mu.Unlock()
+		switch {
+		case running:
+			time.AfterFunc(end.Sub(now), check)
+			return
+		case logged:
+			return
+		}
+		if l.counts(i, now) {
+			l.opts.Logger.Info("node's quarantine is over: its votes count again", slog.String("node", m.Addr()))
+		}
+		l.noteCounting()
+	}
+	time.AfterFunc(time.Until(until), check)
 }

@@ -243,6 +243,9 @@ type member struct {
 	// was recorded in the Registry. Guarded by mu.
 	evicting      string
 	evictRecorded bool
+	// endLogged is the end of the last quarantine logged as over (see
+	// watchQuarantine). Guarded by mu.
+	endLogged time.Time
 }
 
 // state returns the node's epoch and the end of its quarantine as far as it
@@ -671,11 +674,23 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 	if err := beat(ctx); err != nil {
 		return fmt.Errorf("service: heartbeat: %w", err) // Init may be retried
 	}
+	var failing, stale bool // only the heartbeat goroutine uses them
 	l.every(&l.beating, heartbeatEvery, func() {
 		hctx, cancel := context.WithTimeout(l.life, l.opts.IssueTimeout)
 		defer cancel()
-		if err := beat(hctx); err != nil && l.life.Err() == nil {
+		err := beat(hctx)
+		switch {
+		case l.life.Err() != nil:
+		case err != nil:
+			failing = true
 			l.opts.Logger.Warn("could not renew this server's heartbeat", slog.String("error", err.Error()))
+			if serr := l.heartbeatStale(); serr != nil && !stale {
+				stale = true
+				l.opts.Logger.Error("this server grants and extends no lock until Postgres records its heartbeat again (503 fencing-unavailable)", slog.String("error", serr.Error()))
+			}
+		case failing:
+			failing, stale = false, false
+			l.opts.Logger.Info("this server's heartbeat is recorded again: it grants and extends locks")
 		}
 	})
 	return nil
@@ -889,6 +904,7 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 		m.mu.Unlock()
 		if first {
 			l.opts.Observer.Quarantine(m.Addr(), until)
+			l.noteCounting()
 			msg := "node lost its memory or restarted, and this could not be recorded: its votes do not count until it is (retried every second)"
 			if req.unseen {
 				msg = "could not check the node's Redis process against the record: its votes do not count until it is checked (retried every second)"
@@ -921,6 +937,7 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 	}
 	m.mu.Unlock()
 	if !until.After(now) {
+		l.noteCounting() // the node may count again (recorded at last)
 		// No quarantine runs: another server moved the node to cur and
 		// marked it earlier, and this one was behind (or, unseen, the
 		// process is the one on record, or no lease can be held). Marking
@@ -937,6 +954,7 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 		}
 		l.opts.Logger.Warn(msg, slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
 	}
+	l.watchQuarantine(i, until)
 	// Mark within the quarantine, which covers any loss of the node's
 	// data until it ends. The server that started the quarantine (cur is
 	// its next) replaces whatever marker the node holds: a marker from an

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	mathrand "math/rand/v2"
 	"strings"
 	"sync"
@@ -1340,5 +1341,51 @@ func TestLocker_InitRetried(t *testing.T) {
 	reg.mu.Unlock()
 	if n != 1 {
 		t.Errorf("%d servers recorded after the retried Init; want 1", n)
+	}
+}
+
+// switchableBeat is a Registry whose heartbeats fail while down is set.
+type switchableBeat struct {
+	*memRegistry
+	down atomic.Bool
+}
+
+func (r *switchableBeat) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
+	if r.down.Load() {
+		return errors.New("postgres is down")
+	}
+	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace)
+}
+
+// TestLocker_HeartbeatOutageLogged: the log says when this server stops
+// granting for want of a recorded heartbeat (once), and when a heartbeat is
+// recorded again.
+func TestLocker_HeartbeatOutageLogged(t *testing.T) {
+	ctx := context.Background()
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := &switchableBeat{memRegistry: newRegistry(clk)}
+	logs := &testutil.Buffer{}
+	ns, _ := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+	if err := l.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	reg.down.Store(true)
+	l.beatMu.Lock()
+	l.lastBeat = time.Now().Add(-heartbeatGrace / 2) // as after 10 s of failures
+	l.beatMu.Unlock()
+	has := func(msg string, n int) func() (bool, error) {
+		return func() (bool, error) { return strings.Count(logs.String(), msg) >= n, nil }
+	}
+	const stopped = "grants and extends no lock until Postgres records its heartbeat again"
+	testutil.WaitFor(t, time.Minute, "the stop to be logged", has(stopped, 1))
+	testutil.WaitFor(t, time.Minute, "a second failed heartbeat", has("could not renew this server's heartbeat", 2))
+	reg.down.Store(false)
+	testutil.WaitFor(t, time.Minute, "the recovery to be logged", has("heartbeat is recorded again", 1))
+	if n := strings.Count(logs.String(), stopped); n != 1 {
+		t.Errorf("the stop was logged %d times; want once:\n%s", n, logs)
+	}
+	if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err != nil {
+		t.Errorf("acquire after the recovery = %v", err)
 	}
 }

@@ -987,3 +987,35 @@ func TestLocker_StatusQuarantined(t *testing.T) {
 		t.Fatalf("status with 3 of 5 nodes restarted empty = %+v, %v; want ErrQuorum", st, err)
 	}
 }
+
+// TestLocker_QuarantinedMajorityLogged: a majority of nodes that answer but
+// are quarantined (restarted without their data) is an outage like a
+// majority that does not answer, and the log says so, once, then says when
+// each quarantine is over and the majority counts again.
+func TestLocker_QuarantinedMajorityLogged(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	logs := &testutil.Buffer{}
+	l := e.lockerWith(t, nil, service.Options{Registry: e.db, MaxTTL: 500 * time.Millisecond, NodeTimeout: 200 * time.Millisecond,
+		Logger: slog.New(slog.NewJSONHandler(logs, nil))})
+	for i := range 3 {
+		e.restartEmpty(t, i)
+	}
+	l.Nodes(t.Context()) // finds the restarts
+	has := func(msg string) func() (bool, error) {
+		return func() (bool, error) { return strings.Contains(logs.String(), msg), nil }
+	}
+	testutil.WaitFor(t, 30*time.Second, "the lost counting majority to be logged", has(`"level":"ERROR","msg":"fewer Redis nodes count than a majority`))
+	testutil.WaitFor(t, 30*time.Second, "the three quarantines' ends to be logged", func() (bool, error) {
+		return strings.Count(logs.String(), "node's quarantine is over") >= 3, nil
+	})
+	out := logs.String()
+	for msg, want := range map[string]int{"fewer Redis nodes count than a majority": 1, "a majority of Redis nodes counts again": 1, "node's quarantine is over": 3} {
+		if n := strings.Count(out, msg); n != want {
+			t.Errorf("%q logged %d times; want %d:\n%s", msg, n, want, out)
+		}
+	}
+	if _, err := l.Acquire(t.Context(), "after", service.Request{TTL: 500 * time.Millisecond}); err != nil {
+		t.Errorf("acquire once a majority counts again = %v", err)
+	}
+}

@@ -42,6 +42,7 @@ type Config struct {
 	H2C               bool          `envconfig:"H2C" default:"false" desc:"without TLS, also serve HTTP/2 to clients that start with its preface (prior knowledge, as gRPC does); with TLS, HTTP/2 is negotiated anyway"`
 	ShutdownTimeout   time.Duration `split_words:"true" default:"30s" desc:"grace period for in-flight requests on SIGINT/SIGTERM (waiting acquires end at once with 503 shutting-down; a second signal ends it)"`
 	LogLevel          string        `split_words:"true" default:"info" desc:"debug, info, warn or error"`
+	AccessLog         bool          `split_words:"true" default:"true" desc:"log an access line per request at info (false: at debug; audit lines stay at info); successful /healthz, /readyz and /metrics requests are logged at debug either way"`
 	LogFormat         string        `split_words:"true" default:"json" desc:"json or text"`
 	Auth              bool          `envconfig:"AUTH" default:"true" desc:"require an API key (Authorization: Bearer) on /v1 and /metrics; false lets anyone who reaches the port do anything"`
 	AuthCacheTTL      time.Duration `envconfig:"AUTH_CACHE_TTL" default:"1s" desc:"how long a server trusts a cached API key: the bound on applying a revocation whose notification was lost"`

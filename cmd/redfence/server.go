@@ -145,6 +145,7 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		MaxHeaderBytes: cfg.MaxHeaderBytes,
 		StoreTimeout:   cfg.StoreTimeout,
 		Logger:         log,
+		QuietAccessLog: !cfg.AccessLog,
 		Registry:       reg,
 		OpenAPI:        redfence.OpenAPI,
 		Auth:           auth,
