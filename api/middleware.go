@@ -219,9 +219,15 @@ func validRequestID(s string) bool {
 	return true
 }
 
-// probeRoutes are the routes of health probes and metric scrapes: their
-// successful requests are logged at debug.
-var probeRoutes = map[string]bool{"/healthz": true, "/readyz": true, "/metrics": true}
+// probeRoute reports whether route serves health probes or metric
+// scrapes: their successful requests are logged at debug.
+func probeRoute(route string) bool {
+	switch route {
+	case "/healthz", "/readyz", "/metrics":
+		return true
+	}
+	return false
+}
 
 // holdsKey reports whether s holds an API key, whole or cut short.
 func holdsKey(s string) bool {
@@ -284,7 +290,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 	}
 	h.m.request(route, r.Method, status, d)
 	level := slog.LevelInfo
-	if h.opts.QuietAccessLog || status < 400 && probeRoutes[route] {
+	if h.opts.QuietAccessLog || status < 400 && probeRoute(route) {
 		// Probes and scrapes that succeed, every few seconds, say nothing
 		// an operator needs at info.
 		level = slog.LevelDebug
