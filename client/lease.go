@@ -69,18 +69,7 @@ func (o *LockOptions) withDefaults() (LockOptions, error) {
 	if v.TTL < 0 || v.Wait < 0 || v.Margin < 0 || v.MaxHold < 0 || v.MaxRenewals < 0 {
 		return v, fmt.Errorf("%w: negative lock option", ErrInvalid)
 	}
-	if err := v.checkMaxHold(v.TTL); err != nil {
-		return v, err
-	}
 	return v, nil
-}
-
-// checkMaxHold checks that a first lease of ttl ends within o's MaxHold.
-func (o *LockOptions) checkMaxHold(ttl time.Duration) error {
-	if o.MaxHold > 0 && ttl > o.MaxHold {
-		return fmt.Errorf("%w: MaxHold %v is shorter than the TTL %v: the first lease would outlast it", ErrInvalid, o.MaxHold, ttl)
-	}
-	return nil
 }
 
 // Lease is a held lock. Its methods are safe for concurrent use.
@@ -129,9 +118,10 @@ func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*
 		return nil, err
 	}
 	if o.TTL > 0 {
-		// Known before asking: a bad Margin takes no lock (and burns no
-		// token). With the server's default TTL it is checked on the grant.
-		if err := o.checkMargin(o.TTL); err != nil {
+		// Known before asking: a bad Margin or MaxHold takes no lock (and
+		// burns no token). With the server's default TTL they are checked
+		// on the grant.
+		if err := o.checkTTL(o.TTL); err != nil {
 			return nil, err
 		}
 	}
@@ -204,13 +194,7 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 		c: c, name: name, token: g.lock, fencing: g.fencing, owner: g.owner, ttl: g.ttl, acquired: later(g.sent, deadline.Add(-g.ttl)), opts: o,
 		watchdogRet: make(chan struct{}), deadline: deadline,
 	}
-	l.life, l.end = context.WithCancelCause(context.Background())
-	l.stopped, l.stop = context.WithCancel(context.Background())
-	err := o.checkMargin(l.ttl)
-	if err == nil {
-		err = o.checkMaxHold(l.ttl)
-	}
-	if err != nil {
+	if err := o.checkTTL(l.ttl); err != nil {
 		// The server's default TTL: renewal would come too late to keep
 		// the lease, or the lease outlasts MaxHold. Release it again.
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -218,6 +202,8 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 		_ = c.release(ctx, name, g.lock)
 		return nil, err
 	}
+	l.life, l.end = context.WithCancelCause(context.Background())
+	l.stopped, l.stop = context.WithCancel(context.Background())
 	go l.watch()
 	return l, nil
 }
@@ -227,9 +213,13 @@ func (o *LockOptions) renewEvery(ttl time.Duration) time.Duration {
 	return time.Duration(float64(ttl) * o.RenewFraction)
 }
 
-// checkMargin checks that o's Margin leaves room to renew a lease of ttl:
-// half the renewal interval at least between the renewal and the end.
-func (o *LockOptions) checkMargin(ttl time.Duration) error {
+// checkTTL checks o against a lease of ttl: its Margin must leave the
+// renewal half the renewal interval at least before the end, and a first
+// lease must end within its MaxHold.
+func (o *LockOptions) checkTTL(ttl time.Duration) error {
+	if o.MaxHold > 0 && ttl > o.MaxHold {
+		return fmt.Errorf("%w: MaxHold %v is shorter than the TTL %v: the first lease would outlast it", ErrInvalid, o.MaxHold, ttl)
+	}
 	interval := o.renewEvery(ttl)
 	if o.Margin > 0 && !o.NoRenew && o.Margin > ttl-interval-interval/2 {
 		return fmt.Errorf("%w: Margin %v leaves too little room to renew a %v lease every %v (at most %v: the TTL less one and a half renewal intervals)",
