@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -182,6 +183,41 @@ func (c *Config) logger(w io.Writer) *slog.Logger {
 		return slog.New(slog.NewTextHandler(w, opts))
 	}
 	return slog.New(slog.NewJSONHandler(w, opts))
+}
+
+// unknownSettings returns the REDFENCE_* variables of environ that nothing
+// reads, sorted: most likely typos (REDFENCE_MAXTTL), which would otherwise
+// be ignored without a word.
+func unknownSettings(environ []string) []string {
+	var keys strings.Builder
+	_ = envconfig.Usagef(envPrefix, &Config{}, &keys, "{{range .}}{{usage_key .}}\n{{end}}")
+	known := map[string]bool{
+		// redfence lock's and the clients', those it sets for its
+		// command, and the tooling's (make test-ts, the benchmark).
+		"REDFENCE_SERVER": true, "REDFENCE_API_KEY": true, "REDFENCE_CA_FILE": true,
+		"REDFENCE_CLIENT_CERT_FILE": true, "REDFENCE_CLIENT_KEY_FILE": true,
+		"REDFENCE_LOCK_NAME": true, "REDFENCE_FENCING_TOKEN": true,
+		"REDFENCE_BIN": true, "REDFENCE_BENCH_PPROF_ADDR": true, "REDFENCE_LOCK_HELPER": true,
+	}
+	for k := range strings.Lines(keys.String()) {
+		known[strings.TrimSpace(k)] = true
+	}
+	var unknown []string
+	for _, kv := range environ {
+		k, _, _ := strings.Cut(kv, "=")
+		if strings.HasPrefix(k, "REDFENCE_") && !known[k] {
+			unknown = append(unknown, k)
+		}
+	}
+	slices.Sort(unknown)
+	return unknown
+}
+
+// warnUnknownSettings logs each REDFENCE_* variable nothing reads.
+func warnUnknownSettings(log *slog.Logger, environ []string) {
+	for _, k := range unknownSettings(environ) {
+		log.Warn("unknown setting ignored (a typo? redfence -h lists the settings)", slog.String("variable", k))
+	}
 }
 
 // printSettings lists every environment variable with its default.

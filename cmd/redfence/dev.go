@@ -75,6 +75,7 @@ below are otherwise the same.`, stderr)
 	defer logw.Close()
 	log := cfg.logger(logw)
 	quietRedis(log)
+	warnUnknownSettings(log, os.Environ())
 
 	sharedDB := cfg.DatabaseURL != "" // one this command did not start: it outlives it
 	if len(cfg.RedisAddrs) == 0 || cfg.DatabaseURL == "" {

@@ -230,6 +230,7 @@ func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	defer logw.Close()
 	log := cfg.logger(logw)
 	quietRedis(log)
+	warnUnknownSettings(log, os.Environ())
 	s, err := Open(ctx, cfg, log, ServerOptions{})
 	if err != nil {
 		return err
