@@ -571,7 +571,7 @@ func (l *Locker) seen(i int, id string, durable bool) {
 	if prev == "" || kept {
 		l.recoverLocked(i, recoveryReq{runID: id, durable: durable, unseen: true}, true)
 		if kept {
-			l.opts.Logger.Info("node restarted with appendfsync always, as it ran before: it kept every lease it acknowledged", slog.String("node", m.Addr()))
+			l.opts.Logger.Info("node restarted with appendfsync always, as it ran before: it kept its leases if its data survived (a request that finds its epoch marker gone quarantines it)", slog.String("node", m.Addr()))
 		}
 		return
 	}
