@@ -23,6 +23,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -140,10 +141,17 @@ type Handler struct {
 	// drain is closed by Drain: blocking acquires stop waiting.
 	drain     chan struct{}
 	drainOnce sync.Once
+	// unready is set by Unready: /readyz fails.
+	unready atomic.Bool
 	// ttlMS and waitMS are the bounds of ttl_ms and wait_ms: the
 	// Locker's (see lockerBounds).
 	ttlMS, waitMS msBounds
 }
+
+// Unready makes /readyz answer 503 shutting-down from now on, while every
+// other request is served as before: a load balancer takes the server out of
+// its pool before it shuts down (REDFENCE_SHUTDOWN_DELAY).
+func (h *Handler) Unready() { h.unready.Store(true) }
 
 // Drain ends the wait of every blocking acquire, in flight or to come: each
 // answers 503 shutting-down after its current try (a free lock is still
@@ -1242,6 +1250,11 @@ func (h *Handler) healthz(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Handler) readyz(w http.ResponseWriter, r *http.Request) {
+	if h.unready.Load() {
+		retryAfterHeader(w, time.Second)
+		writeJSON(w, http.StatusServiceUnavailable, &Health{Status: "shutting-down"})
+		return
+	}
 	ns := h.locker.Nodes(r.Context())
 	rh := &RedisHealth{Total: len(ns), Quorum: h.locker.Quorum()}
 	for _, n := range ns {

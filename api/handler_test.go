@@ -1023,3 +1023,19 @@ func TestBodyTooLarge(t *testing.T) {
 		t.Errorf("GET /v1/locks/big after the refusals = %d %s; want not held", w.Code, w.Body)
 	}
 }
+
+// TestUnready: after Unready, /readyz answers 503 shutting-down (with
+// Retry-After) while every other request is served as before.
+func TestUnready(t *testing.T) {
+	t.Parallel()
+	e := newFakeEnv(t, false)
+	e.h.Unready()
+	w := e.do(e.h, http.MethodGet, "/readyz", "")
+	if w.Code != http.StatusServiceUnavailable || !strings.Contains(w.Body.String(), `"status":"shutting-down"`) || w.Header().Get("Retry-After") == "" {
+		t.Errorf("/readyz after Unready = %d %s (Retry-After %q); want 503 shutting-down with Retry-After", w.Code, w.Body, w.Header().Get("Retry-After"))
+	}
+	if w := e.do(e.h, http.MethodGet, "/healthz", ""); w.Code != http.StatusOK {
+		t.Errorf("/healthz after Unready = %d", w.Code)
+	}
+	e.acquire(t, e.h, "still-served", `{}`)
+}

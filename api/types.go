@@ -81,7 +81,7 @@ type NodeList struct {
 
 // Health is the body of /healthz and /readyz.
 type Health struct {
-	// Status is ok (healthz), ready or unavailable (readyz).
+	// Status is ok (healthz), ready, unavailable or shutting-down (readyz).
 	Status   string          `json:"status"`
 	Redis    *RedisHealth    `json:"redis,omitempty"`
 	Postgres *PostgresHealth `json:"postgres,omitempty"`

@@ -125,8 +125,8 @@ type Health struct {
 	Postgres *PostgresHealth `json:"postgres,omitempty"`
 	Redis    *RedisHealth    `json:"redis,omitempty"`
 
-	// Status `ok` (healthz), `ready` or `unavailable` (readyz); others may be
-	// added: only `ok` and `ready` mean healthy.
+	// Status `ok` (healthz), `ready`, `unavailable` or `shutting-down` (readyz);
+	// others may be added: only `ok` and `ready` mean healthy.
 	Status string `json:"status"`
 }
 

@@ -614,6 +614,31 @@ func TestServe_SIGTERM(t *testing.T) {
 	}
 }
 
+// TestServe_ShutdownDelay: with REDFENCE_SHUTDOWN_DELAY, SIGTERM first
+// makes /readyz answer 503 shutting-down while locks are still served (a
+// load balancer drains the server), and a second signal ends the delay.
+func TestServe_ShutdownDelay(t *testing.T) {
+	t.Parallel()
+	p := startServe(t, "REDFENCE_SHUTDOWN_DELAY=1h")
+	expect(t, "GET /readyz", call(t, http.MethodGet, p.addr, "/readyz", ""), http.StatusOK, nil)
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, waitTimeout, "/readyz to fail", func() (bool, error) {
+		r := call(t, http.MethodGet, p.addr, "/readyz", "")
+		return r.status == http.StatusServiceUnavailable && strings.Contains(string(r.body), `"status":"shutting-down"`), nil
+	})
+	acquire(t, p.addr, "during-delay") // still served
+	expect(t, "GET /healthz", call(t, http.MethodGet, p.addr, "/healthz", ""), http.StatusOK, nil)
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	_ = p.wait(t, "a second SIGTERM during the delay")
+	if !strings.Contains(p.logs.String(), "not ready: serving on until the shutdown delay ends") || !strings.Contains(p.logs.String(), `"msg":"shutting down"`) {
+		t.Errorf("no delay and shutdown lines in:\n%s", p.logs.String())
+	}
+}
+
 // TestServe_ShutdownEndsWaits checks the two ways a shutdown is not held
 // up: a blocking acquire stops waiting at once, with 503 shutting-down, and
 // a second SIGTERM ends the grace period while a request is still in flight.

@@ -582,8 +582,8 @@ export interface components {
         /** @description `/healthz` sends `status` only; `/readyz` also sends `redis` and `postgres`. */
         Health: {
             /**
-             * @description `ok` (healthz), `ready` or `unavailable` (readyz); others may be
-             *     added: only `ok` and `ready` mean healthy.
+             * @description `ok` (healthz), `ready`, `unavailable` or `shutting-down` (readyz);
+             *     others may be added: only `ok` and `ready` mean healthy.
              */
             status: string;
             redis?: components["schemas"]["RedisHealth"];
@@ -1847,7 +1847,12 @@ export interface operations {
                     "application/json": components["schemas"]["Health"];
                 };
             };
-            /** @description Not ready (fewer nodes than a quorum, or Postgres down). */
+            /**
+             * @description Not ready: fewer nodes than a quorum, or Postgres down
+             *     (`unavailable`), or the server is shutting down (`shutting-down`,
+             *     during REDFENCE_SHUTDOWN_DELAY: it still serves every other
+             *     request).
+             */
             503: {
                 headers: {
                     "Retry-After": components["headers"]["RetryAfter503"];
