@@ -1259,14 +1259,16 @@ func TestLocker_CloseWaitsForRecovery(t *testing.T) {
 	}
 }
 
-// firstBeatOnly is a Registry whose heartbeats fail after the first.
-type firstBeatOnly struct {
+// flakyBeats is a Registry whose heartbeats fail when fail says so, given
+// the heartbeat's number (1 for the first).
+type flakyBeats struct {
 	*memRegistry
 	beats atomic.Int32
+	fail  func(n int32) bool
 }
 
-func (r *firstBeatOnly) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
-	if r.beats.Add(1) > 1 {
+func (r *flakyBeats) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
+	if r.fail(r.beats.Add(1)) {
 		return errors.New("postgres is down")
 	}
 	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace)
@@ -1279,7 +1281,7 @@ func TestLocker_StaleHeartbeat(t *testing.T) {
 	ctx := context.Background()
 	clk := &clock{t: time.Unix(1000, 0)}
 	ns, _ := nodes(5)
-	l := newLocker(t, ns, &memIssuer{}, Options{Registry: &firstBeatOnly{memRegistry: newRegistry(clk)}, Now: clk.Now})
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: &flakyBeats{memRegistry: newRegistry(clk), fail: func(n int32) bool { return n > 1 }}, Now: clk.Now})
 	if err := l.Init(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -1308,26 +1310,13 @@ func TestLocker_StaleHeartbeat(t *testing.T) {
 	}
 }
 
-// firstBeatFails is a Registry whose first heartbeat fails.
-type firstBeatFails struct {
-	*memRegistry
-	beats atomic.Int32
-}
-
-func (r *firstBeatFails) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
-	if r.beats.Add(1) == 1 {
-		return errors.New("postgres is starting")
-	}
-	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace)
-}
-
 // TestLocker_InitRetried: an Init that failed on its heartbeat can be
 // retried, and the retry starts the heartbeat (a Locker must not serve
 // unrecorded in the registry).
 func TestLocker_InitRetried(t *testing.T) {
 	ctx := context.Background()
 	clk := &clock{t: time.Unix(1000, 0)}
-	reg := &firstBeatFails{memRegistry: newRegistry(clk)}
+	reg := &flakyBeats{memRegistry: newRegistry(clk), fail: func(n int32) bool { return n == 1 }}
 	ns, _ := nodes(5)
 	l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now})
 	if err := l.Init(ctx); err == nil {
@@ -1344,33 +1333,21 @@ func TestLocker_InitRetried(t *testing.T) {
 	}
 }
 
-// switchableBeat is a Registry whose heartbeats fail while down is set.
-type switchableBeat struct {
-	*memRegistry
-	down atomic.Bool
-}
-
-func (r *switchableBeat) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
-	if r.down.Load() {
-		return errors.New("postgres is down")
-	}
-	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace)
-}
-
 // TestLocker_HeartbeatOutageLogged: the log says when this server stops
 // granting for want of a recorded heartbeat (once), and when a heartbeat is
 // recorded again.
 func TestLocker_HeartbeatOutageLogged(t *testing.T) {
 	ctx := context.Background()
 	clk := &clock{t: time.Unix(1000, 0)}
-	reg := &switchableBeat{memRegistry: newRegistry(clk)}
+	var down atomic.Bool
+	reg := &flakyBeats{memRegistry: newRegistry(clk), fail: func(int32) bool { return down.Load() }}
 	logs := &testutil.Buffer{}
 	ns, _ := nodes(5)
 	l := newLocker(t, ns, &memIssuer{}, Options{Registry: reg, Now: clk.Now, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
 	if err := l.Init(ctx); err != nil {
 		t.Fatal(err)
 	}
-	reg.down.Store(true)
+	down.Store(true)
 	l.beatMu.Lock()
 	l.lastBeat = time.Now().Add(-heartbeatGrace / 2) // as after 10 s of failures
 	l.beatMu.Unlock()
@@ -1380,7 +1357,7 @@ func TestLocker_HeartbeatOutageLogged(t *testing.T) {
 	const stopped = "grants and extends no lock until Postgres records its heartbeat again"
 	testutil.WaitFor(t, time.Minute, "the stop to be logged", has(stopped, 1))
 	testutil.WaitFor(t, time.Minute, "a second failed heartbeat", has("could not renew this server's heartbeat", 2))
-	reg.down.Store(false)
+	down.Store(false)
 	testutil.WaitFor(t, time.Minute, "the recovery to be logged", has("heartbeat is recorded again", 1))
 	if n := strings.Count(logs.String(), stopped); n != 1 {
 		t.Errorf("the stop was logged %d times; want once:\n%s", n, logs)
