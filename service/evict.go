@@ -139,6 +139,11 @@ func (l *Locker) noteEviction(i int, policy string) {
 		l.opts.Logger.Warn("node no longer evicts keys: its votes count again once every lease it may have evicted has expired",
 			slog.String("node", m.Addr()), slog.Time("quarantined_until", until))
 	}
+	if (policy == "") != (was == "") {
+		// A spell began or ended (not every check while it lasts): its
+		// end is logged, and the counting majority checked.
+		l.watchQuarantine(i, until)
+	}
 }
 
 // startEvictionChecks checks every node's eviction policy now, then every
