@@ -561,7 +561,8 @@ func TestLocker_LegacyMarker(t *testing.T) {
 func TestLocker_EvictingNode(t *testing.T) {
 	t.Parallel()
 	e := newRestartEnv(t, false)
-	l := e.locker(t, e.db)
+	logs := &testutil.Buffer{}
+	l := e.lockerWith(t, nil, service.Options{Registry: e.db, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
 	ctx := t.Context()
 	a := e.holdOnFirstThree(t, l, "evicted")
 	for _, kv := range [][2]string{{"maxmemory-policy", "volatile-lru"}, {"maxmemory", "1gb"}} {
@@ -595,6 +596,9 @@ func TestLocker_EvictingNode(t *testing.T) {
 	}
 	testutil.WaitFor(t, 60*time.Second, "node 0 to count again", func() (bool, error) {
 		return l.Nodes(ctx)[0].QuarantinedUntil.IsZero(), nil
+	})
+	testutil.WaitFor(t, 60*time.Second, "the log to say node 0's quarantine is over", func() (bool, error) {
+		return strings.Contains(logs.String(), `"msg":"node's quarantine is over: its votes count again","node":"`+e.nodes[0].Addr()+`"`), nil
 	})
 	if _, err := l.Acquire(ctx, "evicted", service.Request{TTL: 3 * time.Second, Wait: 10 * time.Second}); err != nil {
 		t.Fatalf("acquire once A's lease ended and node 0 counts: %v", err)
