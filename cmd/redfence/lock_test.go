@@ -8,12 +8,14 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -667,5 +669,38 @@ func TestLock_CommandSignalsDefault(t *testing.T) {
 		if mask&(1<<(uint(sig)-1)) != 0 {
 			t.Errorf("the command runs with %v ignored (SigIgn %s)", sig, f[len(f)-1])
 		}
+	}
+}
+
+// TestLock_ReleaseRetried: a release the server refuses for the moment
+// (429 rate-limited, with Retry-After) is sent again while the lease
+// lasts, so the next job is not blocked for the whole TTL.
+func TestLock_ReleaseRetried(t *testing.T) {
+	t.Parallel()
+	var releases atomic.Int64
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, `{"name":"r","lock_token":"AAAAAAAAAAAAAAAAAAAAAAAAAAA","fencing_token":7,"ttl_ms":10000,"validity_ms":9000,"expires_at":"2030-01-01T00:00:00Z","owner":""}`)
+	})
+	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		if releases.Add(1) == 1 {
+			w.Header().Set("Content-Type", "application/problem+json")
+			w.Header().Set("Retry-After", "0")
+			w.WriteHeader(http.StatusTooManyRequests)
+			io.WriteString(w, `{"type":"urn:redfence:problem:rate-limited","title":"t","status":429,"retry_after_ms":10}`)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	r := startLock(t.Context(), "--server", srv.URL, "r", "--", "true")
+	if code := r.wait(t); code != 0 || strings.Contains(r.stderr.String(), "releasing") {
+		t.Errorf("exit status %d (%v), stderr %q; want 0 and a release sent again", code, r.err, r.stderr.String())
+	}
+	if n := releases.Load(); n != 2 {
+		t.Errorf("%d releases sent; want 2", n)
 	}
 }
