@@ -508,7 +508,8 @@ func jsonMediaType(mt string) bool {
 }
 
 // bodyReadError is the answer to a body that could not be read: 413 past
-// the limit, 408 when the server's read timeout ran out first, else 400.
+// the limit, 408 when the server's read timeout ran out first, 503
+// shutting-down when the server closed the connection, else 400.
 // Neither says why in Go's words, which name the connection's addresses;
 // the cause is logged.
 func bodyReadError(err error) error {
@@ -522,6 +523,10 @@ func bodyReadError(err error) error {
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return unreadableBody("the body ended early: the connection closed before the bytes its Content-Length (or chunked encoding) announced arrived",
 			"ended early", err)
+	case errors.Is(err, net.ErrClosed):
+		// This server closed the connection under the read: its shutdown's
+		// grace period ran out. Not the client's fault.
+		return &requestError{kind: kShutdown, detail: "the server shut down while the body was arriving; nothing was done", cause: err}
 	}
 	return unreadableBody("the body could not be read", "could not be read", err)
 }

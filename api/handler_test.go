@@ -630,7 +630,8 @@ func TestPastedKeyNotLogged(t *testing.T) {
 
 // TestUnreadableBody: a body that cannot be read in full is refused in the
 // API's words, never Go's (which name the connection's addresses): 408
-// request-timeout when the server's read deadline passed, else a 400 that
+// request-timeout when the server's read deadline passed, 503
+// shutting-down when the server closed the connection, else a 400 that
 // names the body in invalid_params, as every other 400 names what it
 // refuses. The cause is logged. Nothing is acquired.
 func TestUnreadableBody(t *testing.T) {
@@ -644,6 +645,8 @@ func TestUnreadableBody(t *testing.T) {
 		{"EndedEarly", io.ErrUnexpectedEOF, http.StatusBadRequest, "invalid-request"},
 		{"Timeout", &net.OpError{Op: "read", Net: "tcp", Source: addr, Addr: addr, Err: os.ErrDeadlineExceeded}, http.StatusRequestTimeout, "request-timeout"},
 		{"Reset", &net.OpError{Op: "read", Net: "tcp", Source: addr, Addr: addr, Err: syscall.ECONNRESET}, http.StatusBadRequest, "invalid-request"},
+		// The server closed the connection (its shutdown's grace ran out).
+		{"ClosedByShutdown", &net.OpError{Op: "read", Net: "tcp", Source: addr, Addr: addr, Err: net.ErrClosed}, http.StatusServiceUnavailable, "shutting-down"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newFakeEnv(t, true)
