@@ -476,7 +476,8 @@ export class Redfence {
     const sent = performance.now();
     const { data, error, response } = await bounded(
       (signal) => this.api.POST("/v1/locks/{name}", { params: { path: { name } }, body, signal }),
-      this.timeoutMs + (opts.waitMs ?? 0),
+      // An answer later than the wait plus the TTL grants nothing that lasts.
+      Math.min(this.timeoutMs, ttlMs ?? Infinity) + (opts.waitMs ?? 0),
       opts.signal,
     ).catch((cause: unknown) => {
       throw noAnswer("acquire", name, cause, opts.signal);

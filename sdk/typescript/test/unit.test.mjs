@@ -250,6 +250,9 @@ test("an acquire can be cancelled with LockOptions.signal, and times out without
   const keepAlive = setInterval(() => undefined, 1000); // a real fetch's socket would keep the process up
   try {
     await assert.rejects(slow.rf.acquire("n"), (e) => e.kind === "unavailable" && /no answer in time/.test(e.message));
+    // An acquire waits no longer than its wait plus its TTL, however long timeoutMs is.
+    const hung = scripted(() => new Promise(() => {}), { timeoutMs: 3_600_000 });
+    await assert.rejects(hung.rf.acquire("n", { ttlMs: 200, waitMs: 100 }), (e) => e.kind === "unavailable" && /no answer in time/.test(e.message));
   } finally {
     clearInterval(keepAlive);
   }
