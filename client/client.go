@@ -178,7 +178,6 @@ type grant struct {
 	sent     time.Time
 }
 
-// acquireOnce sends one acquire request.
 // errDotName is the cause of a name the server cannot be sent: URL paths
 // normalise . and .. away, so the request would reach another route.
 var errDotName = errors.New("a name must not be . or .. (URL paths normalise them away)")
@@ -191,6 +190,7 @@ func checkName(op, name string) error {
 	return nil
 }
 
+// acquireOnce sends one acquire request.
 func (c *Client) acquireOnce(ctx context.Context, name string, ttl, wait time.Duration, owner string) (*grant, error) {
 	if err := checkName("acquire", name); err != nil {
 		return nil, err

@@ -30,8 +30,11 @@ type reach struct {
 	// when the last one was.
 	quorumLogged bool
 	quorumLast   time.Time
-	// countLogged: a loss of the counting majority (nodes that answer and
-	// whose votes count: not quarantined) was logged, and its end is not.
+	// countMu serialises noteCounting (before mu, and any member's mu);
+	// countLogged, under it: a loss of the counting majority (nodes that
+	// answer and whose votes count: not quarantined) was logged, and its
+	// end is not.
+	countMu     sync.Mutex
 	countLogged bool
 }
 
@@ -73,6 +76,11 @@ func (l *Locker) noteReach(i int, o Outcome, err error) {
 	}
 	answering := n - r.down
 	r.mu.Unlock()
+	if !failing {
+		// A node back may restore a counting majority whose loss was
+		// logged (its quarantine ended while it did not answer).
+		defer l.noteCounting()
+	}
 	addr := l.nodes[i].Addr()
 	switch {
 	case logNode:
@@ -100,6 +108,10 @@ func (l *Locker) noteReach(i int, o Outcome, err error) {
 // would not show.
 func (l *Locker) noteCounting() {
 	r := l.reach
+	// One count and decision at a time: a count taken before another
+	// call's decision must not undo it.
+	r.countMu.Lock()
+	defer r.countMu.Unlock()
 	now := l.opts.Now()
 	counting, answering := 0, 0
 	for i := range l.nodes {
@@ -111,13 +123,11 @@ func (l *Locker) noteCounting() {
 			counting++
 		}
 	}
-	r.mu.Lock()
 	lost := counting < l.quorum && answering >= l.quorum && !r.countLogged // unanswering is logged by noteReach
 	back := counting >= l.quorum && r.countLogged
 	if lost || back {
 		r.countLogged = lost
 	}
-	r.mu.Unlock()
 	switch {
 	case lost:
 		l.opts.Logger.Error("fewer Redis nodes count than a majority (the others are quarantined): acquires, extends and lock reads fail (503 quorum-unavailable) until the quarantines end",
@@ -135,9 +145,15 @@ func (l *Locker) watchQuarantine(i int, until time.Time) {
 	l.noteCounting()
 	var check func()
 	check = func() {
+		// Background work: none once Close began, and Close waits for it.
+		l.bgMu.Lock()
 		if l.life.Err() != nil {
+			l.bgMu.Unlock()
 			return
 		}
+		l.bg.Add(1)
+		l.bgMu.Unlock()
+		defer l.bg.Done()
 		m := l.members[i]
 		now := l.opts.Now()
 		m.mu.Lock()
@@ -159,5 +175,5 @@ func (l *Locker) watchQuarantine(i int, until time.Time) {
 		}
 		l.noteCounting()
 	}
-	time.AfterFunc(time.Until(until), check)
+	time.AfterFunc(until.Sub(l.opts.Now()), check) // until is on the Locker's clock
 }

@@ -688,9 +688,12 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 				stale = true
 				l.opts.Logger.Error("this server grants and extends no lock until Postgres records its heartbeat again (503 fencing-unavailable)", slog.String("error", serr.Error()))
 			}
-		case failing:
+		case stale:
 			failing, stale = false, false
 			l.opts.Logger.Info("this server's heartbeat is recorded again: it grants and extends locks")
+		case failing:
+			failing = false
+			l.opts.Logger.Info("this server's heartbeat is recorded again")
 		}
 	})
 	return nil

@@ -1013,6 +1013,7 @@ func TestLocker_QuarantinedMajorityLogged(t *testing.T) {
 	testutil.WaitFor(t, 30*time.Second, "the three quarantines' ends to be logged", func() (bool, error) {
 		return strings.Count(logs.String(), "node's quarantine is over") >= 3, nil
 	})
+	testutil.WaitFor(t, 30*time.Second, "the majority counting again to be logged", has(`"msg":"a majority of Redis nodes counts again"`))
 	out := logs.String()
 	for msg, want := range map[string]int{"fewer Redis nodes count than a majority": 1, "a majority of Redis nodes counts again": 1, "node's quarantine is over": 3} {
 		if n := strings.Count(out, msg); n != want {

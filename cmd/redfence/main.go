@@ -250,20 +250,23 @@ func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
 	case <-ctx.Done():
 	case serveErr = <-s.Done():
 	}
-	again, stopAgain := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stopAgain()
 	if d := cfg.ShutdownDelay; d > 0 && serveErr == nil {
 		// Out of the load balancer's pool first: /readyz fails while
 		// everything else is served as before.
 		s.api.Unready()
 		s.log.Info("not ready: serving on until the shutdown delay ends (a second signal ends it)", "delay", d.String())
+		next, stopNext := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 		t := time.NewTimer(d)
 		select {
 		case <-t.C:
-		case <-again.Done():
+		case <-next.Done(): // the grace period below still runs
+		case serveErr = <-s.Done():
 		}
 		t.Stop()
+		stopNext()
 	}
+	again, stopAgain := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stopAgain()
 	s.log.Info("shutting down", "grace", cfg.ShutdownTimeout.String())
 	sctx, cancel := context.WithTimeoutCause(context.Background(), cfg.ShutdownTimeout,
 		fmt.Errorf("the grace period (REDFENCE_SHUTDOWN_TIMEOUT=%s) ran out", cfg.ShutdownTimeout))
