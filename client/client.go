@@ -343,7 +343,9 @@ func (c *Client) GetResource(ctx context.Context, name string) (*Resource, error
 // nil but the lease was lost before it did, an error matching ErrLost (fn's
 // writes may have raced another holder: only their fencing tokens protected
 // them); otherwise the release error, if any (a release the server could not
-// answer, ErrUnavailable, is sent again while the lease lasts).
+// answer, ErrUnavailable, is sent again while the lease lasts; one sent again
+// that finds nothing held counts as done, see ReleaseRetrying: a loss it may
+// hide came after fn returned).
 func (c *Client) Do(ctx context.Context, name string, opts *LockOptions, fn func(ctx context.Context, l *Lease) error) (err error) {
 	l, err := c.Acquire(ctx, name, opts)
 	if err != nil {
