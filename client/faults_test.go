@@ -113,17 +113,6 @@ func TestLease_RenewalOnDeadConnection(t *testing.T) {
 	}
 }
 
-// grantingMux is a scripted server that grants every acquire with lockToken.
-func grantingMux(lockToken string) *http.ServeMux {
-	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusCreated)
-		io.WriteString(w, `{"name":"r","lock_token":"`+lockToken+`","fencing_token":7,"ttl_ms":10000,"validity_ms":9000,"expires_at":"2030-01-01T00:00:00Z","owner":""}`)
-	})
-	return mux
-}
-
 // TestClient_NoRedirect: an answer that redirects is not followed: the lock
 // token (a secret) is sent nowhere else, and the redirect is an error.
 func TestClient_NoRedirect(t *testing.T) {
@@ -135,7 +124,7 @@ func TestClient_NoRedirect(t *testing.T) {
 		w.WriteHeader(http.StatusNoContent)
 	}))
 	defer other.Close()
-	mux := grantingMux("SECRET-LOCK-TOKEN-abcdefghij")
+	mux := clienttest.GrantingMux("SECRET-LOCK-TOKEN-abcdefghij", 10*time.Second)
 	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
 		// Another port of the same host: Go keeps Authorization there too.
 		http.Redirect(w, r, other.URL+r.URL.Path, http.StatusTemporaryRedirect)
@@ -253,7 +242,7 @@ func TestRelease_Retry(t *testing.T) {
 	t.Parallel()
 	var releases atomic.Int64
 	var fail atomic.Int64
-	mux := grantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA")
+	mux := clienttest.GrantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA", 10*time.Second)
 	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
 		releases.Add(1)
 		if fail.Add(-1) >= 0 {
@@ -301,12 +290,7 @@ func TestRelease_Retry(t *testing.T) {
 // failed says, in its error, how the last one failed.
 func TestLease_LostSaysWhy(t *testing.T) {
 	t.Parallel()
-	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusCreated)
-		io.WriteString(w, `{"name":"r","lock_token":"AAAAAAAAAAAAAAAAAAAAAAAAAAA","fencing_token":7,"ttl_ms":1000,"validity_ms":900,"expires_at":"2030-01-01T00:00:00Z","owner":""}`)
-	})
+	mux := clienttest.GrantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA", time.Second)
 	mux.HandleFunc("POST /v1/locks/{name}/extend", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/problem+json")
 		w.WriteHeader(http.StatusServiceUnavailable)
@@ -400,7 +384,7 @@ func TestClient_DotNames(t *testing.T) {
 func TestRelease_AnswerLost(t *testing.T) {
 	t.Parallel()
 	var releases atomic.Int64
-	mux := grantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA")
+	mux := clienttest.GrantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA", 10*time.Second)
 	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
 		if releases.Add(1) == 1 {
 			conn, _, err := http.NewResponseController(w).Hijack()

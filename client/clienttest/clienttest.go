@@ -12,7 +12,9 @@ package clienttest
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"net/http"
 	"net/http/httptest"
 	"testing"
 	"time"
@@ -113,4 +115,18 @@ func (s *Server) DeleteLock(tb testing.TB, name string, n int) {
 			tb.Fatal(err)
 		}
 	}
+}
+
+// GrantingMux is a scripted server for faults a real one cannot be made to
+// show: it grants every acquire with lockToken and fencing token 7, for ttl
+// (validity 90% of it). Callers add the other routes.
+func GrantingMux(lockToken string, ttl time.Duration) *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"name":%q,"lock_token":%q,"fencing_token":7,"ttl_ms":%d,"validity_ms":%d,"expires_at":"2030-01-01T00:00:00Z","owner":""}`,
+			r.PathValue("name"), lockToken, ttl.Milliseconds(), ttl.Milliseconds()*9/10)
+	})
+	return mux
 }

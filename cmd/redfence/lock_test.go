@@ -678,12 +678,7 @@ func TestLock_CommandSignalsDefault(t *testing.T) {
 func TestLock_ReleaseRetried(t *testing.T) {
 	t.Parallel()
 	var releases atomic.Int64
-	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(http.StatusCreated)
-		io.WriteString(w, `{"name":"r","lock_token":"AAAAAAAAAAAAAAAAAAAAAAAAAAA","fencing_token":7,"ttl_ms":10000,"validity_ms":9000,"expires_at":"2030-01-01T00:00:00Z","owner":""}`)
-	})
+	mux := clienttest.GrantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA", 10*time.Second)
 	mux.HandleFunc("DELETE /v1/locks/{name}", func(w http.ResponseWriter, r *http.Request) {
 		if releases.Add(1) == 1 {
 			w.Header().Set("Content-Type", "application/problem+json")
