@@ -1027,6 +1027,52 @@ func TestBodyTooLarge(t *testing.T) {
 	}
 }
 
+// TestLongPathCut: a problem and the access line quote a path over
+// maxShownPath cut there, never through a %XX escape, whatever the status.
+func TestLongPathCut(t *testing.T) {
+	e := newFakeEnv(t, false)
+	big := []string{"X-Big", strings.Repeat("b", 70<<10)}
+	for _, tc := range []struct {
+		path   string
+		status int
+		hdr    []string
+	}{
+		{"/v1/locks/" + strings.Repeat("a", 3000), http.StatusBadRequest, nil},     // name too long
+		{"/nowhere/" + strings.Repeat("a", 3000), http.StatusNotFound, nil},        // no route
+		{"/v1/locks/" + strings.Repeat("%41", 1000), http.StatusBadRequest, nil},   // cut before an escape
+		{"/v1/locks/x" + strings.Repeat("%41", 1000), http.StatusBadRequest, nil},  // the other offset
+		{"/v1/locks/xy" + strings.Repeat("%41", 1000), http.StatusBadRequest, nil}, // and the third
+		{"/v1/locks/" + strings.Repeat("c", 3000), http.StatusRequestHeaderFieldsTooLarge, big},
+		{"/v1/locks/" + strings.Repeat("d", maxShownPath-10), http.StatusBadRequest, nil}, // short enough: whole
+	} {
+		e.logs.Reset()
+		w := e.do(e.h, http.MethodPost, tc.path, "", tc.hdr...)
+		var p Problem
+		if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != tc.status {
+			t.Fatalf("POST %.40s... = %d %.200s; want %d problem", tc.path, w.Code, w.Body, tc.status)
+		}
+		lines := e.lines(t, "http request")
+		if len(lines) != 1 {
+			t.Fatalf("%d access lines; want 1", len(lines))
+		}
+		for what, got := range map[string]string{"instance": p.Instance, "access line's path": fmt.Sprint(lines[0]["path"])} {
+			if len(tc.path) <= maxShownPath {
+				if got != tc.path {
+					t.Errorf("%s %q; want the whole path", what, got)
+				}
+				continue
+			}
+			cut, ok := strings.CutSuffix(got, "...")
+			if !ok || len(cut) > maxShownPath || len(cut) < maxShownPath-2 || !strings.HasPrefix(tc.path, cut) {
+				t.Errorf("%s %.60s... (%d bytes); want the path's first %d bytes or fewer, then ...", what, got, len(got), maxShownPath)
+			}
+			if i := strings.LastIndexByte(cut, '%'); i >= 0 && i > len(cut)-3 {
+				t.Errorf("%s ends in a split escape: ...%s", what, cut[i:])
+			}
+		}
+	}
+}
+
 // TestUnready: after Unready, /readyz answers 503 shutting-down (with
 // Retry-After) while every other request is served as before.
 func TestUnready(t *testing.T) {

@@ -558,10 +558,29 @@ func redact(r *http.Request, s string) string {
 	return s
 }
 
+// maxShownPath bounds the path a problem or an access line quotes. Only a
+// request refused for its size or its route has a longer one, and quoting
+// it back whole (up to MaxHeaderBytes, 64 KiB by default) helps nobody.
+const maxShownPath = 1024
+
 // instance is the problem's instance, and the path the access log shows:
 // the request's path as sent, with the secret of an API key in it redacted,
-// even when the path spells part of the key percent-encoded.
+// even when the path spells part of the key percent-encoded. A path longer
+// than maxShownPath is cut there (before a split %XX) and ends in "...".
 func instance(r *http.Request) string {
+	p := redactedPath(r)
+	if len(p) <= maxShownPath {
+		return p
+	}
+	n := maxShownPath
+	if i := strings.LastIndexByte(p[n-2:n], '%'); i >= 0 {
+		n -= 2 - i
+	}
+	return p[:n] + "..."
+}
+
+// redactedPath is instance before the cut.
+func redactedPath(r *http.Request) string {
 	p := r.URL.EscapedPath()
 	if secret, ok := tokenInPath(r); ok {
 		// base64url needs no escaping: the sent path spells it as is,

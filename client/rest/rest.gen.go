@@ -339,7 +339,8 @@ type Problem struct {
 	Detail *string `json:"detail,omitempty"`
 
 	// Instance The request path as sent, with the secret of any API key in it
-	// shown as `rf_<id>_[redacted]`.
+	// shown as `rf_<id>_[redacted]`. A path over 1,024 bytes is cut
+	// there and ends in `...`.
 	//
 	//
 	// Example: /v1/locks/orders:invoice-7

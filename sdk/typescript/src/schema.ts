@@ -683,7 +683,8 @@ export interface components {
             detail?: string;
             /**
              * @description The request path as sent, with the secret of any API key in it
-             *     shown as `rf_<id>_[redacted]`.
+             *     shown as `rf_<id>_[redacted]`. A path over 1,024 bytes is cut
+             *     there and ends in `...`.
              * @example /v1/locks/orders:invoice-7
              */
             instance?: string;
