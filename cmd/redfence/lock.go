@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
@@ -13,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -187,7 +189,11 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	// The command is looked up first: one that cannot run takes no lock
 	// (and burns no fencing token), and fails as a shell would.
-	if _, err := exec.LookPath(command[0]); err != nil {
+	path, err := exec.LookPath(command[0])
+	if err == nil {
+		err = checkInterpreter(path)
+	}
+	if err != nil {
 		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
 		if errors.Is(err, fs.ErrPermission) || errors.Is(err, syscall.EISDIR) {
 			return &exitError{code: 126}
@@ -438,4 +444,51 @@ func (w lockedWriter) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	return len(p), nil
+}
+
+// checkInterpreter checks that the interpreter a script at path names on
+// its "#!" line exists and can run (and, for "#!/usr/bin/env prog", that
+// prog is on PATH), as the kernel will when it runs the script: a script
+// whose interpreter is missing takes no lock. It errs like exec.LookPath
+// (fs.ErrNotExist, fs.ErrPermission); a file it cannot read, or a line it
+// does not understand, is left to the exec.
+func checkInterpreter(path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	buf := make([]byte, 256) // the kernel reads as much (BINPRM_BUF_SIZE)
+	n, _ := io.ReadFull(f, buf)
+	line, ok := bytes.CutPrefix(buf[:n], []byte("#!"))
+	if !ok {
+		return nil
+	}
+	line, _, _ = bytes.Cut(line, []byte("\n"))
+	// The kernel splits the line once: the interpreter, then one argument.
+	fields := strings.Fields(string(line))
+	if len(fields) == 0 {
+		return nil
+	}
+	interp := fields[0]
+	if _, err := exec.LookPath(interp); err != nil {
+		if !filepath.IsAbs(interp) && !strings.Contains(interp, "/") {
+			return nil // a relative interpreter: relative to where it runs, left to the exec
+		}
+		return fmt.Errorf("%s: bad interpreter %s: %w", path, interp, err)
+	}
+	if filepath.Base(interp) != "env" || len(fields) < 2 {
+		return nil
+	}
+	args := fields[1:]
+	if args[0] == "-S" || args[0] == "--split-string" {
+		args = args[1:]
+	}
+	if len(args) == 0 || strings.HasPrefix(args[0], "-") || strings.Contains(args[0], "=") {
+		return nil // env's other options and assignments: left to env
+	}
+	if _, err := exec.LookPath(args[0]); err != nil {
+		return fmt.Errorf("%s: %s %s: %w", path, interp, args[0], err)
+	}
+	return nil
 }

@@ -621,10 +621,25 @@ func TestLock_CommandCannotRun(t *testing.T) {
 	if err := os.WriteFile(notExec, []byte("#!/bin/sh\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	// Scripts whose interpreter cannot run: the kernel would refuse them
+	// at exec, after the lock was taken.
+	script := func(name, line string) string {
+		p := filepath.Join(t.TempDir(), name)
+		if err := os.WriteFile(p, []byte(line+"\nexit 0\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
 	for _, tc := range []struct {
 		command string
 		status  int
-	}{{"redfence-no-such-command", 127}, {notExec, 126}, {t.TempDir(), 126}} { // a directory: 126, as a shell says
+	}{
+		{"redfence-no-such-command", 127}, {notExec, 126}, {t.TempDir(), 126}, // a directory: 126, as a shell says
+		{script("no-interpreter", "#!/redfence/no/such/interpreter"), 127},
+		{script("env-no-program", "#!/usr/bin/env redfence-no-such-interpreter"), 127},
+		{script("env-split-no-program", "#!/usr/bin/env -S redfence-no-such-interpreter -x"), 127},
+		{script("interpreter-not-executable", "#!"+notExec), 126},
+	} {
 		r := startLock(t.Context(), "--server", s.URL, "cannot-run", "--", tc.command)
 		if got := r.wait(t); got != tc.status {
 			t.Errorf("redfence lock -- %s exited %d; want %d; stderr:\n%s", tc.command, got, tc.status, r.stderr.String())
@@ -697,5 +712,36 @@ func TestLock_ReleaseRetried(t *testing.T) {
 	}
 	if n := releases.Load(); n != 2 {
 		t.Errorf("%d releases sent; want 2", n)
+	}
+}
+
+// TestCheckInterpreter: scripts whose interpreter can run, and files
+// without a "#!" line, pass the check (see TestLock_CommandCannotRun for
+// those that do not).
+func TestCheckInterpreter(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	for i, line := range []string{
+		"#!/bin/sh", "#! /bin/sh -e", "#!/usr/bin/env sh", "#!/usr/bin/env -S sh -e",
+		"#!/usr/bin/env -i sh", "#!/usr/bin/env FOO=1 sh", "#!redfence-relative-interpreter", "#!", "echo no shebang",
+	} {
+		p := filepath.Join(dir, "script"+strconv.Itoa(i))
+		if err := os.WriteFile(p, []byte(line+"\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := checkInterpreter(p); err != nil {
+			t.Errorf("%q: %v; want nil", line, err)
+		}
+	}
+	sh, err := exec.LookPath("sh")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := checkInterpreter(sh); err != nil { // a binary
+		t.Errorf("%s: %v; want nil", sh, err)
+	}
+	err = checkInterpreter(filepath.Join(dir, "missing")) // left to the exec
+	if err != nil {
+		t.Errorf("a missing file: %v; want nil", err)
 	}
 }
