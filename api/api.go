@@ -31,6 +31,7 @@ import (
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sync/singleflight"
 	"golang.org/x/time/rate"
 
 	"github.com/redfence/redfence/fencing"
@@ -143,6 +144,12 @@ type Handler struct {
 	drainOnce sync.Once
 	// unready is set by Unready: /readyz fails.
 	unready atomic.Bool
+	// ready runs /readyz's checks: concurrent requests share one run, so
+	// a flood of unauthenticated probes asks the backends one at a time.
+	ready singleflight.Group
+	// readyJoined, if set (tests), is called once a /readyz request has
+	// joined or started a check.
+	readyJoined func()
 	// ttlMS and waitMS are the bounds of ttl_ms and wait_ms: the
 	// Locker's (see lockerBounds).
 	ttlMS, waitMS msBounds
@@ -1260,7 +1267,33 @@ func (h *Handler) readyz(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusServiceUnavailable, &Health{Status: "shutting-down"})
 		return
 	}
-	ns := h.locker.Nodes(r.Context())
+	ch := h.ready.DoChan("", func() (any, error) {
+		// Not cut short by the client that started it: others share it.
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 2*time.Second)
+		defer cancel()
+		return h.checkReady(ctx), nil
+	})
+	if h.readyJoined != nil {
+		h.readyJoined()
+	}
+	select {
+	case res := <-ch:
+		resp := res.Val.(*Health)
+		code := http.StatusOK
+		if resp.Status != "ready" {
+			code = http.StatusServiceUnavailable
+			retryAfterHeader(w, time.Second)
+		}
+		writeJSON(w, code, resp)
+	case <-r.Context().Done():
+		// The client left: there is nobody to answer.
+		h.writeError(w, r, fmt.Errorf("readiness: %w", r.Context().Err()))
+	}
+}
+
+// checkReady asks the Redis nodes and Postgres for /readyz.
+func (h *Handler) checkReady(ctx context.Context) *Health {
+	ns := h.locker.Nodes(ctx)
 	rh := &RedisHealth{Total: len(ns), Quorum: h.locker.Quorum()}
 	for _, n := range ns {
 		switch {
@@ -1271,26 +1304,15 @@ func (h *Handler) readyz(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	ph := &PostgresHealth{Up: true}
-	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
-	defer cancel()
-	err := h.store.Ping(ctx)
-	if cerr := r.Context().Err(); cerr != nil {
-		// The client left: the checks it cut short say nothing of the
-		// servers.
-		h.writeError(w, r, fmt.Errorf("readiness: %w", cerr))
-		return
-	}
-	if err != nil {
+	if err := h.store.Ping(ctx); err != nil {
 		ph.Up, ph.Error = false, "postgres does not answer"
-		h.log.LogAttrs(r.Context(), slog.LevelWarn, "readiness: postgres down", slog.String("error", err.Error()))
+		h.log.LogAttrs(ctx, slog.LevelWarn, "readiness: postgres down", slog.String("error", err.Error()))
 	}
 	resp := &Health{Status: "ready", Redis: rh, Postgres: ph}
-	code := http.StatusOK
 	if rh.Up < rh.Quorum || !ph.Up {
-		resp.Status, code = "unavailable", http.StatusServiceUnavailable
-		retryAfterHeader(w, time.Second)
+		resp.Status = "unavailable"
 	}
-	writeJSON(w, code, resp)
+	return resp
 }
 
 func (h *Handler) openapi(w http.ResponseWriter, r *http.Request) {

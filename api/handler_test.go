@@ -14,6 +14,7 @@ import (
 	"os"
 	"regexp"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"testing/iotest"
@@ -1087,4 +1088,73 @@ func TestUnready(t *testing.T) {
 		t.Errorf("/healthz after Unready = %d", w.Code)
 	}
 	e.acquire(t, e.h, "still-served", `{}`)
+}
+
+// gatedNodes is a Locker whose Nodes counts its calls and waits for gate.
+type gatedNodes struct {
+	*benchFakeLocker
+	calls   atomic.Int32
+	entered chan struct{}
+	gate    chan struct{}
+}
+
+func (g *gatedNodes) Nodes(ctx context.Context) []service.NodeStatus {
+	g.calls.Add(1)
+	g.entered <- struct{}{}
+	<-g.gate
+	return []service.NodeStatus{{Addr: "a", Up: true}}
+}
+
+func (g *gatedNodes) Quorum() int { return 1 }
+
+// TestReadyzShared: concurrent /readyz requests share one check of the
+// backends (a flood of unauthenticated probes asks them one at a time),
+// and a client that leaves does not cut short the check others wait for.
+func TestReadyzShared(t *testing.T) {
+	g := &gatedNodes{benchFakeLocker: newBenchFakeLocker(), entered: make(chan struct{}, 8), gate: make(chan struct{})}
+	h := NewHandler(g, benchFakeStore{g.benchFakeLocker}, Options{Registry: prometheus.NewRegistry()})
+	const n = 5
+	joined := make(chan struct{}, n)
+	h.readyJoined = func() { joined <- struct{}{} }
+
+	leaving, leave := context.WithCancel(t.Context())
+	first := make(chan int, 1)
+	go func() {
+		r := httptest.NewRequest(http.MethodGet, "/readyz", nil).WithContext(leaving)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		first <- w.Code
+	}()
+	<-g.entered // the first request's check is running
+	<-joined
+	codes := make(chan *httptest.ResponseRecorder, n)
+	for range n - 1 {
+		go func() {
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+			codes <- w
+		}()
+	}
+	for range n - 1 {
+		<-joined
+	}
+	leave() // the client that started the check leaves
+	if code := <-first; code == http.StatusOK {
+		t.Errorf("the client that left got %d; want a problem", code)
+	}
+	close(g.gate)
+	for range n - 1 {
+		if w := <-codes; w.Code != http.StatusOK || !strings.Contains(w.Body.String(), `"status":"ready"`) {
+			t.Errorf("/readyz = %d %s; want 200 ready", w.Code, w.Body)
+		}
+	}
+	if c := g.calls.Load(); c != 1 {
+		t.Errorf("%d checks of the nodes for %d concurrent /readyz; want 1", c, n)
+	}
+	// A later request runs a check of its own.
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	if w.Code != http.StatusOK || g.calls.Load() != 2 {
+		t.Errorf("a later /readyz = %d after %d checks; want 200 after 2", w.Code, g.calls.Load())
+	}
 }
