@@ -294,10 +294,10 @@ type Locker struct {
 	// nodes had not answered when it was returned (see lateRound).
 	lateMu sync.Mutex
 	late   map[string]*lateRound
-	// releasing holds, per lock token, a release whose slower nodes are
-	// still answering; a repeated release waits for it, so it sees the
-	// outcome of the first (409 not-holder) rather than racing it.
-	releasing map[string]chan struct{}
+	// releasing holds, per key and lock token, a release whose slower
+	// nodes are still answering; a repeated release waits for it, so it
+	// sees the outcome of the first (409 not-holder) rather than racing it.
+	releasing map[keyToken]chan struct{}
 
 	// reach tracks which nodes answer, for the log (see noteReach).
 	reach *reach
@@ -341,6 +341,8 @@ type Locker struct {
 // may have come after the release's DEL). A granted round with nodes still
 // to answer is kept in Locker.late so that Release can mark it released.
 type lateRound struct {
+	// rkey is the round's key: only a release of this key marks it.
+	rkey    string
 	mu      sync.Mutex
 	decided bool
 	failed  bool
@@ -394,7 +396,7 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 		rand:      mathrand.New(opts.Rand),
 		waiters:   make(map[string]*waitQueue),
 		late:      make(map[string]*lateRound),
-		releasing: make(map[string]chan struct{}),
+		releasing: make(map[keyToken]chan struct{}),
 		recent:    make(map[string]recentGrant),
 		pending:   make(map[string]*pending),
 	}
@@ -1697,7 +1699,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	// context the client cannot cancel (each call is still bounded by
 	// NodeTimeout): a straggler's SET completes even after the grant was
 	// returned, so the lock lives on as many nodes as possible.
-	lr := &lateRound{left: len(l.nodes)}
+	lr := &lateRound{rkey: rkey, left: len(l.nodes)}
 	args := acquireArgs(rkey, token, req.TTL)
 	var wg *sync.WaitGroup
 	votes, wg := l.round(context.WithoutCancel(ctx), "acquire", nodeOp{
@@ -1799,6 +1801,12 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	}
 	if spec == nil {
 		l.awaitSpeculation(ctx, key, expires)
+	}
+	if err := ctx.Err(); err != nil {
+		// The caller left before issuance: nothing is issued, and a
+		// speculative token is withdrawn (fail), as on every other path
+		// that refuses before the token is confirmed.
+		return nil, fail(ErrQuorum, err)
 	}
 	if !l.opts.Now().Before(expires) {
 		// Stalled past the lease (a pause, a slow speculation): a token
@@ -1970,13 +1978,18 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	return &Grant{Key: key, Token: token, Fencing: rec.Token, TTL: ttl, Start: start, Expires: expires, Owner: rec.Owner, DriftFactor: l.opts.DriftFactor}, nil
 }
 
-// markReleased tells the granting round of token, if nodes of it are still
-// to answer, to delete what they set when they do.
-func (l *Locker) markReleased(token string) {
+// keyToken is a Redis key and a lock token.
+type keyToken struct{ rkey, token string }
+
+// markReleased tells the granting round of token on rkey, if nodes of it are
+// still to answer, to delete what they set when they do. A release naming
+// another key (the token's holder mixed up its names) is refused by every
+// node and changes nothing, so it marks nothing.
+func (l *Locker) markReleased(rkey, token string) {
 	l.lateMu.Lock()
 	lr := l.late[token]
 	l.lateMu.Unlock()
-	if lr != nil {
+	if lr != nil && lr.rkey == rkey {
 		lr.mu.Lock()
 		lr.released = true
 		lr.mu.Unlock()
@@ -1988,14 +2001,15 @@ func (l *Locker) markReleased(token string) {
 // soon as a majority deleted the key, and the slower nodes finish in the
 // background.
 func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *tally {
-	l.markReleased(token)
-	// Releases of one token run one after the other: done is closed once
+	l.markReleased(rkey, token)
+	// Releases of one token on one key run one after the other: done is closed once
 	// every node answered this one, and the next one waits for it (so it
 	// sees this one's outcome rather than racing it).
 	done := make(chan struct{})
 	l.lateMu.Lock()
-	prev := l.releasing[token]
-	l.releasing[token] = done
+	kt := keyToken{rkey, token}
+	prev := l.releasing[kt]
+	l.releasing[kt] = done
 	l.lateMu.Unlock()
 	if prev != nil {
 		<-prev // each of its nodes answers within NodeTimeout
@@ -2039,8 +2053,8 @@ func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *
 		}
 		if last {
 			l.lateMu.Lock()
-			if l.releasing[token] == done { // no release of the token queued behind
-				delete(l.releasing, token)
+			if l.releasing[kt] == done { // no release of the token queued behind
+				delete(l.releasing, kt)
 			}
 			l.lateMu.Unlock()
 			close(done)
