@@ -259,6 +259,9 @@ func (h *Handler) newRouter() *chi.Mux {
 	r := chi.NewRouter()
 	r.Use(h.front)
 	notFound := func(w http.ResponseWriter, r *http.Request) {
+		if st := stateFrom(r.Context()); st != nil {
+			st.route = "unmatched" // not "/v1/*", the mount it fell into
+		}
 		writeProblem(w, r, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
 			Detail: "no route " + instance(r), Instance: instance(r), RequestID: requestID(r.Context())})
 	}
@@ -299,7 +302,10 @@ func (h *Handler) newRouter() *chi.Mux {
 	get(r, "/openapi.yaml", http.HandlerFunc(h.openapi))
 
 	r.Route("/v1", func(r chi.Router) {
-		locks, resources, admin := r.With(h.authorize(apikey.ScopeLocks)), r.With(h.authorize(apikey.ScopeResources)), r.With(h.authorize(apikey.ScopeAdmin))
+		// An empty {name} (the router matches /v1/locks//extend) names no
+		// operation: 404, as for any unknown path, before authorization.
+		named := r.With(nameRequired(notFound))
+		locks, resources, admin := named.With(h.authorize(apikey.ScopeLocks)), named.With(h.authorize(apikey.ScopeResources)), r.With(h.authorize(apikey.ScopeAdmin))
 		locks.Post("/locks/{name}", h.acquire)
 		get(locks, "/locks/{name}", http.HandlerFunc(h.status))
 		locks.Delete("/locks/{name}", h.release)
@@ -313,6 +319,19 @@ func (h *Handler) newRouter() *chi.Mux {
 		return nil
 	})
 	return r
+}
+
+// nameRequired answers a request whose {name} is empty with notFound.
+func nameRequired(notFound http.HandlerFunc) func(http.Handler) http.Handler {
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if chi.URLParam(r, "name") != "" {
+				next.ServeHTTP(w, r)
+				return
+			}
+			notFound(w, r)
+		})
+	}
 }
 
 // routePath is the path as the router matches it: the request's spelling
@@ -337,7 +356,13 @@ func (h *Handler) key(r *http.Request) (name, key string, err error) {
 			return name, "", invalid("the name in the path is not valid percent-encoding", InvalidParam{Name: "name", Reason: "bad percent-encoding"})
 		}
 	}
-	if reason := keyspace.ValidName(name); reason != "" {
+	reason := keyspace.ValidName(name)
+	if reason == "" && apikey.Redact(name) != name {
+		// A name is shown to every reader of the lock, and echoed in
+		// its answers: a key in it would be handed to them (as owners).
+		reason = "must not hold an API key (a secret: every reader of the lock is shown its name)"
+	}
+	if reason != "" {
 		return name, "", invalid("the name in the path is invalid: "+reason, InvalidParam{Name: "name", Reason: reason})
 	}
 	return name, keyspace.Key(h.opts.Namespace(r), name), nil
@@ -1002,8 +1027,11 @@ func validOwner(s string) string {
 		return "must be at most 256 characters (Unicode code points)"
 	}
 	for _, c := range s {
-		if c == unicode.ReplacementChar || !unicode.IsPrint(c) {
-			return "must be printable UTF-8 text (not U+FFFD, which stands for invalid UTF-8)"
+		switch {
+		case c == unicode.ReplacementChar:
+			return "must be printable UTF-8 text, not U+FFFD (which stands for invalid UTF-8)"
+		case !unicode.IsPrint(c):
+			return fmt.Sprintf("must be printable UTF-8 text: letters, marks, numbers, punctuation, symbols and the space U+0020, not U+%04X", c)
 		}
 	}
 	if apikey.Redact(s) != s {

@@ -117,6 +117,8 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"GetExtend", "GET", "/v1/locks/held/extend", "", "", nil, 405, "method-not-allowed"},
 		{"UnknownRoute", "GET", "/v1/nope", "", "", nil, 404, "not-found"},
 		{"EmptyName", "POST", "/v1/locks/", "", "", nil, 404, "not-found"},
+		{"EmptyNameExtend", "POST", "/v1/locks//extend", `{"ttl_ms":1000}`, json, nil, 404, "not-found"},
+		{"EmptyNameResource", "PUT", "/v1/resources/", `{}`, json, nil, 404, "not-found"},
 		// every problem of a request, named in one answer
 		{"AllTTLWait", "POST", "/v1/locks/x", `{"ttl_ms":-1,"wait_ms":-1}`, json, nil, 400, "invalid-request"},
 		{"AllTTLWaitOwner", "POST", "/v1/locks/x", `{"ttl_ms":99999999,"wait_ms":99999999,"owner":"\n"}`, json, nil, 400, "invalid-request"},
@@ -157,6 +159,9 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"ContentTypeNoSlash", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "x+json", nil, 415, "unsupported-media-type"},
 		{"ContentTypeTextJSON", "POST", "/v1/locks/x", `{"ttl_ms":1000}`, "text/json", nil, 415, "unsupported-media-type"},
 		{"OwnerTooManyCharacters", "POST", "/v1/locks/x", `{"owner":"` + strings.Repeat("é", 257) + `"}`, json, nil, 400, "invalid-request"},
+		{"OwnerNoBreakSpace", "POST", "/v1/locks/x", `{"owner":"a\u00a0b"}`, json, nil, 400, "invalid-request"},
+		{"OwnerReplacementChar", "POST", "/v1/locks/x", `{"owner":"a\ufffdb"}`, json, nil, 400, "invalid-request"},
+		{"NameHoldsAPIKey", "POST", "/v1/locks/ci:rf_0123456789abcdef_" + strings.Repeat("s", 43), "", "", nil, 400, "invalid-request"},
 		{"OwnerHoldsAPIKey", "POST", "/v1/locks/x", `{"owner":"ci rf_0123456789abcdef_` + strings.Repeat("s", 43) + `"}`, json, nil, 400, "invalid-request"},
 	}
 	// The invalid_params name of some refusals: the field at fault, "body"
@@ -232,6 +237,10 @@ func TestAPI_BadRequests(t *testing.T) {
 		"ByteOrderMarkPut":       "byte-order mark",
 		"WhitespaceBody":         "must be a JSON object",
 		"OwnerTooManyCharacters": "256 characters",
+		"OwnerControlChar":       "not U+0007!U+FFFD",
+		"OwnerNoBreakSpace":      "not U+00A0!U+FFFD",
+		"OwnerReplacementChar":   "not U+FFFD",
+		"NameHoldsAPIKey":        "must not hold an API key",
 	}
 	if len(tests) < 30 {
 		t.Fatalf("only %d cases; want at least 30", len(tests))
@@ -262,8 +271,8 @@ func TestAPI_BadRequests(t *testing.T) {
 			if r.status != tt.status || p.Type != api.ProblemTypePrefix+tt.slug || p.Status != tt.status {
 				t.Errorf("%s %s = %d %s; want %d %s", tt.method, tt.path, r.status, p.Type, tt.status, tt.slug)
 			}
-			if p.Instance != tt.path {
-				t.Errorf("instance %q; want the path as sent, %q", p.Instance, tt.path)
+			if want := strings.Replace(tt.path, "_"+strings.Repeat("s", 43), "_[redacted]", 1); p.Instance != want {
+				t.Errorf("instance %q; want the path as sent (a key's secret redacted), %q", p.Instance, want)
 			}
 			if p.Title == "" || p.Detail == "" && tt.status != 405 && tt.status != 404 {
 				t.Errorf("problem %+v lacks title or detail", p)

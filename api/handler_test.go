@@ -420,11 +420,13 @@ func TestRequestIDs(t *testing.T) {
 		{strings.Repeat("a", 65), ""},
 		{"has space", ""},
 		{"ünïcode", ""},
-		{benchAPIKey, ""},                                            // an API key: a secret, never logged
-		{"x" + benchAPIKey, ""},                                      // one inside the ID
-		{"id." + benchAPIKey[:25], ""},                               // one cut short
-		{"perf_1", "perf_1"},                                         // "rf_" without a key id is no key
-		{"XO-BHVUBfJCMQRnPhNlbb6nNeSU", ""},                          // a lock token's shape
+		{benchAPIKey, ""},                   // an API key: a secret, never logged
+		{"x" + benchAPIKey, ""},             // one inside the ID
+		{"id." + benchAPIKey[:25], ""},      // one cut short
+		{"perf_1", "perf_1"},                // "rf_" without a key id is no key
+		{"rf_x", ""},                        // but an ID starting with it is refused
+		{"rf_0123456789abcde", ""},          // (a key id cut short)
+		{"XO-BHVUBfJCMQRnPhNlbb6nNeSU", ""}, // a lock token's shape
 		{"XO-BHVUBfJCMQRnPhNlbb6nNeS", "XO-BHVUBfJCMQRnPhNlbb6nNeS"}, // 26 characters: a plain ID
 	} {
 		w := e.do(e.h, http.MethodPost, "/v1/locks/"+itoa(len(tc.sent))+"x", `{}`, RequestIDHeader, tc.sent)
@@ -626,6 +628,22 @@ func TestPastedKeyNotLogged(t *testing.T) {
 	}
 	if !strings.Contains(e.logs.String(), apikey.Prefix+id+"_[redacted]") {
 		t.Errorf("the log does not name the pasted key by its id:\n%s", e.logs)
+	}
+	// A name holding a key is refused, as an owner holding one is: every
+	// reader of the lock is shown its name.
+	for _, tc := range []struct{ method, path, body string }{
+		{http.MethodPost, "/v1/locks/" + key, `{"owner":"w"}`},
+		{http.MethodPost, "/v1/locks/jobs:" + key + ":x", ""},
+		{http.MethodGet, "/v1/locks/" + key, ""},
+		{http.MethodPost, "/v1/locks/" + key + "/extend", `{"ttl_ms":1000}`},
+		{http.MethodPut, "/v1/resources/" + key, `{"fencing_token":1,"data":1}`},
+		{http.MethodGet, "/v1/resources/" + key, ""},
+	} {
+		hdr := append([]string{LockTokenHeader, "XO-BHVUBfJCMQRnPhNlbb6nNeSU"}, auth...)
+		w := e.do(e.h, tc.method, tc.path, tc.body, hdr...)
+		if w.Code != http.StatusBadRequest || !strings.Contains(w.Body.String(), "must not hold an API key") {
+			t.Errorf("%s %.40s…: %d %s; want 400: the name must not hold an API key", tc.method, tc.path, w.Code, w.Body)
+		}
 	}
 }
 
@@ -1070,6 +1088,28 @@ func TestLongPathCut(t *testing.T) {
 			if i := strings.LastIndexByte(cut, '%'); i >= 0 && i > len(cut)-3 {
 				t.Errorf("%s ends in a split escape: ...%s", what, cut[i:])
 			}
+		}
+	}
+}
+
+// TestEmptyNameNotFound: a {name} route with an empty name is a path no
+// operation serves: 404 not-found, before authorization and before the
+// body is looked at, labelled unmatched in the log.
+func TestEmptyNameNotFound(t *testing.T) {
+	e := newFakeEnv(t, true)
+	for _, tc := range []struct{ method, path, body string }{
+		{http.MethodPost, "/v1/locks//extend", ""},
+		{http.MethodPost, "/v1/locks//extend", `{"ttl_ms":"x"}`},
+		{http.MethodGet, "/v1/locks/", ""},
+		{http.MethodPut, "/v1/resources/", `{}`},
+	} {
+		e.logs.Reset()
+		w := e.do(e.h, tc.method, tc.path, tc.body) // no API key
+		if w.Code != http.StatusNotFound || !strings.Contains(w.Body.String(), "not-found") {
+			t.Errorf("%s %s = %d %s; want 404 not-found", tc.method, tc.path, w.Code, w.Body)
+		}
+		if ls := e.lines(t, "http request"); len(ls) != 1 || ls[0]["route"] != "unmatched" {
+			t.Errorf("%s %s: access lines %v; want one, route unmatched", tc.method, tc.path, ls)
 		}
 	}
 }

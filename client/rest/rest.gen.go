@@ -23,8 +23,10 @@ import (
 // AcquireRequest Every field is optional.
 type AcquireRequest struct {
 	// Owner A label for humans (not a secret), shown by GET while the lock is held
-	// and logged: at most 256 characters (Unicode code points) of printable UTF-8 (no control or
-	// format characters; the only space allowed is U+0020). U+FFFD, the
+	// and logged: at most 256 characters (Unicode code points) of printable UTF-8:
+	// letters, marks, numbers, punctuation and symbols (Unicode categories
+	// L, M, N, P and S) and the space U+0020; no control, format,
+	// private-use or unassigned code point, nor any other space. U+FFFD, the
 	// replacement character, is refused too: a JSON decoder puts it in place
 	// of invalid UTF-8, so it cannot be told from a mangled label. An owner
 	// holding a whole API key (`rf_…`) is refused: GET would show the key to
@@ -99,8 +101,8 @@ type AcquireResponse struct {
 	// long the request took: TTL, plus any time spent waiting before the
 	// winning attempt began, minus a clock-drift allowance on both (so
 	// it may exceed `ttl_ms` by the time between the request's arrival and
-	// the winning attempt: a `wait_ms` wait, or an API-key check that had
-	// to ask Postgres; for extend, the lease a majority of nodes kept,
+	// the winning attempt: the upload of its body, a `wait_ms` wait, or an
+	// API-key check that had to ask Postgres; for extend, the lease a majority of nodes kept,
 	// which may also be longer).
 	//
 	//
@@ -198,8 +200,8 @@ type LockResponse struct {
 	// long the request took: TTL, plus any time spent waiting before the
 	// winning attempt began, minus a clock-drift allowance on both (so
 	// it may exceed `ttl_ms` by the time between the request's arrival and
-	// the winning attempt: a `wait_ms` wait, or an API-key check that had
-	// to ask Postgres; for extend, the lease a majority of nodes kept,
+	// the winning attempt: the upload of its body, a `wait_ms` wait, or an
+	// API-key check that had to ask Postgres; for extend, the lease a majority of nodes kept,
 	// which may also be longer).
 	//
 	//
@@ -418,8 +420,9 @@ type Problem struct {
 	//   read or write in time. A write may or may not have been applied
 	//   (it can still commit): read the document before writing again.
 	// - `shutting-down` (503): the server began shutting down while an
-	//   acquire waited (`wait_ms`) for a taken lock; nothing was granted.
-	//   Retry, on another server if there is one.
+	//   acquire waited (`wait_ms`) for a taken lock, or while a request's
+	//   body was arriving; nothing was done. Retry, on another server if
+	//   there is one.
 	// - `request-timeout` (408): the body did not arrive in full before the
 	//   server's read timeout; nothing was done, and the connection is
 	//   closed.
@@ -580,7 +583,8 @@ type UnsupportedMediaType = Problem
 type HealthzParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -591,7 +595,8 @@ type HealthzParams struct {
 type MetricsParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -602,7 +607,8 @@ type MetricsParams struct {
 type OpenapiParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -613,7 +619,8 @@ type OpenapiParams struct {
 type ReadyzParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -628,7 +635,8 @@ type ReleaseLockParams struct {
 
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -639,7 +647,8 @@ type ReleaseLockParams struct {
 type GetLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -650,7 +659,8 @@ type GetLockParams struct {
 type AcquireLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -665,7 +675,8 @@ type ExtendLockParams struct {
 
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -676,7 +687,8 @@ type ExtendLockParams struct {
 type ListNodesParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -687,7 +699,8 @@ type ListNodesParams struct {
 type GetResourceParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -698,7 +711,8 @@ type GetResourceParams struct {
 type PutResourceParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
-	// pattern, or that is shaped like a secret (starting with `rf_`, 27
+	// pattern, or that is shaped like a secret (starting with `rf_`, holding
+	// `rf_` and an API key's id anywhere, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.

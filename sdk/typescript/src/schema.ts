@@ -11,7 +11,8 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -22,8 +23,10 @@ export interface paths {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -83,7 +86,8 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -94,8 +98,10 @@ export interface paths {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -137,7 +143,8 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -148,8 +155,10 @@ export interface paths {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -185,7 +194,8 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -217,7 +227,8 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -248,7 +259,8 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -281,7 +293,8 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -314,7 +327,8 @@ export interface paths {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -362,8 +376,10 @@ export interface components {
             wait_ms?: number;
             /**
              * @description A label for humans (not a secret), shown by GET while the lock is held
-             *     and logged: at most 256 characters (Unicode code points) of printable UTF-8 (no control or
-             *     format characters; the only space allowed is U+0020). U+FFFD, the
+             *     and logged: at most 256 characters (Unicode code points) of printable UTF-8:
+             *     letters, marks, numbers, punctuation and symbols (Unicode categories
+             *     L, M, N, P and S) and the space U+0020; no control, format,
+             *     private-use or unassigned code point, nor any other space. U+FFFD, the
              *     replacement character, is refused too: a JSON decoder puts it in place
              *     of invalid UTF-8, so it cannot be told from a mangled label. An owner
              *     holding a whole API key (`rf_…`) is refused: GET would show the key to
@@ -418,8 +434,8 @@ export interface components {
              *     long the request took: TTL, plus any time spent waiting before the
              *     winning attempt began, minus a clock-drift allowance on both (so
              *     it may exceed `ttl_ms` by the time between the request's arrival and
-             *     the winning attempt: a `wait_ms` wait, or an API-key check that had
-             *     to ask Postgres; for extend, the lease a majority of nodes kept,
+             *     the winning attempt: the upload of its body, a `wait_ms` wait, or an
+             *     API-key check that had to ask Postgres; for extend, the lease a majority of nodes kept,
              *     which may also be longer).
              * @example 9886
              */
@@ -651,8 +667,9 @@ export interface components {
              *       read or write in time. A write may or may not have been applied
              *       (it can still commit): read the document before writing again.
              *     - `shutting-down` (503): the server began shutting down while an
-             *       acquire waited (`wait_ms`) for a taken lock; nothing was granted.
-             *       Retry, on another server if there is one.
+             *       acquire waited (`wait_ms`) for a taken lock, or while a request's
+             *       body was arriving; nothing was done. Retry, on another server if
+             *       there is one.
              *     - `request-timeout` (408): the body did not arrive in full before the
              *       server's read timeout; nothing was done, and the connection is
              *       closed.
@@ -979,7 +996,9 @@ export interface components {
          * @description `store-unavailable`: Postgres did not answer in time; a write may or
          *     may not have been applied (it can still commit). Or
          *     `auth-unavailable`: the API key could not be checked (Postgres did not
-         *     answer); nothing was done. Retry after `Retry-After` seconds.
+         *     answer); nothing was done. Or `shutting-down`: the server began
+         *     shutting down while a write's body was arriving; nothing was done.
+         *     Retry after `Retry-After` seconds.
          */
         StoreUnavailable: {
             headers: {
@@ -1133,8 +1152,10 @@ export interface components {
     parameters: {
         /**
          * @description The lock's name; a resource has the same name as the lock that protects
-         *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-         *     `.` and `..` (URL paths normalise them away).
+         *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+         *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+         *     `_` and its secret: every reader of the lock is shown its name). Send
+         *     it unencoded; a percent-encoded one is decoded once.
          * @example orders:invoice-7
          */
         Name: string;
@@ -1147,7 +1168,8 @@ export interface components {
         /**
          * @description Your ID for this request, echoed in the `X-Request-Id` response header,
          *     in error bodies and in the server's logs. A value that does not match the
-         *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+         *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+         *     `rf_` and an API key's id anywhere, 27
          *     characters of base64url like a lock token, or sharing 8 characters in
          *     a row with the request's `Lock-Token` or `Authorization` header), is
          *     not refused: it is replaced by a generated ID.
@@ -1218,7 +1240,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1229,8 +1252,10 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1280,7 +1305,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1291,8 +1317,10 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1378,7 +1406,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1395,8 +1424,10 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1444,7 +1475,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1461,8 +1493,10 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1514,9 +1548,10 @@ export interface operations {
             415: components["responses"]["UnsupportedMediaType"];
             429: components["responses"]["RateLimited"];
             /**
-             * @description Not extended: `quorum-unavailable` (too few nodes answered) or
-             *     `fencing-unavailable` (Postgres did not answer). The lease keeps its
-             *     old deadline.
+             * @description Not extended: `quorum-unavailable` (too few nodes answered),
+             *     `fencing-unavailable` (Postgres did not answer) or `shutting-down`
+             *     (the server began shutting down while the body was arriving). The
+             *     lease keeps its old deadline.
              *     `auth-unavailable`: the API key could not be checked (Postgres did not answer).
              */
             503: {
@@ -1540,7 +1575,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1551,8 +1587,10 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1621,7 +1659,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1632,8 +1671,10 @@ export interface operations {
             path: {
                 /**
                  * @description The lock's name; a resource has the same name as the lock that protects
-                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, sent unencoded, except
-                 *     `.` and `..` (URL paths normalise them away).
+                 *     it. 1 to 200 characters of `A-Z a-z 0-9 . _ - :`, except `.` and `..`
+                 *     (URL paths normalise them away), holding no API key (`rf_`, a key id,
+                 *     `_` and its secret: every reader of the lock is shown its name). Send
+                 *     it unencoded; a percent-encoded one is decoded once.
                  * @example orders:invoice-7
                  */
                 name: components["parameters"]["Name"];
@@ -1699,7 +1740,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1771,7 +1813,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1810,7 +1853,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1890,7 +1934,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1934,7 +1979,8 @@ export interface operations {
                 /**
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
-                 *     pattern, or that is shaped like a secret (starting with `rf_`, 27
+                 *     pattern, or that is shaped like a secret (starting with `rf_`, holding
+                 *     `rf_` and an API key's id anywhere, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
