@@ -334,6 +334,16 @@ func nameRequired(notFound http.HandlerFunc) func(http.Handler) http.Handler {
 	}
 }
 
+// utf8Label reports whether a charset names UTF-8: "utf-8" or one of its
+// aliases in the WHATWG Encoding Standard ("utf8" and the rest), in any case.
+func utf8Label(cs string) bool {
+	switch strings.ToLower(cs) {
+	case "utf-8", "utf8", "unicode-1-1-utf-8", "unicode11utf8", "unicode20utf8", "x-unicode20utf8":
+		return true
+	}
+	return false
+}
+
 // routePath is the path as the router matches it: the request's spelling
 // when net/http kept it (RawPath), the decoded path otherwise.
 func routePath(r *http.Request) string {
@@ -497,7 +507,7 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 			// could be anything, a secret pasted by mistake included.
 			return nil, &requestError{kind: kMediaType, detail: "the Content-Type is not application/json"}
 		}
-		if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") {
+		if cs, ok := params["charset"]; ok && !utf8Label(cs) {
 			return nil, &requestError{kind: kMediaType, detail: "the Content-Type names a charset other than UTF-8; JSON is UTF-8 (RFC 8259)"}
 		}
 	}

@@ -160,13 +160,17 @@ func showAcquire(r AcquireRequest) string {
 }
 
 // TestDecode_Charset: JSON is UTF-8 (RFC 8259): a charset parameter that
-// says so, in any case, is accepted; any other is 415.
+// says so, in any case and by any of its WHATWG labels, is accepted; any
+// other is 415.
 func TestDecode_Charset(t *testing.T) {
 	h := NewHandler(nil, nil, Options{MaxBodyBytes: 4096})
 	for ct, ok := range map[string]bool{
 		"application/json; charset=utf-8":             true,
 		"application/json;charset=UTF-8":              true,
 		"application/problem+json; charset=utf-8":     true,
+		"application/json; charset=utf8":              true, // a WHATWG alias of UTF-8
+		"application/json; charset=UTF8":              true,
+		"application/json; charset=utf-8-sig":         false,
 		"application/json; charset=latin1":            false,
 		"application/json; charset=utf-16":            false,
 		"application/merge-patch+json; charset=ascii": false,
