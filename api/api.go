@@ -31,7 +31,6 @@ import (
 	"github.com/go-chi/chi/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"golang.org/x/sync/singleflight"
 	"golang.org/x/time/rate"
 
 	"github.com/redfence/redfence/fencing"
@@ -146,7 +145,7 @@ type Handler struct {
 	unready atomic.Bool
 	// ready runs /readyz's checks: concurrent requests share one run, so
 	// a flood of unauthenticated probes asks the backends one at a time.
-	ready singleflight.Group
+	ready readiness
 	// readyJoined, if set (tests), is called once a /readyz request has
 	// joined or started a check.
 	readyJoined func()
@@ -1305,31 +1304,92 @@ func (h *Handler) readyz(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusServiceUnavailable, &Health{Status: "shutting-down"})
 		return
 	}
-	ch := h.ready.DoChan("", func() (any, error) {
-		// Not cut short by the client that started it: others share it.
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 2*time.Second)
-		defer cancel()
-		return h.checkReady(ctx), nil
-	})
+	run := h.ready.join(r.Context(), h.checkReady)
 	if h.readyJoined != nil {
 		h.readyJoined()
 	}
 	select {
-	case res := <-ch:
-		resp := res.Val.(*Health)
+	case <-run.done:
+		if run.panic != nil {
+			panic(run.panic) // recovered as any handler's panic: a 500
+		}
 		code := http.StatusOK
-		if resp.Status != "ready" {
+		if run.health.Status != "ready" {
 			code = http.StatusServiceUnavailable
 			retryAfterHeader(w, time.Second)
 		}
-		writeJSON(w, code, resp)
+		writeJSON(w, code, run.health)
 	case <-r.Context().Done():
-		// The client left: there is nobody to answer.
+		// The client left: there is nobody to answer. The last one to
+		// leave a check ends it, so no later request joins a check
+		// that began before it was sent.
+		h.ready.leave(run)
 		h.writeError(w, r, fmt.Errorf("readiness: %w", r.Context().Err()))
 	}
 }
 
-// checkReady asks the Redis nodes and Postgres for /readyz.
+// readiness runs /readyz's checks. A request joins the check running when it
+// arrives, if any, else starts one: a check never began before a request
+// that gets its answer was sent, as one is forgotten once it answered or
+// every request waiting for it left.
+type readiness struct {
+	mu  sync.Mutex
+	run *readyRun
+}
+
+// readyRun is one check and the requests waiting for it.
+type readyRun struct {
+	waiters int
+	cancel  context.CancelFunc
+	// done is closed once health (or panic, if the check panicked) is set.
+	done   chan struct{}
+	health *Health
+	panic  any
+}
+
+// join returns the running check, or starts one with check. The check is not
+// cut short by the client that started it (others may join it), only when
+// every waiter left.
+func (rd *readiness) join(ctx context.Context, check func(context.Context) *Health) *readyRun {
+	rd.mu.Lock()
+	defer rd.mu.Unlock()
+	if run := rd.run; run != nil {
+		run.waiters++
+		return run
+	}
+	cctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	run := &readyRun{waiters: 1, cancel: cancel, done: make(chan struct{})}
+	rd.run = run
+	go func() {
+		defer close(run.done)
+		defer cancel()
+		defer rd.forget(run)
+		defer func() { run.panic = recover() }()
+		run.health = check(cctx)
+	}()
+	return run
+}
+
+// leave ends a waiter's interest in run, and run itself when it was the last.
+func (rd *readiness) leave(run *readyRun) {
+	rd.mu.Lock()
+	defer rd.mu.Unlock()
+	if run.waiters--; run.waiters == 0 && rd.run == run {
+		rd.run = nil
+		run.cancel()
+	}
+}
+
+// forget makes run's check no longer joinable.
+func (rd *readiness) forget(run *readyRun) {
+	rd.mu.Lock()
+	defer rd.mu.Unlock()
+	if rd.run == run {
+		rd.run = nil
+	}
+}
+
+// checkReady asks the Redis nodes, then Postgres (within 2 s), for /readyz.
 func (h *Handler) checkReady(ctx context.Context) *Health {
 	ns := h.locker.Nodes(ctx)
 	rh := &RedisHealth{Total: len(ns), Quorum: h.locker.Quorum()}
@@ -1342,7 +1402,9 @@ func (h *Handler) checkReady(ctx context.Context) *Health {
 		}
 	}
 	ph := &PostgresHealth{Up: true}
-	if err := h.store.Ping(ctx); err != nil {
+	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if err := h.store.Ping(pctx); err != nil {
 		ph.Up, ph.Error = false, "postgres does not answer"
 		h.log.LogAttrs(ctx, slog.LevelWarn, "readiness: postgres down", slog.String("error", err.Error()))
 	}

@@ -1192,9 +1192,68 @@ func TestReadyzShared(t *testing.T) {
 		t.Errorf("%d checks of the nodes for %d concurrent /readyz; want 1", c, n)
 	}
 	// A later request runs a check of its own.
+	g.entered = make(chan struct{}, 8)
 	w := httptest.NewRecorder()
 	h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/readyz", nil))
 	if w.Code != http.StatusOK || g.calls.Load() != 2 {
 		t.Errorf("a later /readyz = %d after %d checks; want 200 after 2", w.Code, g.calls.Load())
+	}
+}
+
+// TestReadyzAbandoned: a check every waiter of which left (a probe that
+// timed out) is ended and not joined by the next request, whose answer must
+// come from a check that began after it was sent.
+func TestReadyzAbandoned(t *testing.T) {
+	g := &gatedNodes{benchFakeLocker: newBenchFakeLocker(), entered: make(chan struct{}, 8), gate: make(chan struct{})}
+	h := NewHandler(g, benchFakeStore{g.benchFakeLocker}, Options{Registry: prometheus.NewRegistry()})
+	joined := make(chan struct{}, 2)
+	h.readyJoined = func() { joined <- struct{}{} }
+	leaving, leave := context.WithCancel(t.Context())
+	first := make(chan int, 1)
+	go func() {
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/readyz", nil).WithContext(leaving))
+		first <- w.Code
+	}()
+	<-g.entered // its check is running
+	leave()
+	if code := <-first; code == http.StatusOK {
+		t.Fatalf("the probe that left got %d; want a problem", code)
+	}
+	second := make(chan *httptest.ResponseRecorder, 1)
+	go func() {
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+		second <- w
+	}()
+	<-joined // the first
+	<-joined // the second, which joined or started a check
+	close(g.gate)
+	if w := <-second; w.Code != http.StatusOK {
+		t.Errorf("the next probe = %d %s; want 200", w.Code, w.Body)
+	}
+	if c := g.calls.Load(); c != 2 {
+		t.Errorf("%d checks; want 2", c)
+	}
+}
+
+// panickyNodes is a Locker whose Nodes panics.
+type panickyNodes struct{ *benchFakeLocker }
+
+func (panickyNodes) Nodes(context.Context) []service.NodeStatus { panic("nodes exploded") }
+
+// TestReadyzPanic: a panic in /readyz's shared check (which runs on a
+// goroutine of its own) is answered as any handler's: a 500, and the server
+// lives on.
+func TestReadyzPanic(t *testing.T) {
+	l := panickyNodes{newBenchFakeLocker()}
+	h := NewHandler(l, benchFakeStore{l.benchFakeLocker}, Options{Registry: prometheus.NewRegistry(),
+		Logger: slog.New(slog.NewJSONHandler(io.Discard, nil))})
+	for range 2 {
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+		if w.Code != http.StatusInternalServerError || !strings.Contains(w.Body.String(), "internal-error") {
+			t.Errorf("/readyz with a panicking check = %d %s; want 500 internal-error", w.Code, w.Body)
+		}
 	}
 }

@@ -188,10 +188,7 @@ var errLeaseOver = errors.New("service: the lease ran out before issuance")
 // awaitSpeculation first.
 func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending, expires time.Time) (fencing.Token, error) {
 	if spec != nil {
-		// Not cut short by the caller (the speculation's own timeout
-		// bounds it): cancelling the read would close the connection, and
-		// the token was committed anyway.
-		ft, err := spec.spec.Confirm(context.WithoutCancel(ctx))
+		ft, err := spec.spec.Confirm(ctx)
 		spec.end()
 		if err == nil {
 			return ft, nil

@@ -447,12 +447,17 @@ func (w lockedWriter) Write(p []byte) (int, error) {
 }
 
 // checkInterpreter checks that the interpreter a script at path names on
-// its "#!" line exists and can run (and, for "#!/usr/bin/env prog", that
-// prog is on PATH), as the kernel will when it runs the script: a script
-// whose interpreter is missing takes no lock. It errs like exec.LookPath
-// (fs.ErrNotExist, fs.ErrPermission); a file it cannot read, or a line it
-// does not understand, is left to the exec.
+// its "#!" line exists and can run, as the kernel will when it runs the
+// script, so that a script whose interpreter is missing takes no lock; for
+// "#!/usr/bin/env prog" it also looks prog up on PATH. It errs like
+// exec.LookPath (fs.ErrNotExist, fs.ErrPermission). What it cannot judge
+// as the kernel or env would (a file that is not a regular one or cannot be
+// read, a relative interpreter, env's options and the expansions of env -S)
+// is left to the exec.
 func checkInterpreter(path string) error {
+	if fi, err := os.Stat(path); err != nil || !fi.Mode().IsRegular() {
+		return nil // a FIFO, say: opening it could block
+	}
 	f, err := os.Open(path)
 	if err != nil {
 		return nil
@@ -464,31 +469,47 @@ func checkInterpreter(path string) error {
 	if !ok {
 		return nil
 	}
-	line, _, _ = bytes.Cut(line, []byte("\n"))
-	// The kernel splits the line once: the interpreter, then one argument.
-	fields := strings.Fields(string(line))
-	if len(fields) == 0 {
-		return nil
+	interp, arg := shebang(line)
+	if interp == "" || !strings.Contains(interp, "/") {
+		return nil // relative to the directory it runs in: left to the exec
 	}
-	interp := fields[0]
 	if _, err := exec.LookPath(interp); err != nil {
-		if !filepath.IsAbs(interp) && !strings.Contains(interp, "/") {
-			return nil // a relative interpreter: relative to where it runs, left to the exec
-		}
-		return fmt.Errorf("%s: bad interpreter %s: %w", path, interp, err)
+		return fmt.Errorf("%s: bad interpreter %q: %w", path, interp, err)
 	}
-	if filepath.Base(interp) != "env" || len(fields) < 2 {
+	if filepath.Base(interp) != "env" || arg == "" {
 		return nil
 	}
-	args := fields[1:]
-	if args[0] == "-S" || args[0] == "--split-string" {
-		args = args[1:]
+	prog := arg // without -S, env gets the rest of the line as one word
+	if rest, ok := strings.CutPrefix(arg, "-S"); ok && (rest == "" || rest[0] == ' ' || rest[0] == '\t') {
+		if strings.ContainsAny(rest, "\"'$\\=") {
+			return nil // quotes, expansions, escapes, assignments: env's to read
+		}
+		if prog, _, _ = strings.Cut(strings.TrimLeft(rest, " \t"), " "); prog == "" {
+			return nil
+		}
+		prog, _, _ = strings.Cut(prog, "\t")
 	}
-	if len(args) == 0 || strings.HasPrefix(args[0], "-") || strings.Contains(args[0], "=") {
+	if strings.HasPrefix(prog, "-") || strings.Contains(prog, "=") {
 		return nil // env's other options and assignments: left to env
 	}
-	if _, err := exec.LookPath(args[0]); err != nil {
-		return fmt.Errorf("%s: %s %s: %w", path, interp, args[0], err)
+	if _, err := exec.LookPath(prog); err != nil && !errors.Is(err, exec.ErrDot) {
+		return fmt.Errorf("%s: %s cannot run %q: %w", path, interp, prog, err)
 	}
 	return nil
+}
+
+// shebang splits a "#!" line (after the "#!") as Linux does: the
+// interpreter runs to the first space or tab, and the rest of the line,
+// without the spaces and tabs around it, is one argument. A carriage return
+// is not a space: "#!/bin/sh\r" names an interpreter "/bin/sh\r".
+func shebang(line []byte) (interp, arg string) {
+	if i := bytes.IndexByte(line, '\n'); i >= 0 {
+		line = line[:i]
+	}
+	s := strings.Trim(string(line), " \t")
+	interp, arg, _ = strings.Cut(s, " ")
+	if i := strings.IndexByte(interp, '\t'); i >= 0 {
+		interp, arg = interp[:i], interp[i+1:]+" "+arg
+	}
+	return interp, strings.Trim(arg, " \t")
 }

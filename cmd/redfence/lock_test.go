@@ -639,6 +639,9 @@ func TestLock_CommandCannotRun(t *testing.T) {
 		{script("env-no-program", "#!/usr/bin/env redfence-no-such-interpreter"), 127},
 		{script("env-split-no-program", "#!/usr/bin/env -S redfence-no-such-interpreter -x"), 127},
 		{script("interpreter-not-executable", "#!"+notExec), 126},
+		{script("crlf", "#!/bin/sh\r"), 127},                  // the kernel looks for "/bin/sh\r"
+		{script("env-one-word", "#!/usr/bin/env sh -e"), 127}, // env is given "sh -e", one word
+		{script("env-crlf", "#!/usr/bin/env sh\r"), 127},
 	} {
 		r := startLock(t.Context(), "--server", s.URL, "cannot-run", "--", tc.command)
 		if got := r.wait(t); got != tc.status {
@@ -722,8 +725,10 @@ func TestCheckInterpreter(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	for i, line := range []string{
-		"#!/bin/sh", "#! /bin/sh -e", "#!/usr/bin/env sh", "#!/usr/bin/env -S sh -e",
-		"#!/usr/bin/env -i sh", "#!/usr/bin/env FOO=1 sh", "#!redfence-relative-interpreter", "#!", "echo no shebang",
+		"#!/bin/sh", "#! /bin/sh -e", "#!/bin/sh\t-e", "#!/usr/bin/env sh", "#!/usr/bin/env -S sh -e",
+		"#!/usr/bin/env -S\tsh -e", "#!/usr/bin/env -S ${REDFENCE_TEST_INTERP} -e", `#!/usr/bin/env -S "sh" -e`,
+		"#!/usr/bin/env -S 'sh' -e", "#!/usr/bin/env -i sh", "#!/usr/bin/env FOO=1 sh",
+		"#!redfence-relative-interpreter", "#!", "echo no shebang",
 	} {
 		p := filepath.Join(dir, "script"+strconv.Itoa(i))
 		if err := os.WriteFile(p, []byte(line+"\n"), 0o755); err != nil {
@@ -743,5 +748,35 @@ func TestCheckInterpreter(t *testing.T) {
 	err = checkInterpreter(filepath.Join(dir, "missing")) // left to the exec
 	if err != nil {
 		t.Errorf("a missing file: %v; want nil", err)
+	}
+	// An executable FIFO: opening it would block until a writer came.
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkInterpreter(fifo); err != nil {
+		t.Errorf("a FIFO: %v; want nil, left to the exec", err)
+	}
+}
+
+// TestCheckInterpreter_EnvFindsInWorkingDir: a program env finds through
+// an empty PATH entry (the working directory) passes, as env runs it, though
+// exec.LookPath calls that exec.ErrDot.
+func TestCheckInterpreter_EnvFindsInWorkingDir(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "redfence-test-tool"), []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(dir, "script")
+	if err := os.WriteFile(p, []byte("#!/usr/bin/env redfence-test-tool\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Chdir(dir)
+	t.Setenv("PATH", os.Getenv("PATH")+":")
+	if out, err := exec.Command(p).CombinedOutput(); err != nil {
+		t.Fatalf("the script does not run here: %v %s", err, out)
+	}
+	if err := checkInterpreter(p); err != nil {
+		t.Errorf("%v; want nil: env runs it", err)
 	}
 }
