@@ -295,7 +295,11 @@ func (n *RedisNode) connected(ctx context.Context, cn *redis.Conn) error {
 // no: with it on, writes are not fsynced while a save or rewrite runs);
 // false if CONFIG is refused.
 func fsyncsAll(ctx context.Context, c redis.Cmdable) bool {
-	cfg, err := c.ConfigGet(ctx, "*append*").Result()
+	return fsyncConfig(c.ConfigGet(ctx, "*append*").Result())
+}
+
+// fsyncConfig is fsyncsAll on the answer to CONFIG GET *append*.
+func fsyncConfig(cfg map[string]string, err error) bool {
 	return err == nil && cfg["appendonly"] == "yes" && cfg["appendfsync"] == "always" && cfg["no-appendfsync-on-rewrite"] == "no"
 }
 
@@ -570,14 +574,21 @@ func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
 // process fsyncs every write before answering (appendonly yes, appendfsync
 // always; false if CONFIG is refused).
 func (n *RedisNode) ServerID(ctx context.Context) (id string, durable bool, err error) {
-	info, err := n.client.Info(ctx, "server").Result()
-	if err != nil {
+	// One pipeline, one connection: both answers come from the same
+	// process, even if the node restarts meanwhile.
+	var info *redis.StringCmd
+	var cfg *redis.MapStringStringCmd
+	_, _ = n.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		info, cfg = p.Info(ctx, "server"), p.ConfigGet(ctx, "*append*")
+		return nil
+	})
+	if err := info.Err(); err != nil {
 		return "", false, fmt.Errorf("info server: %w", refusal(err))
 	}
-	if id = runID(info); id == "" {
+	if id = runID(info.Val()); id == "" {
 		return "", false, errors.New("info server: no run_id")
 	}
-	return id, fsyncsAll(ctx, n.client), nil
+	return id, fsyncConfig(cfg.Result()), nil
 }
 
 // Ping implements Node.
