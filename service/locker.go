@@ -2002,9 +2002,9 @@ func (l *Locker) markReleased(rkey, token string) {
 // background.
 func (l *Locker) releaseAll(ctx context.Context, rkey, token string, all bool) *tally {
 	l.markReleased(rkey, token)
-	// Releases of one token on one key run one after the other: done is closed once
-	// every node answered this one, and the next one waits for it (so it
-	// sees this one's outcome rather than racing it).
+	// Releases of one token on one key run one after the other: done is
+	// closed once every node answered this one, and the next one waits for
+	// it (so it sees this one's outcome rather than racing it).
 	done := make(chan struct{})
 	l.lateMu.Lock()
 	kt := keyToken{rkey, token}

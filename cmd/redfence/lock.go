@@ -484,10 +484,9 @@ func checkInterpreter(path string) error {
 		if strings.ContainsAny(rest, "\"'$\\=") {
 			return nil // quotes, expansions, escapes, assignments: env's to read
 		}
-		if prog, _, _ = strings.Cut(strings.TrimLeft(rest, " \t"), " "); prog == "" {
+		if prog, _ = shebang([]byte(rest)); prog == "" {
 			return nil
 		}
-		prog, _, _ = strings.Cut(prog, "\t")
 	}
 	if strings.HasPrefix(prog, "-") || strings.Contains(prog, "=") {
 		return nil // env's other options and assignments: left to env
@@ -507,9 +506,9 @@ func shebang(line []byte) (interp, arg string) {
 		line = line[:i]
 	}
 	s := strings.Trim(string(line), " \t")
-	interp, arg, _ = strings.Cut(s, " ")
-	if i := strings.IndexByte(interp, '\t'); i >= 0 {
-		interp, arg = interp[:i], interp[i+1:]+" "+arg
+	i := strings.IndexAny(s, " \t")
+	if i < 0 {
+		return s, ""
 	}
-	return interp, strings.Trim(arg, " \t")
+	return s[:i], strings.Trim(s[i+1:], " \t")
 }
