@@ -145,14 +145,9 @@ func (l *Locker) watchQuarantine(i int, until time.Time) {
 	l.noteCounting()
 	var check func()
 	check = func() {
-		// Background work: none once Close began, and Close waits for it.
-		l.bgMu.Lock()
-		if l.life.Err() != nil {
-			l.bgMu.Unlock()
+		if !l.admitBackground() {
 			return
 		}
-		l.bg.Add(1)
-		l.bgMu.Unlock()
 		defer l.bg.Done()
 		m := l.members[i]
 		now := l.opts.Now()

@@ -701,6 +701,18 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 	return nil
 }
 
+// admitBackground counts one piece of background work in l.bg, which Close
+// waits for, unless Close began (false: the work must not start).
+func (l *Locker) admitBackground() bool {
+	l.bgMu.Lock()
+	defer l.bgMu.Unlock()
+	if l.life.Err() != nil {
+		return false
+	}
+	l.bg.Add(1)
+	return true
+}
+
 // every runs f every d in the background until Close, unless *started says
 // it runs already (a concurrent or repeated Init) or the Locker is closed.
 func (l *Locker) every(started *bool, d time.Duration, f func()) {
@@ -823,14 +835,10 @@ func (l *Locker) recoverLocked(i int, req recoveryReq, provisional bool) chan st
 		m.mu.Unlock()
 		return done
 	}
-	l.bgMu.Lock()
-	if l.life.Err() != nil {
-		l.bgMu.Unlock()
+	if !l.admitBackground() {
 		m.mu.Unlock()
 		return nil
 	}
-	l.bg.Add(1)
-	l.bgMu.Unlock()
 	done := make(chan struct{})
 	m.recovery = done
 	m.mu.Unlock()
