@@ -30,7 +30,13 @@ func (replyErr) RedisError()     {}
 func TestSweeper_Passes(t *testing.T) {
 	ns, ms := nodes(3)
 	clk := &clock{t: time.Unix(1e9, 0)}
-	l := newLocker(t, ns, &memIssuer{}, Options{Now: clk.Now})
+	// A node timeout no slow moment of a loaded machine reaches (at the
+	// default 50ms, a memNode answer delayed under -race would be a
+	// timeout, not the answer each pass expects), with the default pass
+	// interval (which follows the timeout) set back before anything is
+	// pending.
+	l := newLocker(t, ns, &memIssuer{}, Options{Now: clk.Now, NodeTimeout: time.Minute})
+	l.sweep.every = 250 * time.Millisecond
 	// Each pass reports what is left, then waits for the test to let the
 	// sweeper go on.
 	passes, next, quit := make(chan int), make(chan struct{}), make(chan struct{})
@@ -262,7 +268,10 @@ func TestLocker_StalledMajorityLeavesNoKey(t *testing.T) {
 // grant's SET there may still land), and the sweeper ends with it.
 func TestLocker_ReleaseSweepsAbsentNodes(t *testing.T) {
 	ns, ms := nodes(5)
-	l := newLocker(t, ns, &memIssuer{}, Options{})
+	// As in TestSweeper_Passes: only node 4's answer may leave a delete
+	// pending, so no answer may time out on a loaded machine.
+	l := newLocker(t, ns, &memIssuer{}, Options{NodeTimeout: time.Minute})
+	l.sweep.every = 250 * time.Millisecond
 	ms[4].set(rkey, "someone-else", time.Minute) // the grant's SET is refused there
 	g, err := l.Acquire(t.Context(), key, Request{TTL: time.Minute})
 	if err != nil {
