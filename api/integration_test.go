@@ -111,7 +111,8 @@ func TestAPI_EncodedNames(t *testing.T) {
 	if !st.Held {
 		t.Error("the lock taken through the encoded name is not held under the plain one")
 	}
-	// Data Postgres's jsonb cannot store, or a number no double holds, is
+	// Data its readers cannot read (Postgres's JSON functions, Unicode text,
+	// a double) is
 	// refused with the reason, and the field, named.
 	for _, tc := range []struct{ body, reason string }{
 		{fmt.Sprintf(`{"fencing_token":%d,"data":"nul \u0000 inside"}`, g.FencingToken), `\u0000`},
@@ -128,6 +129,16 @@ func TestAPI_EncodedNames(t *testing.T) {
 	}
 	if r := e.do(e.client, http.MethodGet, "/v1/resources/orders:invoice-7", nil); r.status != 404 {
 		t.Errorf("GET after the refused writes = %d %s; want 404", r.status, r.body)
+	}
+	// A document reads back as written, without its whitespace: a number
+	// that takes 16 KiB written out in full (jsonb's form) stays 8 bytes.
+	body := fmt.Sprintf(`{"fencing_token":%d,"data":{"tiny": 1e-16383, "z": -0, "a": 1.50}}`, g.FencingToken)
+	const want = `"data":{"tiny":1e-16383,"z":-0,"a":1.50}`
+	if r := e.do(e.client, http.MethodPut, "/v1/resources/orders:invoice-7", body); r.status != 200 || !strings.Contains(string(r.body), want) {
+		t.Errorf("PUT %s = %d %s; want 200 with %s", body, r.status, r.body, want)
+	}
+	if r := e.do(e.client, http.MethodGet, "/v1/resources/orders:invoice-7", nil); r.status != 200 || !strings.Contains(string(r.body), want) {
+		t.Errorf("GET = %d %.300s; want 200 with %s", r.status, r.body, want)
 	}
 }
 

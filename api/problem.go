@@ -434,8 +434,8 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 			p.InvalidParams = []InvalidParam{{Name: "data", Reason: de.Reason}}
 			break
 		}
-		p.Detail = "Postgres cannot store this data (for example a number beyond its numeric type's range)"
-		p.InvalidParams = []InvalidParam{{Name: "data", Reason: "not storable as jsonb"}}
+		p.Detail = "Postgres cannot store this data"
+		p.InvalidParams = []InvalidParam{{Name: "data", Reason: "not storable in Postgres"}}
 	case k == kStore && r.Method == http.MethodGet:
 		p.Detail = "Postgres did not answer; the document could not be read"
 	case k == kStore:

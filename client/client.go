@@ -260,7 +260,8 @@ func (c *Client) release(ctx context.Context, name, lockToken string) error {
 // Resource is a document of the reference store.
 type Resource struct {
 	Name string
-	// Data is the document as stored (Postgres jsonb normalises it).
+	// Data is the document as stored: as written, without insignificant
+	// whitespace.
 	Data json.RawMessage
 	// FencingToken is the token of the last accepted write.
 	FencingToken fencing.Token

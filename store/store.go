@@ -16,6 +16,7 @@
 package store
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"database/sql"
@@ -46,8 +47,9 @@ var (
 	// ErrUnavailable is returned (wrapped with the cause) when Postgres could
 	// not be reached or did not answer in time.
 	ErrUnavailable = refstore.ErrUnavailable
-	// ErrInvalidData is returned when Postgres refuses the data itself (for
-	// example a JSON string holding \u0000, which jsonb cannot store).
+	// ErrInvalidData is returned when a document is refused for what it
+	// holds (for example a JSON string holding \u0000, which Postgres's JSON
+	// functions cannot read).
 	ErrInvalidData = refstore.ErrInvalidData
 	// ErrTokensExhausted is returned (with ErrUnavailable) when a name's
 	// next fencing token would pass 2^53-1, the most every JSON parser
@@ -290,11 +292,19 @@ ON CONFLICT (key) DO UPDATE
 RETURNING data, fencing_token, version, updated_at`
 
 // PutResource writes data under key if token is the newest token issued for
-// key. Otherwise it changes nothing and returns a *fencing.StaleError.
+// key. Otherwise it changes nothing and returns a *fencing.StaleError. The
+// document is kept as sent without its insignificant whitespace: object
+// keys in their order, numbers in their form.
 func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*Resource, error) {
 	if err := refstore.CheckJSON(data); err != nil {
 		return nil, fmt.Errorf("store: put %q: %w", key, err)
 	}
+	var compact bytes.Buffer
+	compact.Grow(len(data))
+	if err := json.Compact(&compact, data); err != nil {
+		return nil, fmt.Errorf("store: put %q: %w", key, &refstore.DataError{Reason: "must be valid JSON"})
+	}
+	data = compact.Bytes()
 	q := putSQL
 	if db.opts.Unfenced {
 		q = putUnfencedSQL

@@ -16,6 +16,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 
 	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/internal/cluster"
@@ -117,6 +119,35 @@ func TestDB_Migrate(t *testing.T) {
 		if len(applied) != 0 {
 			t.Errorf("second Migrate applied %v; want nothing", applied)
 		}
+	})
+
+	t.Run("DocumentsKept", func(t *testing.T) {
+		// Documents written while they were jsonb (before 00007) read
+		// back, by value, once they are json.
+		t.Parallel()
+		url := clustertest.Database(t)
+		db := open(t, url, Options{})
+		sqlDB := stdlib.OpenDBFromPool(db.pool)
+		t.Cleanup(func() { _ = sqlDB.Close() })
+		p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
+			goose.WithTableName("redfence_schema_migrations"), goose.WithDisableGlobalRegistry(true))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.UpTo(t.Context(), 6); err != nil {
+			t.Fatal(err)
+		}
+		const doc = `{"b":[1,2.50,null],"a":{"s":"\u00e9"},"n":-12}`
+		if _, err := db.pool.Exec(t.Context(), `INSERT INTO redfence_fencing (key, token) VALUES ('k', 3);
+INSERT INTO redfence_resources (key, data, fencing_token, version) VALUES ('k', '`+doc+`', 3, 2)`); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := db.Migrate(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		wantResource(t, db, "k", doc, 3, 2)
+		put(t, db, "k", 3, `{"b":1e2}`)
+		wantResource(t, db, "k", `{"b":100}`, 3, 3)
 	})
 
 	t.Run("Concurrent", func(t *testing.T) {
@@ -383,9 +414,9 @@ func TestDB_PutResource(t *testing.T) {
 
 	t.Run("InvalidData", func(t *testing.T) {
 		t.Parallel()
-		// Valid JSON (for encoding/json) that jsonb cannot store, or that
-		// holds a number no double can: most are refused before Postgres is
-		// asked (a *refstore.DataError), the last by Postgres itself.
+		// Valid JSON (for encoding/json) that its readers cannot read
+		// (Postgres's JSON functions, Unicode text, a double): refused
+		// before Postgres is asked, with a *refstore.DataError.
 		for _, tc := range []struct {
 			name, data string
 			checked    bool
@@ -397,7 +428,6 @@ func TestDB_PutResource(t *testing.T) {
 			{"LoneLow", `{"k":"\udc00"}`, true},
 			{"NumberOverflow", `1e1000000`, true},
 			{"DoubleOverflow", `{"n":-1e309}`, true},
-			{"NumericScale", "0." + strings.Repeat("0", 20000) + "1", false},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				t.Parallel()
@@ -413,6 +443,39 @@ func TestDB_PutResource(t *testing.T) {
 				}
 				if _, err := db.GetResource(t.Context(), key); !errors.Is(err, ErrNotFound) {
 					t.Errorf("GetResource after the refused write: %v; want ErrNotFound", err)
+				}
+			})
+		}
+	})
+
+	t.Run("AsSent", func(t *testing.T) {
+		t.Parallel()
+		// A document reads back as it was written, without its
+		// insignificant whitespace: numbers in their form, keys in their
+		// order, repeated keys kept. A number that needs many digits in
+		// full (1e-16383, 0.000…1) is not written out in full either (jsonb
+		// printed it so: 9 bytes read back as 16 KiB).
+		for _, tc := range []struct{ name, data, want string }{
+			{"Numbers", "[ -0, 1e2, 1.50, 1E+2, 12.5e-3, 0.0 ]", "[-0,1e2,1.50,1E+2,12.5e-3,0.0]"},
+			{"Tiny", `{"n": 1e-16383}`, `{"n":1e-16383}`},
+			{"LongScale", "0." + strings.Repeat("0", 20000) + "1", "0." + strings.Repeat("0", 20000) + "1"},
+			{"KeyOrder", "{\"b\": 1,\n \"a\": {\"z\": [], \"y\": null}}", `{"b":1,"a":{"z":[],"y":null}}`},
+			{"RepeatedKey", `{"a":1,"a":2}`, `{"a":1,"a":2}`},
+			{"StringsKept", `" a  b \u0041 \/ "`, `" a  b \u0041 \/ "`},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				t.Parallel()
+				key := t.Name()
+				tok := issue(t, db, key)
+				if r := put(t, db, key, tok, tc.data); string(r.Data) != tc.want {
+					t.Errorf("PutResource data = %.80s; want %.80s", r.Data, tc.want)
+				}
+				r, err := db.GetResource(t.Context(), key)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if string(r.Data) != tc.want {
+					t.Errorf("GetResource data = %.80s (%d bytes); want %.80s (%d bytes)", r.Data, len(r.Data), tc.want, len(tc.want))
 				}
 			})
 		}

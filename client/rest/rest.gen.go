@@ -146,13 +146,13 @@ type InvalidParam struct {
 }
 
 // JsonValue A document of the reference store: any JSON value (object, array,
-// string, number, boolean or null), stored as Postgres `jsonb`, so it
-// reads back with object keys possibly reordered, whitespace and
-// duplicate keys dropped. `jsonb` cannot store the escape for U+0000
-// (NUL), an unpaired UTF-16 surrogate escape (`\ud800` alone), text that
-// is not UTF-8, or a number beyond its numeric range; and a number beyond
+// string, number, boolean or null), kept as sent without its
+// insignificant whitespace: object keys in their order (a repeated key
+// too), numbers exactly as written (`1e2` stays `1e2`). A document
+// holding the escape for U+0000 (NUL), an unpaired UTF-16 surrogate
+// escape (`\ud800` alone), text that is not UTF-8, or a number beyond
 // the range of an IEEE 754 double (±1.7976931348623157e308), which most
-// JSON parsers cannot read, is refused too: such a write gets 400
+// JSON parsers cannot read, is refused: such a write gets 400
 // `invalid-request` naming `data`.
 //
 // Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
@@ -445,13 +445,13 @@ type Problem struct {
 // PutResourceRequest defines model for PutResourceRequest.
 type PutResourceRequest struct {
 	// Data A document of the reference store: any JSON value (object, array,
-	// string, number, boolean or null), stored as Postgres `jsonb`, so it
-	// reads back with object keys possibly reordered, whitespace and
-	// duplicate keys dropped. `jsonb` cannot store the escape for U+0000
-	// (NUL), an unpaired UTF-16 surrogate escape (`\ud800` alone), text that
-	// is not UTF-8, or a number beyond its numeric range; and a number beyond
+	// string, number, boolean or null), kept as sent without its
+	// insignificant whitespace: object keys in their order (a repeated key
+	// too), numbers exactly as written (`1e2` stays `1e2`). A document
+	// holding the escape for U+0000 (NUL), an unpaired UTF-16 surrogate
+	// escape (`\ud800` alone), text that is not UTF-8, or a number beyond
 	// the range of an IEEE 754 double (±1.7976931348623157e308), which most
-	// JSON parsers cannot read, is refused too: such a write gets 400
+	// JSON parsers cannot read, is refused: such a write gets 400
 	// `invalid-request` naming `data`.
 	//
 	//
@@ -482,13 +482,13 @@ type RedisHealth struct {
 // Resource A document of the reference store.
 type Resource struct {
 	// Data A document of the reference store: any JSON value (object, array,
-	// string, number, boolean or null), stored as Postgres `jsonb`, so it
-	// reads back with object keys possibly reordered, whitespace and
-	// duplicate keys dropped. `jsonb` cannot store the escape for U+0000
-	// (NUL), an unpaired UTF-16 surrogate escape (`\ud800` alone), text that
-	// is not UTF-8, or a number beyond its numeric range; and a number beyond
+	// string, number, boolean or null), kept as sent without its
+	// insignificant whitespace: object keys in their order (a repeated key
+	// too), numbers exactly as written (`1e2` stays `1e2`). A document
+	// holding the escape for U+0000 (NUL), an unpaired UTF-16 surrogate
+	// escape (`\ud800` alone), text that is not UTF-8, or a number beyond
 	// the range of an IEEE 754 double (±1.7976931348623157e308), which most
-	// JSON parsers cannot read, is refused too: such a write gets 400
+	// JSON parsers cannot read, is refused: such a write gets 400
 	// `invalid-request` naming `data`.
 	//
 	//

@@ -23,8 +23,9 @@ var ErrNotFound = errors.New("store: not found")
 // be reached or did not answer in time.
 var ErrUnavailable = errors.New("store: unavailable")
 
-// ErrInvalidData is returned when Postgres refuses the data itself (for
-// example a JSON string holding \u0000, which jsonb cannot store).
+// ErrInvalidData is returned when a document is refused for what it holds
+// (for example a JSON string holding \u0000, which Postgres's JSON functions
+// cannot read).
 var ErrInvalidData = errors.New("store: data rejected")
 
 // Resource is one document of the reference store.
@@ -50,12 +51,12 @@ func (e *DataError) Error() string { return "store: data rejected: data " + e.Re
 func (e *DataError) Is(target error) bool { return target == ErrInvalidData }
 
 // CheckJSON returns a *DataError when data, syntactically valid JSON text,
-// holds what Postgres's jsonb refuses: bytes that are not UTF-8, the escape
-// \u0000, or a \uD800-\uDFFF escape that is not half of a surrogate pair;
-// or a number beyond the range of an IEEE 754 double (RFC 7493), which jsonb
-// stores but most JSON parsers (Go's, JavaScript's) cannot read back.
-// encoding/json lets all of these through, so a store checks before it
-// writes.
+// holds what its readers cannot read: bytes that are not UTF-8, the escape
+// \u0000 (Postgres's JSON functions cannot turn it into text), a
+// \uD800-\uDFFF escape that is not half of a surrogate pair (no Unicode
+// text), or a number beyond the range of an IEEE 754 double (RFC 7493),
+// which most JSON parsers (Go's, JavaScript's) cannot read. encoding/json
+// lets all of these through, so a store checks before it writes.
 func CheckJSON(data []byte) error {
 	if !utf8.Valid(data) {
 		return &DataError{Reason: "must be valid UTF-8"}
@@ -75,7 +76,7 @@ func CheckJSON(data []byte) error {
 			i += 4
 			switch {
 			case r == 0:
-				return &DataError{Reason: `must not hold the escape \u0000 (Postgres jsonb cannot store it)`}
+				return &DataError{Reason: `must not hold the escape \u0000 (Postgres's JSON functions cannot read it)`}
 			case r >= 0xDC00 && r <= 0xDFFF:
 				return &DataError{Reason: "must not hold an unpaired UTF-16 surrogate escape (a low surrogate without a high one before it)"}
 			case r >= 0xD800 && r <= 0xDBFF:

@@ -7,8 +7,9 @@ import (
 	"testing"
 )
 
-// TestCheckJSON checks what CheckJSON refuses against what jsonb refuses
-// (store's TestDB_PutResource/InvalidData asks Postgres).
+// TestCheckJSON checks what CheckJSON refuses: what Postgres's JSON
+// functions, Unicode text or a double cannot hold (store's
+// TestDB_PutResource/InvalidData writes to Postgres).
 func TestCheckJSON(t *testing.T) {
 	for _, tc := range []struct {
 		data string
