@@ -491,6 +491,9 @@ func checkInterpreter(path string) error {
 	if strings.HasPrefix(prog, "-") || strings.Contains(prog, "=") {
 		return nil // env's other options and assignments: left to env
 	}
+	if p, ok := os.LookupEnv("PATH"); !ok || p == "" {
+		return nil // env's libc searches its default path, or the working directory: left to env
+	}
 	if _, err := exec.LookPath(prog); err != nil && !errors.Is(err, exec.ErrDot) {
 		return fmt.Errorf("%s: %s cannot run %q: %w", path, interp, prog, err)
 	}

@@ -759,6 +759,33 @@ func TestCheckInterpreter(t *testing.T) {
 	}
 }
 
+// TestCheckInterpreter_NoPath: with PATH unset or empty, env's libc searches
+// its own default path (glibc: /bin:/usr/bin) or the working directory,
+// which exec.LookPath does not: the script is left to env, not refused.
+func TestCheckInterpreter_NoPath(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "script")
+	if err := os.WriteFile(p, []byte("#!/usr/bin/env sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// With a PATH that lacks sh, the check refuses (so the cases below
+	// pass for the right reason).
+	t.Setenv("PATH", dir)
+	if err := checkInterpreter(p); err == nil {
+		t.Fatal("PATH without sh: nil; want an error")
+	}
+	t.Setenv("PATH", "")
+	if err := checkInterpreter(p); err != nil {
+		t.Errorf("PATH empty: %v; want nil", err)
+	}
+	if err := os.Unsetenv("PATH"); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkInterpreter(p); err != nil {
+		t.Errorf("PATH unset: %v; want nil", err)
+	}
+}
+
 // TestCheckInterpreter_EnvFindsInWorkingDir: a program env finds through
 // an empty PATH entry (the working directory) passes, as env runs it, though
 // exec.LookPath calls that exec.ErrDot.
