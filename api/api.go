@@ -272,7 +272,9 @@ func (h *Handler) newRouter() *chi.Mux {
 		var allow []string
 		for _, m := range []string{http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodDelete} {
 			rctx := chi.NewRouteContext()
-			if r.Match(rctx, m, routePath(req)) && endpoints[rctx.RoutePattern()] {
+			if r.Match(rctx, m, routePath(req)) && endpoints[rctx.RoutePattern()] &&
+				// an empty {name} is not found whatever the method (nameRequired)
+				!(strings.Contains(rctx.RoutePattern(), "{name}") && rctx.URLParam("name") == "") {
 				allow = append(allow, m)
 			}
 		}
@@ -1329,9 +1331,10 @@ func (h *Handler) readyz(w http.ResponseWriter, r *http.Request) {
 }
 
 // readiness runs /readyz's checks. A request joins the check running when it
-// arrives, if any, else starts one: a check never began before a request
-// that gets its answer was sent, as one is forgotten once it answered or
-// every request waiting for it left.
+// arrives, if any, else starts one, so concurrent probes share one check. A
+// request's answer comes from a check that had not answered yet when it
+// arrived: a check is forgotten once it answered or every request waiting
+// for it left.
 type readiness struct {
 	mu  sync.Mutex
 	run *readyRun
@@ -1406,7 +1409,9 @@ func (h *Handler) checkReady(ctx context.Context) *Health {
 	defer cancel()
 	if err := h.store.Ping(pctx); err != nil {
 		ph.Up, ph.Error = false, "postgres does not answer"
-		h.log.LogAttrs(ctx, slog.LevelWarn, "readiness: postgres down", slog.String("error", err.Error()))
+		if ctx.Err() == nil { // else every waiter left: the ping was cut short, nothing is known of Postgres
+			h.log.LogAttrs(ctx, slog.LevelWarn, "readiness: postgres down", slog.String("error", err.Error()))
+		}
 	}
 	resp := &Health{Status: "ready", Redis: rh, Postgres: ph}
 	if rh.Up < rh.Quorum || !ph.Up {

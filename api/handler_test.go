@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -1102,6 +1103,12 @@ func TestEmptyNameNotFound(t *testing.T) {
 		{http.MethodPost, "/v1/locks//extend", `{"ttl_ms":"x"}`},
 		{http.MethodGet, "/v1/locks/", ""},
 		{http.MethodPut, "/v1/resources/", `{}`},
+		// Other methods too: not a 405 whose Allow names a method that
+		// would be answered 404.
+		{http.MethodGet, "/v1/locks//extend", ""},
+		{http.MethodPut, "/v1/locks//extend", `{}`},
+		{http.MethodPatch, "/v1/locks/", `{}`},
+		{http.MethodPost, "/v1/resources/", `{}`},
 	} {
 		e.logs.Reset()
 		w := e.do(e.h, tc.method, tc.path, tc.body) // no API key
@@ -1130,20 +1137,35 @@ func TestUnready(t *testing.T) {
 	e.acquire(t, e.h, "still-served", `{}`)
 }
 
-// gatedNodes is a Locker whose Nodes counts its calls and waits for gate.
+// gatedNodes is a Locker whose Nodes counts its calls and waits for gate or
+// for its context to end, as a real one's would. A check cut short reports
+// the node down, and sends its context's error to ended if that is set.
 type gatedNodes struct {
 	*benchFakeLocker
 	calls   atomic.Int32
 	entered chan struct{}
 	gate    chan struct{}
+	ended   chan error
 }
 
 func (g *gatedNodes) Nodes(ctx context.Context) []service.NodeStatus {
 	g.calls.Add(1)
 	g.entered <- struct{}{}
-	<-g.gate
-	return []service.NodeStatus{{Addr: "a", Up: true}}
+	select {
+	case <-g.gate:
+	case <-ctx.Done():
+	}
+	if g.ended != nil {
+		g.ended <- ctx.Err()
+	}
+	return []service.NodeStatus{{Addr: "a", Up: ctx.Err() == nil}}
 }
+
+// pingCtxStore is a store whose Ping fails once its context ended, as
+// pgxpool's does.
+type pingCtxStore struct{ benchFakeStore }
+
+func (pingCtxStore) Ping(ctx context.Context) error { return ctx.Err() }
 
 func (g *gatedNodes) Quorum() int { return 1 }
 
@@ -1201,11 +1223,15 @@ func TestReadyzShared(t *testing.T) {
 }
 
 // TestReadyzAbandoned: a check every waiter of which left (a probe that
-// timed out) is ended and not joined by the next request, whose answer must
-// come from a check that began after it was sent.
+// timed out) is ended, without logging Postgres down for the ping it cut
+// short, and not joined by the next request, whose answer must come from a
+// check that began after it was sent.
 func TestReadyzAbandoned(t *testing.T) {
-	g := &gatedNodes{benchFakeLocker: newBenchFakeLocker(), entered: make(chan struct{}, 8), gate: make(chan struct{})}
-	h := NewHandler(g, benchFakeStore{g.benchFakeLocker}, Options{Registry: prometheus.NewRegistry()})
+	g := &gatedNodes{benchFakeLocker: newBenchFakeLocker(), entered: make(chan struct{}, 8), gate: make(chan struct{}),
+		ended: make(chan error, 2)}
+	var logs testutil.Buffer
+	h := NewHandler(g, pingCtxStore{benchFakeStore{g.benchFakeLocker}}, Options{Registry: prometheus.NewRegistry(),
+		Logger: slog.New(slog.NewJSONHandler(&logs, nil))})
 	joined := make(chan struct{}, 2)
 	h.readyJoined = func() { joined <- struct{}{} }
 	leaving, leave := context.WithCancel(t.Context())
@@ -1216,9 +1242,24 @@ func TestReadyzAbandoned(t *testing.T) {
 		first <- w.Code
 	}()
 	<-g.entered // its check is running
+	h.ready.mu.Lock()
+	run := h.ready.run
+	h.ready.mu.Unlock()
 	leave()
 	if code := <-first; code == http.StatusOK {
 		t.Fatalf("the probe that left got %d; want a problem", code)
+	}
+	select { // before the gate opens: only the end of its context ends the check
+	case err := <-g.ended:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("the abandoned check's context: %v; want it cancelled", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the abandoned check was not ended after 30s")
+	}
+	<-run.done
+	if strings.Contains(logs.String(), "postgres down") {
+		t.Errorf("the abandoned check logged Postgres down:\n%s", logs.String())
 	}
 	second := make(chan *httptest.ResponseRecorder, 1)
 	go func() {
@@ -1234,6 +1275,9 @@ func TestReadyzAbandoned(t *testing.T) {
 	}
 	if c := g.calls.Load(); c != 2 {
 		t.Errorf("%d checks; want 2", c)
+	}
+	if err := <-g.ended; err != nil {
+		t.Errorf("the second check's context: %v; want it live", err)
 	}
 }
 
