@@ -368,10 +368,11 @@ func (h *Handler) key(r *http.Request) (name, key string, err error) {
 		}
 	}
 	reason := keyspace.ValidName(name)
-	if reason == "" && apikey.Redact(name) != name {
+	if reason == "" && holdsKey(name) {
 		// A name is shown to every reader of the lock, and echoed in
-		// its answers: a key in it would be handed to them (as owners).
-		reason = "must not hold an API key (a secret: every reader of the lock is shown its name)"
+		// its answers: a key in it, even cut short, would be handed to
+		// them (as owners).
+		reason = "must not hold an API key, whole or cut short (rf_ and a key id: a secret, and every reader of the lock is shown its name)"
 	}
 	if reason != "" {
 		return name, "", invalid("the name in the path is invalid: "+reason, InvalidParam{Name: "name", Reason: reason})
@@ -1045,10 +1046,10 @@ func validOwner(s string) string {
 			return fmt.Sprintf("must be printable UTF-8 text: letters, marks, numbers, punctuation, symbols and the space U+0020, not U+%04X", c)
 		}
 	}
-	if apikey.Redact(s) != s {
-		// An owner is shown to every reader of the lock: a key in it
-		// would be handed to them.
-		return "must not hold an API key (a secret: every reader of the lock is shown its owner)"
+	if holdsKey(s) {
+		// An owner is shown to every reader of the lock: a key in it,
+		// even cut short, would be handed to them.
+		return "must not hold an API key, whole or cut short (rf_ and a key id: a secret, and every reader of the lock is shown its owner)"
 	}
 	return ""
 }

@@ -646,6 +646,37 @@ func TestPastedKeyNotLogged(t *testing.T) {
 			t.Errorf("%s %.40s…: %d %s; want 400: the name must not hold an API key", tc.method, tc.path, w.Code, w.Body)
 		}
 	}
+
+	// A key cut short is most of a secret all the same: refused as an
+	// owner or a name, and redacted wherever it is quoted or logged.
+	e.logs.Reset()
+	cut := key[:len(key)-1] // 16 keys it can be
+	cutSecret := cut[len(cut)-20:]
+	for _, tc := range []struct{ method, path, body string }{
+		{http.MethodPost, "/v1/locks/orders-cut", `{"owner":"` + cut + `"}`},
+		{http.MethodPost, "/v1/locks/orders-cut", `{"owner":"by ` + apikey.Prefix + id + `"}`},
+		{http.MethodPost, "/v1/locks/" + cut, ""},
+		{http.MethodGet, "/v1/locks/" + key[:len(key)-10], ""},
+		{http.MethodGet, "/v1/resources/x" + apikey.Prefix + id, ""},
+	} {
+		w := e.do(e.h, tc.method, tc.path, tc.body, auth...)
+		if w.Code != http.StatusBadRequest || !strings.Contains(w.Body.String(), "must not hold an API key") {
+			t.Errorf("%s %.40s… %.40s…: %d %s; want 400: must not hold an API key", tc.method, tc.path, tc.body, w.Code, w.Body)
+		}
+		if strings.Contains(w.Body.String(), cutSecret[:10]) {
+			t.Errorf("%s %.40s…: the answer quotes the cut key's secret: %s", tc.method, tc.path, w.Body)
+		}
+	}
+	if l := e.logs.String(); strings.Contains(l, cutSecret[:10]) || strings.Contains(l, key[len(key)-20:len(key)-10]) {
+		t.Errorf("the log holds a cut-short key's secret:\n%s", l)
+	}
+	// Spelt partly percent-encoded, a cut key is redacted whole too.
+	e.logs.Reset()
+	enc := cut[:25] + "%" + fmt.Sprintf("%02X", cut[25]) + cut[26:]
+	w := e.do(e.h, http.MethodGet, "/v1/nope/"+enc, "", auth...)
+	if strings.Contains(w.Body.String(), cut[26:36]) || strings.Contains(e.logs.String(), cut[26:36]) {
+		t.Errorf("GET /v1/nope/<cut key, partly encoded>: the answer or the log quotes its secret: %s\n%s", w.Body, e.logs)
+	}
 }
 
 // TestUnreadableBody: a body that cannot be read in full is refused in the

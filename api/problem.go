@@ -605,8 +605,8 @@ func redactedPath(r *http.Request) string {
 		return p
 	}
 	red := apikey.Redact(p)
-	if u, err := url.PathUnescape(red); err == nil && apikey.Redact(u) == u {
-		return red
+	if u, err := url.PathUnescape(red); err == nil && u == apikey.Redact(r.URL.Path) {
+		return red // no key spelt partly percent-encoded: redacted as sent
 	}
 	// A key spelt partly percent-encoded: the decoded path, redacted, in
 	// the canonical spelling, with the mark as Redact writes it elsewhere.

@@ -122,18 +122,20 @@ func ParseID(key string) (string, bool) {
 		return "", false
 	}
 	for i := len(Prefix) + idLen + 1; i < len(key); i++ {
-		c := key[i]
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+		if !secretChar(key[i]) {
 			return "", false
 		}
 	}
 	return id, true
 }
 
-// Redact returns s with the secret of every well-formed API key in it
-// replaced by "[redacted]" (the id, which is not secret, stays to name the
-// key), for text a client sent that is logged or echoed: a key pasted into a
-// path or a field name by mistake. s is returned as is if it holds none.
+// Redact returns s with the secret of every API key in it, whole or cut
+// short, replaced by "[redacted]" (the id, which is not secret, stays to name
+// the key), for text a client sent that is logged or echoed: a key pasted
+// into a path or a field name by mistake. A key is cut short when its prefix
+// and id are followed by "_" and fewer base64url characters than a secret
+// has: what is left of the secret still gives most of it away. s is
+// returned as is if it holds none.
 func Redact(s string) string {
 	if !strings.Contains(s, Prefix) {
 		return s
@@ -146,14 +148,17 @@ func Redact(s string) string {
 		if i < 0 {
 			break
 		}
-		if i+Len <= len(rest) {
-			if _, ok := ParseID(rest[i : i+Len]); ok {
-				found = true
-				b.WriteString(rest[:i+len(Prefix)+idLen+1])
-				b.WriteString("[redacted]")
-				rest = rest[i+Len:]
-				continue
+		head := i + len(Prefix) + idLen + 1 // past "rf_<id>_"
+		if head < len(rest) && rest[head-1] == '_' && ValidID(rest[i+len(Prefix):head-1]) && secretChar(rest[head]) {
+			n := 1
+			for n < secretLen && head+n < len(rest) && secretChar(rest[head+n]) {
+				n++
 			}
+			found = true
+			b.WriteString(rest[:head])
+			b.WriteString("[redacted]")
+			rest = rest[head+n:]
+			continue
 		}
 		b.WriteString(rest[:i+len(Prefix)])
 		rest = rest[i+len(Prefix):]
@@ -163,6 +168,11 @@ func Redact(s string) string {
 	}
 	b.WriteString(rest)
 	return b.String()
+}
+
+// secretChar reports whether c can be in a key's secret (base64url).
+func secretChar(c byte) bool {
+	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_'
 }
 
 // FindID returns the id of the first API key in s, whole or cut short: the

@@ -148,7 +148,13 @@ func TestRedact(t *testing.T) {
 		{"/v1/locks/" + key, "/v1/locks/" + Prefix + id + "_[redacted]"},
 		{`"` + key + `x"`, `"` + Prefix + id + `_[redacted]x"`},
 		{"rf_rf_" + key + "/" + key2, "rf_rf_" + Prefix + id + "_[redacted]/" + Prefix + id2 + "_[redacted]"},
-		{key[:Len-1], key[:Len-1]}, // cut short: not a key
+		{key[:Len-1], Prefix + id + "_[redacted]"}, // cut short: most of the secret
+		{key[:len(Prefix)+idLen+2] + " x", Prefix + id + "_[redacted] x"},
+		{key + "tail", Prefix + id + "_[redacted]tail"}, // at most a secret's length
+		{Prefix + id, Prefix + id},                      // no secret: the id is public
+		{Prefix + id + "_", Prefix + id + "_"},
+		{Prefix + id + "_ x", Prefix + id + "_ x"},
+		{"rf_0123456789ABCDEF_abc", "rf_0123456789ABCDEF_abc"}, // not a key id
 	} {
 		if got := Redact(tc.in); got != tc.want {
 			t.Errorf("Redact(%q) = %q; want %q", tc.in, got, tc.want)
