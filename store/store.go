@@ -78,9 +78,15 @@ func classify(err error) error {
 
 // Options tunes a DB. Zero fields take the documented defaults.
 type Options struct {
-	// MaxConns is the pool size. The default is pgxpool's (max(4, CPUs)),
-	// unless the URL sets pool_max_conns.
+	// MaxConns is the size of the pool of the locks (token issuance,
+	// heartbeats, node records, API keys). The default is pgxpool's (max(4,
+	// CPUs)), unless the URL sets pool_max_conns.
 	MaxConns int32
+	// DocMaxConns is the size of the reference store's own pool (documents),
+	// kept apart so that document traffic, however heavy, cannot take the
+	// connections lock grants and heartbeats need. The default is the size
+	// of the locks' pool.
+	DocMaxConns int32
 	// StatementTimeout bounds every statement on the server. The default is 5s.
 	StatementTimeout time.Duration
 	// Logger receives warnings about unsafe server settings. The default discards.
@@ -113,7 +119,8 @@ type Options struct {
 
 // DB is a Postgres connection pool with Redfence's queries.
 type DB struct {
-	pool   *pgxpool.Pool
+	pool   *pgxpool.Pool // the locks'
+	docs   *pgxpool.Pool // the reference store's (see Options.DocMaxConns)
 	opts   Options
 	issuer *issuer
 }
@@ -163,13 +170,23 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 		}
 		return nil
 	}
+	dcfg := cfg.Copy()
+	if opts.DocMaxConns > 0 {
+		dcfg.MaxConns = opts.DocMaxConns
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("store: connect: %w", err)
 	}
-	db := &DB{pool: pool, opts: opts}
+	docs, err := pgxpool.NewWithConfig(ctx, dcfg) // connects when first used
+	if err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("store: connect: %w", err)
+	}
+	db := &DB{pool: pool, docs: docs, opts: opts}
 	if err := db.Ping(ctx); err != nil {
 		pool.Close()
+		docs.Close()
 		return nil, err
 	}
 	var fsync string
@@ -192,13 +209,14 @@ func redactErr(err error) error {
 	return err
 }
 
-// Close stops token issuance and closes the pool. Issue calls still waiting
+// Close stops token issuance and closes the pools. Issue calls still waiting
 // fail with ErrClosed (a statement running for them is cancelled), later
 // ones too, and the committer goroutines have returned when Close does. It
 // may be called more than once.
 func (db *DB) Close() {
 	db.issuer.close()
 	db.pool.Close()
+	db.docs.Close()
 }
 
 // Ping checks that Postgres answers a query.
@@ -250,9 +268,14 @@ func migrate(ctx context.Context, sqlDB *sql.DB) ([]string, error) {
 
 // Last returns the newest token record for key; its Token is 0 if none.
 func (db *DB) Last(ctx context.Context, key string) (fencing.Record, error) {
+	return lastRecord(ctx, db.pool, key)
+}
+
+// lastRecord is Last on pool.
+func lastRecord(ctx context.Context, pool *pgxpool.Pool, key string) (fencing.Record, error) {
 	r := fencing.Record{Claim: fencing.Claim{Key: key}}
 	var t int64
-	err := db.pool.QueryRow(ctx,
+	err := pool.QueryRow(ctx,
 		`SELECT token, owner, holder, issued_at FROM redfence_fencing WHERE key = $1`, key).
 		Scan(&t, &r.Owner, &r.Holder, &r.IssuedAt)
 	if errors.Is(err, pgx.ErrNoRows) {
@@ -311,9 +334,9 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	}
 	r := &Resource{Key: key}
 	var t int64
-	err := db.pool.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+	err := db.docs.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
 	if errors.Is(err, pgx.ErrNoRows) {
-		last, lerr := db.Last(ctx, key)
+		last, lerr := lastRecord(ctx, db.docs, key)
 		if lerr != nil {
 			return nil, fmt.Errorf("store: put %q: refused, and %w", key, classify(lerr))
 		}
@@ -322,7 +345,7 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 			// Refused for the document's own token, newer than the
 			// newest on record (written before a withdrawal lowered it).
 			var doc int64
-			if err := db.pool.QueryRow(ctx, `SELECT fencing_token FROM redfence_resources WHERE key = $1`, key).Scan(&doc); err == nil {
+			if err := db.docs.QueryRow(ctx, `SELECT fencing_token FROM redfence_resources WHERE key = $1`, key).Scan(&doc); err == nil {
 				cur = max(cur, fencing.Token(doc))
 			}
 		}
@@ -339,7 +362,7 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 func (db *DB) GetResource(ctx context.Context, key string) (*Resource, error) {
 	r := &Resource{Key: key}
 	var t int64
-	err := db.pool.QueryRow(ctx,
+	err := db.docs.QueryRow(ctx,
 		`SELECT data, fencing_token, version, updated_at FROM redfence_resources WHERE key = $1`, key).
 		Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
 	if errors.Is(err, pgx.ErrNoRows) {

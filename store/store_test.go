@@ -510,6 +510,57 @@ func TestDB_PutResource(t *testing.T) {
 	})
 }
 
+// TestDB_DocumentsOwnPool: the reference store has a pool of its own, so
+// document writes that hold every connection of it (here one, stuck behind
+// a row lock an outside transaction holds) leave the locks' pool free:
+// tokens are still issued and fencing records read. With one pool of one
+// connection the issuance would wait for the stuck write.
+func TestDB_DocumentsOwnPool(t *testing.T) {
+	t.Parallel()
+	url := clustertest.Database(t)
+	db := open(t, url, Options{MaxConns: 1, DocMaxConns: 1, StatementTimeout: 5 * time.Minute})
+	if _, err := db.Migrate(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	const key = "doc"
+	tok := issue(t, db, key)
+	conn := connect(t, url)
+	tx, err := conn.Begin(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	if _, err := tx.Exec(t.Context(), `SELECT 1 FROM redfence_fencing WHERE key = $1 FOR UPDATE`, key); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := db.PutResource(t.Context(), key, tok, json.RawMessage(`"stuck"`))
+		done <- err
+	}()
+	obs := connect(t, url)
+	testutil.WaitFor(t, waitTimeout, "the write to wait on the row lock", func() (bool, error) {
+		n, err := blockedBy(t.Context(), obs, conn.PgConn().PID())
+		return n > 0, err
+	})
+	// The documents' only connection is taken; the locks' pool serves.
+	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
+	defer cancel()
+	other, err := db.Issue(ctx, fencing.Claim{Key: "other"})
+	if err != nil || other != 1 {
+		t.Fatalf("Issue while the documents' pool is taken = %d, %v; want 1", other, err)
+	}
+	if last, err := db.Last(ctx, key); err != nil || last.Token != tok {
+		t.Fatalf("Last while the documents' pool is taken = %+v, %v; want token %d", last, err, tok)
+	}
+	if err := tx.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the write, once the row was free: %v", err)
+	}
+}
+
 // TestDB_PutResource_Race closes the lost-update window deterministically: a
 // write and an issuance for the same key are made to overlap by holding one
 // of them open in a transaction until the other is seen waiting on its lock.

@@ -342,6 +342,7 @@ func TestConfig_Security(t *testing.T) {
 		{"RedisAddrPortRange", func(c *Config) { c.RedisAddrs = []string{"redis-1:99999"} }, "REDFENCE_REDIS_ADDRS"},
 		{"RedisAddrPortZero", func(c *Config) { c.RedisAddrs = []string{"redis-1:0"} }, "REDFENCE_REDIS_ADDRS"},
 		{"NegativeDBConns", func(c *Config) { c.DBMaxConns = -3 }, "REDFENCE_DB_MAX_CONNS"},
+		{"NegativeDocConns", func(c *Config) { c.DBDocMaxConns = -1 }, "REDFENCE_DB_DOC_MAX_CONNS"},
 		{"ZeroBody", func(c *Config) { c.MaxBodyBytes = 0 }, "REDFENCE_MAX_BODY_BYTES"},
 		{"ZeroHeaders", func(c *Config) { c.MaxHeaderBytes = 0 }, "REDFENCE_MAX_HEADER_BYTES"},
 		{"NegativeReadTimeout", func(c *Config) { c.ReadTimeout = -time.Second }, "REDFENCE_READ_TIMEOUT"},

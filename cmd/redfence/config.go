@@ -32,7 +32,8 @@ type Config struct {
 	Speculate         bool          `envconfig:"SPECULATE" default:"true" desc:"let an acquire that runs alone issue its fencing token while its Redis round runs (confirmed after the quorum, withdrawn if the try fails)"`
 	RedisUsername     string        `split_words:"true" desc:"Redis ACL user for every node"`
 	RedisPassword     string        `split_words:"true" desc:"Redis password for every node"`
-	DBMaxConns        int32         `envconfig:"DB_MAX_CONNS" desc:"Postgres pool size (default: max(4, CPUs))"`
+	DBMaxConns        int32         `envconfig:"DB_MAX_CONNS" desc:"Postgres pool size of the locks: token issuance, heartbeats, node records, API keys (default: max(4, CPUs))"`
+	DBDocMaxConns     int32         `envconfig:"DB_DOC_MAX_CONNS" desc:"Postgres pool size of the reference store's documents, kept apart from the locks' (default: REDFENCE_DB_MAX_CONNS's)"`
 	StatementTimeout  time.Duration `split_words:"true" default:"5s" desc:"Postgres statement_timeout"`
 	StoreTimeout      time.Duration `split_words:"true" default:"2s" desc:"timeout of each reference-store call (PUT and GET /v1/resources), including the wait for a pooled connection"`
 	MaxBodyBytes      int64         `split_words:"true" default:"1048576" desc:"largest request body accepted"`
@@ -126,6 +127,9 @@ func (c *Config) validate() error {
 	}
 	if c.DBMaxConns < 0 {
 		errs = append(errs, fmt.Errorf("REDFENCE_DB_MAX_CONNS (%d) must not be negative (0: the default)", c.DBMaxConns))
+	}
+	if c.DBDocMaxConns < 0 {
+		errs = append(errs, fmt.Errorf("REDFENCE_DB_DOC_MAX_CONNS (%d) must not be negative (0: the default)", c.DBDocMaxConns))
 	}
 	if c.MaxBodyBytes <= 0 {
 		errs = append(errs, fmt.Errorf("REDFENCE_MAX_BODY_BYTES (%d) must be positive", c.MaxBodyBytes))

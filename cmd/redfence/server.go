@@ -81,7 +81,7 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 	}()
 
 	db, err := store.Open(ctx, cfg.DatabaseURL, store.Options{
-		MaxConns: cfg.DBMaxConns, StatementTimeout: cfg.StatementTimeout, Logger: log, Unfenced: opts.Unfenced,
+		MaxConns: cfg.DBMaxConns, DocMaxConns: cfg.DBDocMaxConns, StatementTimeout: cfg.StatementTimeout, Logger: log, Unfenced: opts.Unfenced,
 	})
 	if err != nil {
 		return nil, err
