@@ -368,11 +368,11 @@ func (h *Handler) key(r *http.Request) (name, key string, err error) {
 		}
 	}
 	reason := keyspace.ValidName(name)
-	if reason == "" && holdsKey(name) {
+	if reason == "" && apikey.Redact(name) != name {
 		// A name is shown to every reader of the lock, and echoed in
 		// its answers: a key in it, even cut short, would be handed to
 		// them (as owners).
-		reason = "must not hold an API key, whole or cut short (rf_ and a key id: a secret, and every reader of the lock is shown its name)"
+		reason = "must not hold an API key, whole or cut short (rf_, a key id, _ and part of the secret: every reader of the lock is shown its name)"
 	}
 	if reason != "" {
 		return name, "", invalid("the name in the path is invalid: "+reason, InvalidParam{Name: "name", Reason: reason})
@@ -1046,10 +1046,10 @@ func validOwner(s string) string {
 			return fmt.Sprintf("must be printable UTF-8 text: letters, marks, numbers, punctuation, symbols and the space U+0020, not U+%04X", c)
 		}
 	}
-	if holdsKey(s) {
+	if apikey.Redact(s) != s {
 		// An owner is shown to every reader of the lock: a key in it,
 		// even cut short, would be handed to them.
-		return "must not hold an API key, whole or cut short (rf_ and a key id: a secret, and every reader of the lock is shown its owner)"
+		return "must not hold an API key, whole or cut short (rf_, a key id, _ and part of the secret: every reader of the lock is shown its owner)"
 	}
 	return ""
 }
@@ -1408,10 +1408,17 @@ func (h *Handler) checkReady(ctx context.Context) *Health {
 	ph := &PostgresHealth{Up: true}
 	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
+	start := time.Now()
 	if err := h.store.Ping(pctx); err != nil {
 		ph.Up, ph.Error = false, "postgres does not answer"
-		if ctx.Err() == nil { // else every waiter left: the ping was cut short, nothing is known of Postgres
+		if ctx.Err() == nil {
 			h.log.LogAttrs(ctx, slog.LevelWarn, "readiness: postgres down", slog.String("error", err.Error()))
+		} else {
+			// Every waiter left (probes with a short timeout): the ping
+			// was cut short, which says only how long Postgres had not
+			// answered.
+			h.log.LogAttrs(ctx, slog.LevelInfo, "readiness: every probe left before postgres answered",
+				slog.Float64("waited_ms", float64(time.Since(start).Microseconds())/1000))
 		}
 	}
 	resp := &Health{Status: "ready", Redis: rh, Postgres: ph}

@@ -334,7 +334,9 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	}
 	r := &Resource{Key: key}
 	var t int64
-	err := db.docs.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+	err := db.retryStalePlan(func() error {
+		return db.docs.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+	})
 	if errors.Is(err, pgx.ErrNoRows) {
 		last, lerr := lastRecord(ctx, db.docs, key)
 		if lerr != nil {
@@ -358,13 +360,36 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	return r, nil
 }
 
+// retryStalePlan runs query, and again while it fails because a statement
+// pgx prepared on a pooled connection no longer matches the table (a
+// migration changed a column's type since: Postgres refuses the cached plan
+// before running it, and pgx forgets it), at most once per connection of
+// the documents' pool.
+func (db *DB) retryStalePlan(query func() error) error {
+	err := query()
+	for i := int32(0); stalePlan(err) && i < db.docs.Config().MaxConns; i++ {
+		err = query()
+	}
+	return err
+}
+
+// stalePlan reports whether err is Postgres refusing a prepared statement
+// whose result type changed since it was prepared ("cached plan must not
+// change result type"): the statement did not run.
+func stalePlan(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "0A000" && strings.Contains(pe.Message, "cached plan")
+}
+
 // GetResource returns the document under key, or ErrNotFound.
 func (db *DB) GetResource(ctx context.Context, key string) (*Resource, error) {
 	r := &Resource{Key: key}
 	var t int64
-	err := db.docs.QueryRow(ctx,
-		`SELECT data, fencing_token, version, updated_at FROM redfence_resources WHERE key = $1`, key).
-		Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+	err := db.retryStalePlan(func() error {
+		return db.docs.QueryRow(ctx,
+			`SELECT data, fencing_token, version, updated_at FROM redfence_resources WHERE key = $1`, key).
+			Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+	})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("store: get %q: %w", key, ErrNotFound)
 	}

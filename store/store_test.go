@@ -123,10 +123,12 @@ func TestDB_Migrate(t *testing.T) {
 
 	t.Run("DocumentsKept", func(t *testing.T) {
 		// Documents written while they were jsonb (before 00007) read
-		// back, by value, once they are json.
+		// back, by value, once they are json; and a pooled connection that
+		// prepared the documents' statements before the migration (an
+		// already running server) serves them after it.
 		t.Parallel()
 		url := clustertest.Database(t)
-		db := open(t, url, Options{})
+		db := open(t, url, Options{DocMaxConns: 1})
 		sqlDB := stdlib.OpenDBFromPool(db.pool)
 		t.Cleanup(func() { _ = sqlDB.Close() })
 		p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
@@ -142,12 +144,49 @@ func TestDB_Migrate(t *testing.T) {
 INSERT INTO redfence_resources (key, data, fencing_token, version) VALUES ('k', '`+doc+`', 3, 2)`); err != nil {
 			t.Fatal(err)
 		}
+		tok := issue(t, db, "prepared")
+		put(t, db, "prepared", tok, `{"v":1}`) // prepared while data was jsonb
+		wantResource(t, db, "prepared", `{"v":1}`, tok, 1)
 		if _, err := db.Migrate(t.Context()); err != nil {
 			t.Fatal(err)
 		}
+		wantResource(t, db, "prepared", `{"v":1}`, tok, 1)
+		put(t, db, "prepared", tok, `{"v":2}`)
 		wantResource(t, db, "k", doc, 3, 2)
 		put(t, db, "k", 3, `{"b":1e2}`)
-		wantResource(t, db, "k", `{"b":100}`, 3, 3)
+		wantResource(t, db, "k", `{"b":1e2}`, 3, 3)
+	})
+
+	t.Run("LongRewrite", func(t *testing.T) {
+		// 00007 rewrites the documents' table: it runs as long as that
+		// takes, not cut short by the pool's statement timeout (50 ms
+		// here; 300,000 rows take far longer to rewrite).
+		t.Parallel()
+		url := clustertest.Database(t)
+		setup := open(t, url, Options{})
+		sqlDB := stdlib.OpenDBFromPool(setup.pool)
+		t.Cleanup(func() { _ = sqlDB.Close() })
+		p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
+			goose.WithTableName("redfence_schema_migrations"), goose.WithDisableGlobalRegistry(true))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := p.UpTo(t.Context(), 6); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := setup.pool.Exec(t.Context(), `INSERT INTO redfence_resources (key, data, fencing_token, version)
+SELECT 'k' || i, jsonb_build_object('n', i, 's', repeat('x', 40)), 1, 1 FROM generate_series(1, 300000) i`); err != nil {
+			t.Fatal(err)
+		}
+		db := open(t, url, Options{StatementTimeout: 50 * time.Millisecond})
+		if _, err := db.Migrate(t.Context()); err != nil {
+			t.Fatalf("Migrate with a 50 ms statement timeout: %v", err)
+		}
+		var typ string
+		if err := db.pool.QueryRow(t.Context(), `SELECT data_type FROM information_schema.columns
+WHERE table_name = 'redfence_resources' AND column_name = 'data'`).Scan(&typ); err != nil || typ != "json" {
+			t.Fatalf("data column type = %q, %v; want json", typ, err)
+		}
 	})
 
 	t.Run("Concurrent", func(t *testing.T) {

@@ -29,8 +29,9 @@ type AcquireRequest struct {
 	// private-use or unassigned code point, nor any other space. U+FFFD, the
 	// replacement character, is refused too: a JSON decoder puts it in place
 	// of invalid UTF-8, so it cannot be told from a mangled label. An owner
-	// holding an API key, whole or cut short (`rf_` and a key id), is
-	// refused: GET would show the key to every reader of the lock.
+	// holding an API key, whole or cut short (`rf_`, a key id, `_` and part
+	// of its secret), is refused: GET would show the key to every reader
+	// of the lock.
 	//
 	//
 	// Example: billing-worker-3
