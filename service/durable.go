@@ -12,8 +12,6 @@ package service
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"log/slog"
 )
 
@@ -28,14 +26,7 @@ type durabilityReader interface {
 // FsyncsAll implements durabilityReader (see fsyncsAll). A node that refuses
 // CONFIG is not known to be durable: false.
 func (n *RedisNode) FsyncsAll(ctx context.Context) (bool, error) {
-	cfg, err := n.client.ConfigGet(ctx, "*append*").Result()
-	if err != nil {
-		if err = refusal(err); errors.Is(err, ErrCommandRefused) {
-			return false, nil
-		}
-		return false, fmt.Errorf("config get *append*: %w", err)
-	}
-	return fsyncConfig(cfg, nil), nil
+	return fsyncsAll(ctx, n.client)
 }
 
 // checkDurability reads whether node i, held durable, still is, and records
@@ -59,14 +50,21 @@ func (l *Locker) checkDurability(ctx context.Context, i int, n Node) {
 	}
 	m.mu.Lock()
 	if m.runID != runID || !m.durable {
-		m.mu.Unlock() // a restart seen meanwhile: its own check
+		m.mu.Unlock() // a restart seen meanwhile (its own check), or recorded already
 		return
 	}
 	m.durable = false
-	// Recorded as the process behind the node, not durable (no quarantine:
-	// it has lost nothing yet); retried until it is, and meanwhile the node
-	// does not count if recording fails.
-	l.recoverLocked(i, recoveryReq{runID: runID, durable: false, unseen: true}, false)
-	l.opts.Logger.Warn("node no longer fsyncs every write (appendonly or appendfsync changed at run time): its next restart is treated as a loss of its leases, whatever its settings then",
+	l.durabilityLostLocked(i)
+}
+
+// durabilityLostLocked records that the process behind node i, held durable
+// until now, no longer fsyncs every write: as the process behind the node,
+// not durable (no quarantine: it has lost nothing yet), retried until it is
+// recorded (meanwhile the node does not count if recording fails). m.mu is
+// held, and unlocked.
+func (l *Locker) durabilityLostLocked(i int) {
+	m := l.members[i]
+	l.recoverLocked(i, recoveryReq{runID: m.runID, durable: false, unseen: true}, false)
+	l.opts.Logger.Warn("node no longer fsyncs every write (appendonly or appendfsync changed at run time, or CONFIG refused): its next restart is treated as a loss of its leases, whatever its settings then",
 		slog.String("node", m.Addr()))
 }

@@ -78,11 +78,12 @@ const (
 var errNoPolicy = errors.New("info memory: no maxmemory or maxmemory_policy")
 
 // checkEviction reads every node's eviction policy in parallel, each within
-// NodeTimeout, and notes it; then whether a node held durable still is (see
-// checkDurability). A node that does not answer keeps its state.
+// NodeTimeout, and notes it; then, each within NodeTimeout again, whether a
+// node held durable still is (see checkDurability). A node that does not
+// answer keeps its state.
 func (l *Locker) checkEviction(ctx context.Context) {
+	defer l.eachNode(ctx, l.checkDurability)
 	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
-		defer l.checkDurability(ctx, i, n)
 		if er, ok := n.(evictionReader); ok {
 			policy, err := er.EvictionPolicy(ctx)
 			switch {

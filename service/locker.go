@@ -557,9 +557,21 @@ func (l *Locker) seen(i int, id string, durable bool) {
 	m := l.members[i]
 	m.mu.Lock()
 	prev, prevDurable := m.runID, m.durable
-	m.runID, m.durable = id, durable
 	epoch := m.epoch
-	if prev == id || (prev == "" && epoch == "") {
+	if prev == id {
+		// The same process, on a new connection. Once found not fsyncing
+		// every write, it stays so until it restarts (its writes since may
+		// be lost then), and the finding is recorded (see durable.go).
+		m.durable = prevDurable && durable
+		if prevDurable && !durable && epoch != "" {
+			l.durabilityLostLocked(i)
+			return
+		}
+		m.mu.Unlock()
+		return
+	}
+	m.runID, m.durable = id, durable
+	if prev == "" && epoch == "" {
 		// Before Init has registered the node (epoch ""), Init checks the
 		// process itself.
 		m.mu.Unlock()

@@ -287,15 +287,28 @@ func (n *RedisNode) connected(ctx context.Context, cn *redis.Conn) error {
 	if id == "" {
 		return errors.New("new connection: info server: no run_id")
 	}
-	return (*f)(ctx, id, fsyncsAll(ctx, cn))
+	durable, err := fsyncsAll(ctx, cn)
+	if err != nil {
+		// Not an answer: a node that cannot say now is not recorded as
+		// having stopped fsyncing (see seen).
+		return fmt.Errorf("new connection: %w", err)
+	}
+	return (*f)(ctx, id, durable)
 }
 
 // fsyncsAll reports whether the server behind c fsyncs every write before
 // answering (appendonly yes, appendfsync always, and no-appendfsync-on-rewrite
 // no: with it on, writes are not fsynced while a save or rewrite runs);
-// false if CONFIG is refused.
-func fsyncsAll(ctx context.Context, c redis.Cmdable) bool {
-	return fsyncConfig(c.ConfigGet(ctx, "*append*").Result())
+// false if CONFIG is refused. Other errors (a timeout) are returned.
+func fsyncsAll(ctx context.Context, c redis.Cmdable) (bool, error) {
+	cfg, err := c.ConfigGet(ctx, "*append*").Result()
+	if err != nil {
+		if err = refusal(err); errors.Is(err, ErrCommandRefused) {
+			return false, nil
+		}
+		return false, fmt.Errorf("config get *append*: %w", err)
+	}
+	return fsyncConfig(cfg, nil), nil
 }
 
 // fsyncConfig is fsyncsAll on the answer to CONFIG GET *append*.

@@ -1028,44 +1028,57 @@ func TestLocker_QuarantinedMajorityLogged(t *testing.T) {
 
 // TestLocker_DurabilityTurnedOff: a node that fsyncs every write (AOF,
 // appendfsync always) and has its AOF switched off at run time (CONFIG SET
-// appendonly no) is recorded as no longer durable within a second. When it
-// restarts, its AOF back on but without what was written meanwhile (a
-// lock), it is quarantined, not trusted to have kept its leases.
+// appendonly no) is recorded as no longer durable, found by the check every
+// second or, first, by a new connection to it (the Locker's connections
+// killed, as a timeout or a network blip does). When it restarts, its AOF
+// back on but without what was written meanwhile (a lock), a server started
+// after the restart, which knows only the record, quarantines it rather than
+// trust it to have kept its leases.
 func TestLocker_DurabilityTurnedOff(t *testing.T) {
 	t.Parallel()
-	ctx := t.Context()
-	e := newRestartEnv(t, true)
-	l := e.locker(t, e.db)
-	addr := e.nodes[0].Addr()
-	conn, err := pgx.Connect(ctx, e.url)
-	if err != nil {
-		t.Fatal(err)
+	for _, reconnect := range []bool{false, true} {
+		t.Run(map[bool]string{false: "Polled", true: "NewConnection"}[reconnect], func(t *testing.T) {
+			t.Parallel()
+			ctx := t.Context()
+			e := newRestartEnv(t, true)
+			l := e.locker(t, e.db)
+			addr := e.nodes[0].Addr()
+			conn, err := pgx.Connect(ctx, e.url)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = conn.Close(context.Background()) })
+			recorded := func(want bool) func() (bool, error) {
+				return func() (bool, error) {
+					var d *bool
+					err := conn.QueryRow(ctx, `SELECT run_durable FROM redfence_nodes WHERE addr = $1`, addr).Scan(&d)
+					return err == nil && d != nil && *d == want, err
+				}
+			}
+			testutil.WaitFor(t, 20*time.Second, "node 0 recorded as durable", recorded(true))
+			if err := e.raw[0].ConfigSet(ctx, "appendonly", "no").Err(); err != nil {
+				t.Fatal(err)
+			}
+			if reconnect {
+				if err := e.raw[0].Do(ctx, "CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes").Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			testutil.WaitFor(t, 20*time.Second, "node 0 recorded as no longer durable", recorded(false))
+			a := e.holdOnFirstThree(t, l, "aof-off")
+			l.Close() // this server restarts too; its heartbeat still counts
+			e.restartEmpty(t, 0) // its AOF back on (its configuration), without A's lock
+			if n, err := e.raw[0].Exists(ctx, "redfence:lock:aof-off").Result(); err != nil || n != 0 {
+				t.Fatalf("node 0 after the restart: A's key present = %d, %v; want the fault (lost)", n, err)
+			}
+			b, err := e.locker(t, e.db).Acquire(ctx, "aof-off", service.Request{TTL: time.Second})
+			if err == nil {
+				t.Fatalf("B granted (token %d) while A (token %d) holds the lock: two holders", b.Fencing, a.Fencing)
+			}
+			var se *service.Error
+			if !errors.As(err, &se) || se.Nodes[0].Outcome != service.Quarantined {
+				t.Fatalf("B = %v; want refused with node 0 quarantined", err)
+			}
+		})
 	}
-	t.Cleanup(func() { _ = conn.Close(context.Background()) })
-	recorded := func(want bool) func() (bool, error) {
-		return func() (bool, error) {
-			var d *bool
-			err := conn.QueryRow(ctx, `SELECT run_durable FROM redfence_nodes WHERE addr = $1`, addr).Scan(&d)
-			return err == nil && d != nil && *d == want, err
-		}
-	}
-	testutil.WaitFor(t, 20*time.Second, "node 0 recorded as durable", recorded(true))
-	if err := e.raw[0].ConfigSet(ctx, "appendonly", "no").Err(); err != nil {
-		t.Fatal(err)
-	}
-	testutil.WaitFor(t, 20*time.Second, "node 0 recorded as no longer durable", recorded(false))
-	a := e.holdOnFirstThree(t, l, "aof-off")
-	e.restartEmpty(t, 0) // its AOF back on (its configuration), without A's lock
-	if n, err := e.raw[0].Exists(ctx, "redfence:lock:aof-off").Result(); err != nil || n != 0 {
-		t.Fatalf("node 0 after the restart: A's key present = %d, %v; want the fault (lost)", n, err)
-	}
-	b, err := l.Acquire(ctx, "aof-off", service.Request{TTL: time.Second})
-	if err == nil {
-		t.Fatalf("B granted (token %d) while A (token %d) holds the lock: two holders", b.Fencing, a.Fencing)
-	}
-	var se *service.Error
-	if !errors.As(err, &se) || se.Nodes[0].Outcome != service.Quarantined {
-		t.Fatalf("B = %v; want refused with node 0 quarantined", err)
-	}
-	_ = l.Release(ctx, "aof-off", a.Token)
 }
