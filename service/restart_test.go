@@ -1066,7 +1066,7 @@ func TestLocker_DurabilityTurnedOff(t *testing.T) {
 			}
 			testutil.WaitFor(t, 20*time.Second, "node 0 recorded as no longer durable", recorded(false))
 			a := e.holdOnFirstThree(t, l, "aof-off")
-			l.Close() // this server restarts too; its heartbeat still counts
+			l.Close()            // this server restarts too; its heartbeat still counts
 			e.restartEmpty(t, 0) // its AOF back on (its configuration), without A's lock
 			if n, err := e.raw[0].Exists(ctx, "redfence:lock:aof-off").Result(); err != nil || n != 0 {
 				t.Fatalf("node 0 after the restart: A's key present = %d, %v; want the fault (lost)", n, err)
