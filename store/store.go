@@ -236,6 +236,9 @@ func (db *DB) Migrate(ctx context.Context) (applied []string, err error) {
 	return migrate(ctx, sqlDB)
 }
 
+// migrationsTable is goose's record of the applied migrations.
+const migrationsTable = "redfence_schema_migrations"
+
 // migrationLockID is the Postgres advisory lock key that serialises migrations
 // ("redfence" in ASCII).
 const migrationLockID = 0x72656466656e6365
@@ -249,7 +252,7 @@ func migrate(ctx context.Context, sqlDB *sql.DB) ([]string, error) {
 	}
 	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
 		goose.WithSessionLocker(locker),
-		goose.WithTableName("redfence_schema_migrations"),
+		goose.WithTableName(migrationsTable),
 		goose.WithDisableGlobalRegistry(true),
 	)
 	if err != nil {

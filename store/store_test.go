@@ -79,6 +79,22 @@ func migrationFiles(t testing.TB) []string {
 	return names
 }
 
+// migrateUpTo applies db's migrations up to version only, as an older
+// build left the database.
+func migrateUpTo(t testing.TB, db *DB, version int64) {
+	t.Helper()
+	sqlDB := stdlib.OpenDBFromPool(db.pool)
+	t.Cleanup(func() { _ = sqlDB.Close() })
+	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
+		goose.WithTableName(migrationsTable), goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.UpTo(t.Context(), version); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // issue issues a token for key and fails the test on error.
 func issue(t testing.TB, db *DB, key string) fencing.Token {
 	t.Helper()
@@ -129,16 +145,7 @@ func TestDB_Migrate(t *testing.T) {
 		t.Parallel()
 		url := clustertest.Database(t)
 		db := open(t, url, Options{DocMaxConns: 1})
-		sqlDB := stdlib.OpenDBFromPool(db.pool)
-		t.Cleanup(func() { _ = sqlDB.Close() })
-		p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
-			goose.WithTableName("redfence_schema_migrations"), goose.WithDisableGlobalRegistry(true))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := p.UpTo(t.Context(), 6); err != nil {
-			t.Fatal(err)
-		}
+		migrateUpTo(t, db, 6)
 		const doc = `{"b":[1,2.50,null],"a":{"s":"\u00e9"},"n":-12}`
 		if _, err := db.pool.Exec(t.Context(), `INSERT INTO redfence_fencing (key, token) VALUES ('k', 3);
 INSERT INTO redfence_resources (key, data, fencing_token, version) VALUES ('k', '`+doc+`', 3, 2)`); err != nil {
@@ -164,16 +171,7 @@ INSERT INTO redfence_resources (key, data, fencing_token, version) VALUES ('k', 
 		t.Parallel()
 		url := clustertest.Database(t)
 		setup := open(t, url, Options{})
-		sqlDB := stdlib.OpenDBFromPool(setup.pool)
-		t.Cleanup(func() { _ = sqlDB.Close() })
-		p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
-			goose.WithTableName("redfence_schema_migrations"), goose.WithDisableGlobalRegistry(true))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := p.UpTo(t.Context(), 6); err != nil {
-			t.Fatal(err)
-		}
+		migrateUpTo(t, setup, 6)
 		if _, err := setup.pool.Exec(t.Context(), `INSERT INTO redfence_resources (key, data, fencing_token, version)
 SELECT 'k' || i, jsonb_build_object('n', i, 's', repeat('x', 40)), 1, 1 FROM generate_series(1, 300000) i`); err != nil {
 			t.Fatal(err)
