@@ -45,8 +45,8 @@ func devRateLimit(cfg *Config, lookup func(string) (string, bool)) {
 
 func cmdDev(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := flags("dev", `Starts local servers and serves on them, for trying Redfence out:
-with no REDFENCE_REDIS_ADDRS / REDFENCE_DATABASE_URL it starts its own
-redis-server nodes and a throwaway Postgres on free loopback ports (local
+with no REDFENCE_REDIS_ADDRS it starts its own redis-server nodes, and with
+no REDFENCE_DATABASE_URL a throwaway Postgres, on free loopback ports (local
 binaries, or Docker through dockertest when they are missing), migrates, and
 serves. Ctrl-C stops everything it started and removes its temporary data.
 
@@ -79,8 +79,18 @@ below are otherwise the same.`, stderr)
 
 	sharedDB := cfg.DatabaseURL != "" // one this command did not start: it outlives it
 	if len(cfg.RedisAddrs) == 0 || cfg.DatabaseURL == "" {
-		fmt.Fprintf(stdout, "Starting %d redis-server nodes and Postgres on loopback...\n", *n)
-		c, err := cluster.Start(ctx, cluster.Options{Nodes: *n, DurablePostgres: true})
+		// Only what is not configured: the rest is the user's.
+		opts := cluster.Options{Nodes: *n, DurablePostgres: true,
+			WithoutRedis: len(cfg.RedisAddrs) > 0, WithoutPostgres: cfg.DatabaseURL != ""}
+		switch {
+		case opts.WithoutRedis:
+			fmt.Fprintln(stdout, "Starting Postgres on loopback...")
+		case opts.WithoutPostgres:
+			fmt.Fprintf(stdout, "Starting %d redis-server nodes on loopback...\n", *n)
+		default:
+			fmt.Fprintf(stdout, "Starting %d redis-server nodes and Postgres on loopback...\n", *n)
+		}
+		c, err := cluster.Start(ctx, opts)
 		if err != nil {
 			if ctx.Err() != nil { // Ctrl-C while starting: not a failure to report
 				fmt.Fprintln(stderr, "redfence dev: interrupted while starting; stopped what had started")
@@ -92,7 +102,7 @@ below are otherwise the same.`, stderr)
 			if err := c.Close(); err != nil {
 				log.Warn("stopping local servers", slog.String("error", err.Error()))
 			}
-			fmt.Fprintln(stdout, "Stopped the local Redis nodes and Postgres; removed their data.")
+			fmt.Fprintln(stdout, "Stopped the local servers it started; removed their data.")
 		}()
 		if len(cfg.RedisAddrs) == 0 {
 			cfg.RedisAddrs = c.Addrs()

@@ -41,9 +41,13 @@ type Options struct {
 	// Log receives the output of all servers; nil discards it. Writes are
 	// serialised.
 	Log io.Writer
+	// WithoutRedis and WithoutPostgres leave the Redis nodes or Postgres
+	// out (the caller has its own).
+	WithoutRedis, WithoutPostgres bool
 }
 
-// Cluster is N Redis nodes plus one Postgres.
+// Cluster is N Redis nodes plus one Postgres (either may be left out, see
+// Options).
 type Cluster struct {
 	// Redis holds the nodes in a fixed order.
 	Redis []*Redis
@@ -64,12 +68,16 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	c := &Cluster{}
 	var redisErr, pgErr error
 	var wg sync.WaitGroup
-	wg.Go(func() {
-		c.Redis, redisErr = StartRedisNodes(ctx, opts.Nodes, RedisOptions{Persist: opts.Persist, Log: log})
-	})
-	wg.Go(func() {
-		c.Postgres, pgErr = StartPostgres(ctx, PostgresOptions{Durable: opts.DurablePostgres, Log: log})
-	})
+	if !opts.WithoutRedis {
+		wg.Go(func() {
+			c.Redis, redisErr = StartRedisNodes(ctx, opts.Nodes, RedisOptions{Persist: opts.Persist, Log: log})
+		})
+	}
+	if !opts.WithoutPostgres {
+		wg.Go(func() {
+			c.Postgres, pgErr = StartPostgres(ctx, PostgresOptions{Durable: opts.DurablePostgres, Log: log})
+		})
+	}
 	wg.Wait()
 	if err := errors.Join(redisErr, pgErr); err != nil {
 		return nil, errors.Join(err, c.Close())

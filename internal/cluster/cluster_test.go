@@ -362,3 +362,33 @@ func TestCluster_Close(t *testing.T) {
 		t.Error("Start after Close succeeded; want error")
 	}
 }
+
+// TestStart_Without: a cluster started without Redis or without Postgres
+// starts only the other (redfence dev pointed at the user's own servers).
+func TestStart_Without(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name            string
+		noRedis, noPG   bool
+		wantRedis, want int
+	}{
+		{"WithoutPostgres", false, true, 2, 0},
+		{"WithoutRedis", true, false, 0, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c, err := cluster.Start(t.Context(), cluster.Options{Nodes: 2, WithoutRedis: tc.noRedis, WithoutPostgres: tc.noPG})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = c.Close() })
+			pg := 0
+			if c.Postgres != nil {
+				pg = 1
+			}
+			if len(c.Redis) != tc.wantRedis || pg != tc.want {
+				t.Errorf("Start = %d Redis nodes, %d Postgres; want %d, %d", len(c.Redis), pg, tc.wantRedis, tc.want)
+			}
+		})
+	}
+}
