@@ -554,11 +554,7 @@ func TestDB_PutResource(t *testing.T) {
 // connection the issuance would wait for the stuck write.
 func TestDB_DocumentsOwnPool(t *testing.T) {
 	t.Parallel()
-	url := clustertest.Database(t)
-	db := open(t, url, Options{MaxConns: 1, DocMaxConns: 1, StatementTimeout: 5 * time.Minute})
-	if _, err := db.Migrate(t.Context()); err != nil {
-		t.Fatal(err)
-	}
+	db, url := newDB(t, Options{MaxConns: 1, DocMaxConns: 1, StatementTimeout: 5 * time.Minute})
 	const key = "doc"
 	tok := issue(t, db, key)
 	conn := connect(t, url)
