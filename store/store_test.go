@@ -166,22 +166,57 @@ INSERT INTO redfence_resources (key, data, fencing_token, version) VALUES ('k', 
 
 	t.Run("LongRewrite", func(t *testing.T) {
 		// 00007 rewrites the documents' table: it runs as long as that
-		// takes, not cut short by the pool's statement timeout (50 ms
-		// here; 300,000 rows take far longer to rewrite).
+		// takes, not cut short by the pool's statement timeout. Here the
+		// rewrite waits for a reader's lock until it has run longer than
+		// that timeout (1 s), and within its own lock timeout (5 s).
 		t.Parallel()
+		ctx := t.Context()
 		url := clustertest.Database(t)
 		setup := open(t, url, Options{})
 		migrateUpTo(t, setup, 6)
-		if _, err := setup.pool.Exec(t.Context(), `INSERT INTO redfence_resources (key, data, fencing_token, version)
-SELECT 'k' || i, jsonb_build_object('n', i, 's', repeat('x', 40)), 1, 1 FROM generate_series(1, 300000) i`); err != nil {
+		reader, err := pgx.Connect(ctx, url)
+		if err != nil {
 			t.Fatal(err)
 		}
-		db := open(t, url, Options{StatementTimeout: 50 * time.Millisecond})
-		if _, err := db.Migrate(t.Context()); err != nil {
-			t.Fatalf("Migrate with a 50 ms statement timeout: %v", err)
+		t.Cleanup(func() { reader.Close(context.Background()) })
+		tx, err := reader.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `SELECT count(*) FROM redfence_resources`); err != nil { // a lock the rewrite waits for
+			t.Fatal(err)
+		}
+		watch, err := pgx.Connect(ctx, url) // outside any transaction: pg_stat_activity is read afresh
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { watch.Close(context.Background()) })
+		db := open(t, url, Options{StatementTimeout: time.Second})
+		migrated := make(chan error, 1)
+		go func() {
+			_, err := db.Migrate(ctx)
+			migrated <- err
+		}()
+		testutil.WaitFor(t, time.Minute, "the rewrite running past the statement timeout", func() (bool, error) {
+			select {
+			case err := <-migrated:
+				t.Fatalf("Migrate ended while the rewrite waited for the table: %v", err)
+			default:
+			}
+			var n int
+			err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND query LIKE '%ALTER TABLE redfence_resources%'
+  AND state = 'active' AND now() - query_start > interval '1500 milliseconds'`).Scan(&n)
+			return n > 0, err
+		})
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-migrated; err != nil {
+			t.Fatalf("Migrate with a 1 s statement timeout, its rewrite running longer: %v", err)
 		}
 		var typ string
-		if err := db.pool.QueryRow(t.Context(), `SELECT data_type FROM information_schema.columns
+		if err := db.pool.QueryRow(ctx, `SELECT data_type FROM information_schema.columns
 WHERE table_name = 'redfence_resources' AND column_name = 'data'`).Scan(&typ); err != nil || typ != "json" {
 			t.Fatalf("data column type = %q, %v; want json", typ, err)
 		}

@@ -10,6 +10,10 @@ import (
 // TestCheckJSON checks what CheckJSON refuses: what Postgres's JSON
 // functions, Unicode text or a double cannot hold (store's
 // TestDB_PutResource/InvalidData writes to Postgres).
+// halfway is (2^54-1)·2^970, halfway between the largest double and 2^1024:
+// it rounds to infinity (to even), anything below it to the largest double.
+const halfway = "179769313486231580793728971405303415079934132710037826936173778980444968292764750946649017977587207096330286416692887910946555547851940402630657488671505820681908902000708383676273854845817711531764475730270069855571366959622842914819860834936475292719074168444365510704342711559699508093042880177904174497792"
+
 func TestCheckJSON(t *testing.T) {
 	for _, tc := range []struct {
 		data string
@@ -50,6 +54,25 @@ func TestCheckJSON(t *testing.T) {
 		{"12.5E+3", true},
 		{"0.001e311", true},
 		{"0.001e312", false},
+		// Halfway between the largest double and 2^1024 rounds to
+		// infinity; the digits past the 40th decide either side of it.
+		{"1.7976931348623158079372897140530341507999e308", false},
+		{"1.79769313486231580793728971405303415079933e308", true},
+		{halfway, false},
+		{halfway[:len(halfway)-1] + "1", true},
+		{"-" + halfway, false},
+		{halfway + ".0000000000000000000000000000000000000000000001", false},
+		{"0.0" + halfway + "e310", false},
+		{"0.0" + halfway[:len(halfway)-1] + "1e310", true},
+		// Nesting: MaxDepth levels, not one more; brackets in strings
+		// and keys are text.
+		{strings.Repeat("[", MaxDepth) + strings.Repeat("]", MaxDepth), true},
+		{strings.Repeat("[", MaxDepth+1) + strings.Repeat("]", MaxDepth+1), false},
+		{strings.Repeat(`{"a":`, MaxDepth) + "1" + strings.Repeat("}", MaxDepth), true},
+		{strings.Repeat(`{"a":`, MaxDepth+1) + "1" + strings.Repeat("}", MaxDepth+1), false},
+		{strings.Repeat("[[],", MaxDepth) + "1" + strings.Repeat("]", MaxDepth), true},
+		{`{"[[[[": "` + strings.Repeat("[{", 200) + `"}`, true},
+		{strings.Repeat("[", MaxDepth) + `"]]]\"]]"` + strings.Repeat("]", MaxDepth), true},
 	} {
 		if !json.Valid([]byte(tc.data)) { // encoding/json lets invalid UTF-8 through
 			t.Fatalf("%q is not valid JSON", tc.data)
