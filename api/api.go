@@ -677,7 +677,13 @@ func typeReason(t reflect.Type, err error) string {
 	if t.Kind() == reflect.Int64 && isIntegerLiteral(strings.TrimPrefix(te.Value, "number ")) {
 		return reasonBeyondInt64
 	}
-	return fmt.Sprintf("must be %s, got %s", jsonType(t.Kind().String()), te.Value)
+	// A number's literal is quoted, cut short as an unknown field's name is:
+	// it goes into the answer and the log.
+	got := te.Value
+	if len(got) > len("number ")+maxQuotedField {
+		got = got[:len("number ")+maxQuotedField] + "…"
+	}
+	return fmt.Sprintf("must be %s, got %s", jsonType(t.Kind().String()), got)
 }
 
 var rawMessageType = reflect.TypeFor[json.RawMessage]()
@@ -769,7 +775,8 @@ func isIntegerLiteral(s string) bool {
 	return true
 }
 
-// maxQuotedField bounds how much of an unknown field's name an error quotes.
+// maxQuotedField bounds how much of an unknown field's name, or of a number
+// of the wrong type, an error quotes.
 const maxQuotedField = 64
 
 func jsonType(kind string) string {
@@ -1017,6 +1024,16 @@ func (a grantAnswer) get() (string, fencing.Token) {
 	return a.owner, a.fencing
 }
 
+// answerBefore sends what w holds now, when the audit line would otherwise
+// hold it back waiting for grant's lookup in Postgres (another server's
+// grant, or one made before a restart), which neither a release nor a
+// refusal needs. Otherwise the answer goes when the handler returns.
+func (h *Handler) answerBefore(w http.ResponseWriter, grant grantAnswer) {
+	if !grant.ready() {
+		_ = http.NewResponseController(w).Flush()
+	}
+}
+
 // ready reports whether get would not wait.
 func (a grantAnswer) ready() bool {
 	if a.lookup == nil {
@@ -1054,26 +1071,11 @@ func validOwner(s string) string {
 	return ""
 }
 
-// lockResponse is the LockResponse of g for a request that arrived at
-// arrived. Its validity_ms counts from then, not from now: the client counts
-// it from its send time, which came before, so its deadline falls before the
-// lease's end however long the request took (a wait included).
-func (h *Handler) lockResponse(name string, g *service.Grant, withToken bool, arrived time.Time) *LockResponse {
-	resp := &LockResponse{
-		Name:         name,
-		FencingToken: int64(g.Fencing),
-		TTLMS:        g.TTL.Milliseconds(),
-		ValidityMS:   max(g.ValidityFrom(arrived).Milliseconds(), 0),
-		ExpiresAt:    g.Expires.UTC().Format(time.RFC3339Nano),
-		Owner:        g.Owner,
-	}
-	if withToken {
-		resp.LockToken = g.Token
-	}
-	return resp
-}
-
-// writeLock writes the LockResponse of g (lockResponse), encoded by hand.
+// writeLock writes the LockResponse of g, encoded by hand, for a request that
+// arrived at arrived. Its validity_ms counts from then, not from now: the
+// client counts it from its send time, which came before, so its deadline
+// falls before the lease's end however long the request took (a wait
+// included).
 func (h *Handler) writeLock(w http.ResponseWriter, status int, name string, g *service.Grant, withToken bool, arrived time.Time) {
 	buf := getBuf()
 	defer putBuf(buf)
@@ -1135,9 +1137,13 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	}
 	g, err := h.locker.Extend(r.Context(), key, token, ttl)
 	if err != nil {
-		owner, ft := h.grantFor(r, slog.LevelInfo, key, token).get()
+		grant := h.grantFor(r, slog.LevelInfo, key, token)
+		h.m.failed("extend", serviceBounds(err))
+		h.writeError(w, r, serviceBounds(err))
+		h.answerBefore(w, grant)
+		owner, ft := grant.get()
 		h.audit(r, slog.LevelInfo, "lock extend refused", name, owner, ft, classifyOutcome(err), noTTL)
-		return serviceBounds(err)
+		return nil
 	}
 	h.m.extended("extended")
 	h.remember(r, key, g)
@@ -1161,20 +1167,18 @@ func (h *Handler) doRelease(w http.ResponseWriter, r *http.Request) error {
 	grant := h.grantFor(r, slog.LevelInfo, key, token) // for the audit line; a lookup runs in parallel
 	start := time.Now()
 	if err := h.locker.Release(r.Context(), key, token); err != nil {
+		h.m.failed("release", err)
+		h.writeError(w, r, err)
+		h.answerBefore(w, grant)
 		owner, ft := grant.get()
 		h.audit(r, slog.LevelInfo, "lock release refused", name, owner, ft, classifyOutcome(err), noTTL)
-		return err
+		return nil
 	}
 	h.m.releaseSeconds.Observe(time.Since(start).Seconds())
 	h.m.released("released")
 	h.grants.drop(token)
-	w.WriteHeader(http.StatusNoContent) // sent when the handler returns...
-	if !grant.ready() {
-		// ...or now, when the audit line waits for Postgres (another
-		// server's grant, or one made before a restart), which a release
-		// does not need.
-		_ = http.NewResponseController(w).Flush()
-	}
+	w.WriteHeader(http.StatusNoContent)
+	h.answerBefore(w, grant)
 	owner, ft := grant.get()
 	h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released", noTTL)
 	return nil

@@ -368,6 +368,34 @@ func TestAPI_ManyProblems(t *testing.T) {
 	}
 }
 
+// TestAPI_LongNumberCut: a number of the wrong type is quoted cut short, as
+// an unknown field's name is: a megabyte of digits does not come back twice
+// in the answer (detail and invalid_params).
+func TestAPI_LongNumberCut(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	held := e.mustAcquire("long-number", map[string]any{"ttl_ms": 60000})
+	digits := strings.Repeat("1", 512<<10)
+	for _, tc := range []struct{ method, path, body string }{
+		{http.MethodPost, "/v1/locks/long-number-2", `{"ttl_ms":1.` + digits + `}`},
+		{http.MethodPut, "/v1/resources/long-number", `{"fencing_token":1.` + digits + `,"data":1}`},
+		{http.MethodPost, "/v1/locks/long-number/extend", `{"ttl_ms":-` + digits + `.5}`},
+	} {
+		var hdr []string
+		if strings.HasSuffix(tc.path, "/extend") {
+			hdr = []string{api.LockTokenHeader, held.LockToken}
+		}
+		r := e.do(e.loose, tc.method, tc.path, tc.body, hdr...)
+		p := r.problem(t)
+		if r.status != http.StatusBadRequest || p.Type != api.ProblemTypePrefix+"invalid-request" {
+			t.Fatalf("%s %s = %d %s", tc.method, tc.path, r.status, p.Type)
+		}
+		if len(r.body) > 1<<10 || !strings.Contains(p.Detail, "got number ") || !strings.Contains(p.Detail, "…") {
+			t.Errorf("%s %s: an answer of %d bytes, detail %.200q; want the number quoted cut short", tc.method, tc.path, len(r.body), p.Detail)
+		}
+	}
+}
+
 // TestAPI_BodyCutShort: a body that stops before its Content-Length is
 // answered without the connection's addresses or Go's wording: 408
 // request-timeout when the server's read timeout runs out first, 400 when

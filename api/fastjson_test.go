@@ -169,6 +169,23 @@ func TestAppendProblem(t *testing.T) {
 	}
 }
 
+// lockResponse is the LockResponse of g for a request that arrived at
+// arrived, built plainly: what writeLock must encode.
+func lockResponse(name string, g *service.Grant, withToken bool, arrived time.Time) *LockResponse {
+	resp := &LockResponse{
+		Name:         name,
+		FencingToken: int64(g.Fencing),
+		TTLMS:        g.TTL.Milliseconds(),
+		ValidityMS:   max(g.ValidityFrom(arrived).Milliseconds(), 0),
+		ExpiresAt:    g.Expires.UTC().Format(time.RFC3339Nano),
+		Owner:        g.Owner,
+	}
+	if withToken {
+		resp.LockToken = g.Token
+	}
+	return resp
+}
+
 // TestWriteLock compares the grant the handler writes with what
 // lockResponse and encoding/json made of it.
 func TestWriteLock(t *testing.T) {
@@ -183,7 +200,7 @@ func TestWriteLock(t *testing.T) {
 			}
 			w := httptest.NewRecorder()
 			h.writeLock(w, http.StatusCreated, "orders:"+owner, g, withToken, now)
-			want := stdJSON(t, h.lockResponse("orders:"+owner, g, withToken, now))
+			want := stdJSON(t, lockResponse("orders:"+owner, g, withToken, now))
 			if w.Code != http.StatusCreated || !bytes.Equal(w.Body.Bytes(), want) {
 				t.Fatalf("writeLock = %d %s; want 201 %s", w.Code, w.Body.Bytes(), want)
 			}

@@ -294,46 +294,67 @@ func TestOwnLockTokenNotQuoted(t *testing.T) {
 	}
 }
 
-// TestReleaseAnswersBeforeAudit checks that a release whose audit line
-// waits for Postgres (another server's grant) answers the client first: a
-// release does not need Postgres.
+// TestReleaseAnswersBeforeAudit checks that a release, or a refused release
+// or extend, whose audit line waits for Postgres (another server's grant)
+// answers the client first: none of them needs Postgres.
 func TestReleaseAnswersBeforeAudit(t *testing.T) {
-	e := newFakeEnv(t, false)
-	other := NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: slog.New(slog.DiscardHandler)})
-	g := e.acquire(t, other, "orders", `{"owner":"bob"}`)
-	gate := make(chan struct{})
-	e.l.mu.Lock()
-	e.l.lastGate = gate
-	e.l.mu.Unlock()
-	srv := httptest.NewServer(e.h)
-	req, err := http.NewRequest(http.MethodDelete, srv.URL+"/v1/locks/orders", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set(LockTokenHeader, g.LockToken)
-	got := make(chan int, 1)
-	go func() {
-		resp, err := srv.Client().Do(req)
-		if err != nil {
-			got <- 0
-			return
-		}
-		resp.Body.Close()
-		got <- resp.StatusCode
-	}()
-	select {
-	case code := <-got:
-		if code != http.StatusNoContent {
-			t.Errorf("release = %d; want 204", code)
-		}
-	case <-time.After(time.Minute): // a hang, not a speed limit: the lookup never ends while gated
-		t.Error("the release's answer waited for the audit line's Postgres lookup")
-	}
-	close(gate)
-	srv.Close() // waits for the handler, which writes the audit line
-	ls := e.lines(t, "lock released")
-	if len(ls) != 1 || ls[0]["owner"] != "bob" || ls[0]["fencing_token"] != float64(g.FencingToken) {
-		t.Errorf("release audit lines = %v; want one naming bob and fencing token %d", ls, g.FencingToken)
+	for _, tc := range []struct {
+		name, method, path string
+		wrongToken         bool
+		status             int
+		line               string
+	}{
+		{"Released", http.MethodDelete, "/v1/locks/orders", false, http.StatusNoContent, "lock released"},
+		{"ReleaseRefused", http.MethodDelete, "/v1/locks/orders", true, http.StatusConflict, "lock release refused"},
+		{"ExtendRefused", http.MethodPost, "/v1/locks/orders/extend", true, http.StatusConflict, "lock extend refused"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newFakeEnv(t, false)
+			other := NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: slog.New(slog.DiscardHandler)})
+			g := e.acquire(t, other, "orders", `{"owner":"bob"}`)
+			gate := make(chan struct{})
+			e.l.mu.Lock()
+			e.l.lastGate = gate
+			e.l.mu.Unlock()
+			srv := httptest.NewServer(e.h)
+			req, err := http.NewRequest(tc.method, srv.URL+tc.path, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			token := g.LockToken
+			if tc.wrongToken {
+				token = strings.Repeat("A", 27) // well-formed, not the holder's
+			}
+			req.Header.Set(LockTokenHeader, token)
+			got := make(chan int, 1)
+			go func() {
+				resp, err := srv.Client().Do(req)
+				if err != nil {
+					got <- 0
+					return
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				got <- resp.StatusCode
+			}()
+			select {
+			case code := <-got:
+				if code != tc.status {
+					t.Errorf("%s %s = %d; want %d", tc.method, tc.path, code, tc.status)
+				}
+			case <-time.After(time.Minute): // a hang, not a speed limit: the lookup never ends while gated
+				t.Errorf("the answer (%d) waited for the audit line's Postgres lookup", tc.status)
+			}
+			close(gate)
+			srv.Close() // waits for the handler, which writes the audit line
+			ls := e.lines(t, tc.line)
+			switch {
+			case len(ls) != 1:
+				t.Errorf("%q audit lines = %v; want one", tc.line, ls)
+			case !tc.wrongToken && (ls[0]["owner"] != "bob" || ls[0]["fencing_token"] != float64(g.FencingToken)):
+				t.Errorf("%q audit line = %v; want it naming bob and fencing token %d", tc.line, ls[0], g.FencingToken)
+			}
+		})
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
 )
@@ -112,13 +113,15 @@ func TestAPI_EncodedNames(t *testing.T) {
 		t.Error("the lock taken through the encoded name is not held under the plain one")
 	}
 	// Data its readers cannot read (Postgres's JSON functions, Unicode text,
-	// a double) is
-	// refused with the reason, and the field, named.
+	// a double, deep nesting) is refused with the reason, and the field,
+	// named.
 	for _, tc := range []struct{ body, reason string }{
 		{fmt.Sprintf(`{"fencing_token":%d,"data":"nul \u0000 inside"}`, g.FencingToken), `\u0000`},
 		{fmt.Sprintf("{\"fencing_token\":%d,\"data\":\"\xff\xfe\"}", g.FencingToken), "UTF-8"},
 		{fmt.Sprintf(`{"fencing_token":%d,"data":["\ud800"]}`, g.FencingToken), "surrogate"},
 		{fmt.Sprintf(`{"fencing_token":%d,"data":{"n":1e309}}`, g.FencingToken), "double"},
+		{fmt.Sprintf(`{"fencing_token":%d,"data":[1.7976931348623158079372897140530341507999e308]}`, g.FencingToken), "double"},
+		{fmt.Sprintf(`{"fencing_token":%d,"data":%s1%s}`, g.FencingToken, strings.Repeat("[", refstore.MaxDepth+1), strings.Repeat("]", refstore.MaxDepth+1)), "levels deep"},
 	} {
 		r := e.do(e.loose, http.MethodPut, "/v1/resources/orders:invoice-7", tc.body)
 		p := r.problem(t)

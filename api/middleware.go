@@ -44,7 +44,7 @@ type reqState struct {
 
 	// hv backs the values of the headers set with setHeader, saving a
 	// one-string slice per header.
-	hv  [6]string
+	hv  [8]string
 	nhv int
 }
 

@@ -92,6 +92,11 @@ func (e *Error) Error() string {
 		if e.Detail != "" {
 			b.WriteString(": " + e.Detail)
 		}
+		if e.cause != nil {
+			// An answer that could not be read (a 2xx this client cannot
+			// decode): say why.
+			fmt.Fprintf(&b, ": %v", e.cause)
+		}
 	}
 	return b.String()
 }

@@ -62,3 +62,17 @@ func TestProblemError(t *testing.T) {
 		})
 	}
 }
+
+// TestDecodeError: a 2xx answer that cannot be decoded is ErrUnavailable,
+// and its message says it could not be decoded, not only "HTTP 200".
+func TestDecodeError(t *testing.T) {
+	t.Parallel()
+	var v struct{ N int }
+	err := decode("put", "doc", []byte(`{"N":"x"}`), &v)
+	if !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("decode = %v; want ErrUnavailable", err)
+	}
+	if msg := err.Error(); !strings.Contains(msg, "HTTP 200") || !strings.Contains(msg, "decoding the answer") {
+		t.Errorf("message %q; want the status and why the answer could not be decoded", msg)
+	}
+}

@@ -26,27 +26,7 @@ func TestLocker_CallerLeftDuringIssuance(t *testing.T) {
 	l := e.lockerWith(t, nil, service.Options{Registry: e.db, NoSpeculation: true, MaxTTL: time.Minute})
 	ctx := t.Context()
 	const key = "left-during-issuance"
-	g, err := l.Acquire(ctx, key, service.Request{TTL: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Release(ctx, key, g.Token); err != nil {
-		t.Fatal(err)
-	}
-
-	conn, err := pgx.Connect(ctx, e.url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { tx.Rollback(context.Background()) })
-	if _, err := tx.Exec(ctx, `SELECT token FROM redfence_fencing WHERE key = $1 FOR UPDATE`, key); err != nil {
-		t.Fatal(err)
-	}
+	tx, g := lockRows(t, e, l, key)
 
 	actx, leave := context.WithCancel(ctx)
 	done := make(chan error, 1)
@@ -58,14 +38,14 @@ func TestLocker_CallerLeftDuringIssuance(t *testing.T) {
 		done <- err
 	}()
 	// The acquire has its quorum and waits for the row.
+	watch := watchConn(t, e.url)
 	testutil.WaitFor(t, 10*time.Second, "issuance waiting for the row lock", func() (bool, error) {
 		select {
 		case err := <-done:
 			t.Fatalf("acquire ended before it waited for the row: %v", err)
 		default:
 		}
-		var n int
-		err := conn.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&n)
+		n, err := lockWaiters(ctx, watch)
 		return n > 0, err
 	})
 	leave()
@@ -89,6 +69,127 @@ func TestLocker_CallerLeftDuringIssuance(t *testing.T) {
 	if g2.Fencing <= g.Fencing+1 {
 		t.Errorf("next token %d; want above %d (the abandoned grant's token is spent)", g2.Fencing, g.Fencing+1)
 	}
+}
+
+// TestLocker_LeaseEndsInIssuanceQueue: a grant whose claim is still queued
+// for issuance when its lease ends (every committer busy: Postgres slow for
+// other names) is refused as expired, and its claim is dropped unissued.
+// Issued afterwards, its token would be newer than that of a grant made
+// after the lease, and fence that live holder out.
+func TestLocker_LeaseEndsInIssuanceQueue(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.lockerWith(t, nil, service.Options{Registry: e.db, NoSpeculation: true, MaxTTL: time.Minute, IssueTimeout: time.Minute})
+	ctx := t.Context()
+	// Both committers of the store (its default) are taken by these names'
+	// issuance, which waits for their rows.
+	blocked := []string{"queue-blocked-1", "queue-blocked-2"}
+	tx, _ := lockRows(t, e, l, blocked...)
+	watch := watchConn(t, e.url)
+	done := make(chan error, len(blocked))
+	for i, k := range blocked {
+		// One after the other, so each is a batch of its own.
+		go func() {
+			_, err := l.Acquire(ctx, k, service.Request{TTL: time.Minute})
+			done <- err
+		}()
+		testutil.WaitFor(t, 10*time.Second, "committers waiting for a row lock", func() (bool, error) {
+			n, err := lockWaiters(ctx, watch)
+			return n > i, err
+		})
+	}
+
+	const key = "queue-lease-ends"
+	queued := make(chan error, 1)
+	go func() {
+		g, err := l.Acquire(ctx, key, service.Request{TTL: 300 * time.Millisecond})
+		if err == nil {
+			err = fmt.Errorf("granted (token %d)", g.Fencing)
+		}
+		queued <- err
+	}()
+	select {
+	case err := <-queued:
+		if !errors.Is(err, service.ErrExpired) {
+			t.Errorf("acquire whose lease ended in the issuance queue = %v; want ErrExpired", err)
+		}
+	case <-time.After(time.Minute): // a hang, not a speed limit: the committers stay busy until the rows are freed
+		t.Error("the acquire waited in the issuance queue past its lease")
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for range blocked {
+		if err := <-done; err != nil {
+			t.Errorf("acquire of a blocked name: %v", err)
+		}
+	}
+	select {
+	case <-queued: // the failing case above
+	default:
+	}
+	// Claims for one name are issued in order: the next grant's token
+	// shows whether the dropped claim was issued.
+	g, err := l.Acquire(ctx, key, service.Request{TTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g.Fencing != 1 {
+		t.Errorf("first grant of %q after the expired one got token %d; want 1 (the expired grant's claim was issued)", key, g.Fencing)
+	}
+}
+
+// lockRows grants and releases each of keys once, so each has its row of
+// tokens, then locks those rows in a transaction of another session, which
+// it returns (rolled back at the end of the test) with the last grant:
+// issuance for the keys waits until the transaction ends.
+func lockRows(t *testing.T, e *restartEnv, l *service.Locker, keys ...string) (pgx.Tx, *service.Grant) {
+	t.Helper()
+	ctx := t.Context()
+	var g *service.Grant
+	for _, k := range keys {
+		var err error
+		if g, err = l.Acquire(ctx, k, service.Request{TTL: time.Second}); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx, k, g.Token); err != nil {
+			t.Fatal(err)
+		}
+	}
+	conn, err := pgx.Connect(ctx, e.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(ctx, `SELECT token FROM redfence_fencing WHERE key = ANY($1) FOR UPDATE`, keys); err != nil {
+		t.Fatal(err)
+	}
+	return tx, g
+}
+
+// watchConn opens a connection for lockWaiters, outside any transaction.
+func watchConn(t *testing.T, url string) *pgx.Conn {
+	t.Helper()
+	c, err := pgx.Connect(t.Context(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+// lockWaiters counts the sessions of the database that wait for a lock.
+// watch must not be in a transaction: there pg_stat_activity is a snapshot
+// taken at its first read, and would never change.
+func lockWaiters(ctx context.Context, watch *pgx.Conn) (int, error) {
+	var n int
+	err := watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&n)
+	return n, err
 }
 
 // opCounter counts the node requests reported for each op.

@@ -7,11 +7,13 @@ import (
 	"time"
 )
 
-// Sentinel errors. Every error returned by Locker matches exactly one of
-// ErrInvalid, ErrHeld, ErrQuorum, ErrFencing, ErrExpired, ErrLost, ErrNotHolder,
-// or a context error (context.Canceled, context.DeadlineExceeded) with
-// errors.Is; ErrWaitTimeout and ErrWaitStopped additionally wrap the last
-// attempt's error.
+// Sentinel errors. An error returned by Locker's Acquire, Extend or Release
+// matches one of ErrInvalid, ErrHeld, ErrQuorum, ErrFencing, ErrExpired,
+// ErrLost, ErrNotHolder, or a context error (context.Canceled,
+// context.DeadlineExceeded) with errors.Is; ErrWaitTimeout and
+// ErrWaitStopped additionally wrap the last attempt's error. The exceptions
+// are an error of Request.Continue, returned wrapped as it is, and a failure
+// to read the random source for a lock token.
 var (
 	// ErrInvalid reports a request outside the configured bounds (TTL, wait).
 	ErrInvalid = errors.New("service: invalid request")

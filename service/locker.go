@@ -221,10 +221,11 @@ type member struct {
 	// unrecorded says news of the node (a restart, a process not checked
 	// against the record yet) is not recorded yet, or failed to be: its
 	// votes do not count until a recording that covers its current process
-	// succeeds (see recover, which retries). evictEnd is the end of the quarantine after an
-	// eviction spell, which no answer of the Registry shortens.
+	// succeeds (see recover, which retries).
 	unrecorded bool
-	evictEnd   time.Time
+	// evictEnd is the end of the quarantine after an eviction spell, which
+	// no answer of the Registry shortens.
+	evictEnd time.Time
 	// recordErr is why the last recording failed, while unrecorded; nil
 	// otherwise.
 	recordErr error
@@ -1156,6 +1157,12 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			// what its last try found.
 			aerr = l.lastRefusal(key)
 		} else {
+			// A caller gone already (before the first try, or during the
+			// wait) gets no round: its SETs would hold the name, for
+			// nobody, until the clean-up after the quorum.
+			if err := ctx.Err(); err != nil {
+				return nil, fmt.Errorf("acquire %q: %w", key, err)
+			}
 			// A fresh lock token per try: a node that refuses a try holds
 			// somebody else's token, never one of ours, so the clean-up
 			// after a failed try can skip the nodes that said no.
@@ -1165,7 +1172,7 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			}
 			var g *Grant
 			g, aerr = l.try(ctx, key, token, req)
-			if aerr != nil && !refreshed && l.refreshed(ctx, aerr, req, deadline) {
+			if aerr != nil && !refreshed && ctx.Err() == nil && l.refreshed(ctx, aerr, req, deadline) {
 				// Nodes this server had not known restarted count again:
 				// once, the refusal was this server's news, not the nodes'.
 				refreshed = true
@@ -1834,11 +1841,14 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		// that live holder out for nothing.
 		return nil, fail(ErrExpired, nil)
 	}
-	ictx, cancel := context.WithTimeout(ctx, l.opts.IssueTimeout)
+	// Bounded by the lease too: a claim still queued when the lease ends is
+	// dropped unissued. Committed later, its token would be newer than
+	// that of a grant made after the lease, and fence that live holder out.
+	ictx, cancel := context.WithTimeout(ctx, min(l.opts.IssueTimeout, expires.Sub(l.opts.Now())))
 	ft, err := l.issue(ictx, claim, spec, expires)
 	spec = nil // confirmed or not, it is over
 	cancel()
-	if errors.Is(err, errLeaseOver) {
+	if errors.Is(err, errLeaseOver) || err != nil && ctx.Err() == nil && !l.opts.Now().Before(expires) {
 		return nil, fail(ErrExpired, nil)
 	}
 	if err != nil {

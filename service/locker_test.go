@@ -592,6 +592,37 @@ func TestLocker_Acquire(t *testing.T) {
 		}
 	})
 
+	// A caller gone before its first try (or before the try after a
+	// refresh) gets no round: its SETs would hold the free name for nobody
+	// until their clean-up, refusing live callers meanwhile.
+	t.Run("GoneBeforeTry", func(t *testing.T) {
+		ns, ms := nodes(5)
+		var sets atomic.Int32
+		for _, m := range ms {
+			m.hook = func(_ context.Context, op string) error {
+				if op == "acquire" {
+					sets.Add(1)
+				}
+				return nil
+			}
+		}
+		l := newLocker(t, ns, &memIssuer{}, Options{})
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		for _, wait := range []time.Duration{0, time.Minute} {
+			_, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: wait})
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("Acquire (wait %v) = %v; want context.Canceled", wait, err)
+			}
+		}
+		if n := sets.Load(); n != 0 {
+			t.Errorf("Acquires of a caller already gone sent %d SETs; want none", n)
+		}
+		if _, err := l.Acquire(context.Background(), key, Request{TTL: time.Second}); err != nil {
+			t.Errorf("Acquire of the free name after them = %v", err)
+		}
+	})
+
 	t.Run("StopEndsWait", func(t *testing.T) {
 		ns, ms := nodes(3)
 		for _, m := range ms {

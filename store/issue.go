@@ -91,7 +91,7 @@ RETURNING key, token`
 // runs on the calling goroutine. When ctx ends first, Issue returns an error
 // wrapping ctx.Err(); the token may still be issued (and is then burned).
 // Errors from Postgres match ErrUnavailable or ErrInvalidData; after Close
-// they match ErrClosed.
+// they match ErrClosed; a ctx that ends first gives one matching ctx.Err().
 func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, fmt.Errorf("store: issue token for %q: %w", c.Key, err)

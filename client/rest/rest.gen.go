@@ -151,10 +151,11 @@ type InvalidParam struct {
 // insignificant whitespace: object keys in their order (a repeated key
 // too), numbers exactly as written (`1e2` stays `1e2`). A document
 // holding the escape for U+0000 (NUL), an unpaired UTF-16 surrogate
-// escape (`\ud800` alone), text that is not UTF-8, or a number beyond
+// escape (`\ud800` alone), text that is not UTF-8, a number beyond
 // the range of an IEEE 754 double (±1.7976931348623157e308), which most
-// JSON parsers cannot read, is refused: such a write gets 400
-// `invalid-request` naming `data`.
+// JSON parsers cannot read, or arrays and objects nested more than 100
+// levels deep, which some parsers refuse, is refused: such a write gets
+// 400 `invalid-request` naming `data`.
 //
 // Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
 type JsonValue = interface{}
@@ -421,9 +422,10 @@ type Problem struct {
 	//   read or write in time. A write may or may not have been applied
 	//   (it can still commit): read the document before writing again.
 	// - `shutting-down` (503): the server began shutting down while an
-	//   acquire waited (`wait_ms`) for a taken lock, or while a request's
-	//   body was arriving; nothing was done. Retry, on another server if
-	//   there is one.
+	//   acquire waited (`wait_ms`) for a taken lock, or its shutdown grace
+	//   period ran out while a request's body was arriving (before the
+	//   read timeout did: then it is `request-timeout`); nothing was done.
+	//   Retry, on another server if there is one.
 	// - `request-timeout` (408): the body did not arrive in full before the
 	//   server's read timeout; nothing was done, and the connection is
 	//   closed.
@@ -450,10 +452,11 @@ type PutResourceRequest struct {
 	// insignificant whitespace: object keys in their order (a repeated key
 	// too), numbers exactly as written (`1e2` stays `1e2`). A document
 	// holding the escape for U+0000 (NUL), an unpaired UTF-16 surrogate
-	// escape (`\ud800` alone), text that is not UTF-8, or a number beyond
+	// escape (`\ud800` alone), text that is not UTF-8, a number beyond
 	// the range of an IEEE 754 double (±1.7976931348623157e308), which most
-	// JSON parsers cannot read, is refused: such a write gets 400
-	// `invalid-request` naming `data`.
+	// JSON parsers cannot read, or arrays and objects nested more than 100
+	// levels deep, which some parsers refuse, is refused: such a write gets
+	// 400 `invalid-request` naming `data`.
 	//
 	//
 	// Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
@@ -487,10 +490,11 @@ type Resource struct {
 	// insignificant whitespace: object keys in their order (a repeated key
 	// too), numbers exactly as written (`1e2` stays `1e2`). A document
 	// holding the escape for U+0000 (NUL), an unpaired UTF-16 surrogate
-	// escape (`\ud800` alone), text that is not UTF-8, or a number beyond
+	// escape (`\ud800` alone), text that is not UTF-8, a number beyond
 	// the range of an IEEE 754 double (±1.7976931348623157e308), which most
-	// JSON parsers cannot read, is refused: such a write gets 400
-	// `invalid-request` naming `data`.
+	// JSON parsers cannot read, or arrays and objects nested more than 100
+	// levels deep, which some parsers refuse, is refused: such a write gets
+	// 400 `invalid-request` naming `data`.
 	//
 	//
 	// Example: {"amount_cents":129900,"invoice":7,"status":"paid"}

@@ -354,6 +354,9 @@ func TestConfig_Security(t *testing.T) {
 		{"MaxWaitDay", func(c *Config) { c.MaxWait = 24 * time.Hour }, ""},
 		{"MaxWaitAboveDay", func(c *Config) { c.MaxWait = 48 * time.Hour }, "REDFENCE_MAX_WAIT"},
 		{"NegativeMaxWait", func(c *Config) { c.MaxWait = -time.Second }, "REDFENCE_MAX_WAIT"},
+		{"ZeroDrift", func(c *Config) { c.DriftFactor = 0 }, "REDFENCE_DRIFT_FACTOR"},
+		{"HalfDrift", func(c *Config) { c.DriftFactor = 0.5 }, "REDFENCE_DRIFT_FACTOR"},
+		{"SmallDrift", func(c *Config) { c.DriftFactor = 0.001 }, ""},
 		{"TwoErrors", func(c *Config) { c.MaxBodyBytes, c.DBMaxConns = 0, -1 }, "2 invalid settings:\n  REDFENCE_DB_MAX_CONNS"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

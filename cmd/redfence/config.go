@@ -94,8 +94,8 @@ func (c *Config) validate() error {
 	if c.NodeTimeout <= 0 {
 		errs = append(errs, errors.New("REDFENCE_NODE_TIMEOUT must be positive"))
 	}
-	if c.DriftFactor < 0 || c.DriftFactor >= 0.5 {
-		errs = append(errs, errors.New("REDFENCE_DRIFT_FACTOR must be in [0, 0.5)"))
+	if c.DriftFactor <= 0 || c.DriftFactor >= 0.5 {
+		errs = append(errs, errors.New("REDFENCE_DRIFT_FACTOR must be in (0, 0.5): above 0, as clocks do drift"))
 	}
 	if c.RetryDelayMin <= 0 || c.RetryDelayMax < c.RetryDelayMin {
 		errs = append(errs, errors.New("REDFENCE_RETRY_DELAY_MIN must be positive and at most REDFENCE_RETRY_DELAY_MAX"))

@@ -60,14 +60,16 @@ func ValidName(name string) string {
 	if name == "." || name == ".." {
 		return "must not be . or .. (URL paths normalise them away)"
 	}
-	if len(name) > MaxNameLen {
-		return fmt.Sprintf("must be at most %d characters, got %d", MaxNameLen, len(name))
-	}
+	// The alphabet first: every character allowed is one byte, so the
+	// length below counts characters.
 	for i := 0; i < len(name); i++ {
 		if !nameByte(name[i]) {
 			r, _ := utf8.DecodeRuneInString(name[i:]) // U+FFFD for a byte that is not UTF-8
 			return fmt.Sprintf("character %q at offset %d is not allowed (use A-Z a-z 0-9 . _ - :)", r, i)
 		}
+	}
+	if len(name) > MaxNameLen {
+		return fmt.Sprintf("must be at most %d characters, got %d", MaxNameLen, len(name))
 	}
 	return ""
 }

@@ -33,12 +33,17 @@ func TestValidName(t *testing.T) {
 }
 
 // TestValidName_Reason: the reason names the offending character as the
-// client wrote it (a whole UTF-8 character, not its first byte).
+// client wrote it (a whole UTF-8 character, not its first byte), before any
+// length (in characters).
 func TestValidName_Reason(t *testing.T) {
 	for _, tt := range []struct{ name, want string }{
 		{"order!", `character '!' at offset 5 is not allowed`},
 		{"café", `character 'é' at offset 3 is not allowed`},
 		{"a\xffb", "character '\ufffd' at offset 1 is not allowed"}, // not UTF-8
+		// 150 characters, 300 bytes: the character, not a length in bytes
+		// called characters.
+		{strings.Repeat("é", 150), `character 'é' at offset 0 is not allowed`},
+		{strings.Repeat("x", 201), "must be at most 200 characters, got 201"},
 	} {
 		if got := ValidName(tt.name); !strings.HasPrefix(got, tt.want) {
 			t.Errorf("ValidName(%q) = %q; want it to start with %q", tt.name, got, tt.want)

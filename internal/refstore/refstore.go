@@ -8,6 +8,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"time"
@@ -50,18 +51,24 @@ func (e *DataError) Error() string { return "store: data rejected: data " + e.Re
 // Is reports whether target is ErrInvalidData.
 func (e *DataError) Is(target error) bool { return target == ErrInvalidData }
 
+// MaxDepth is how deep arrays and objects may nest in a document.
+const MaxDepth = 100
+
 // CheckJSON returns a *DataError when data, syntactically valid JSON text,
 // holds what its readers cannot read: bytes that are not UTF-8, the escape
 // \u0000 (Postgres's JSON functions cannot turn it into text), a
 // \uD800-\uDFFF escape that is not half of a surrogate pair (no Unicode
 // text), or a number beyond the range of an IEEE 754 double (RFC 7493),
-// which most JSON parsers (Go's, JavaScript's) cannot read. encoding/json
-// lets all of these through, so a store checks before it writes.
+// which most JSON parsers (Go's, JavaScript's) cannot read, or arrays and
+// objects nested deeper than MaxDepth, which some parsers refuse.
+// encoding/json lets all of these through, so a store checks before it
+// writes.
 func CheckJSON(data []byte) error {
 	if !utf8.Valid(data) {
 		return &DataError{Reason: "must be valid UTF-8"}
 	}
 	inString := false
+	depth := 0
 	for i := 0; i < len(data); i++ {
 		c := data[i]
 		switch {
@@ -89,6 +96,12 @@ func CheckJSON(data []byte) error {
 		case inString:
 		case c == '"':
 			inString = true
+		case c == '[' || c == '{':
+			if depth++; depth > MaxDepth {
+				return &DataError{Reason: fmt.Sprintf("must not nest arrays and objects more than %d levels deep (some JSON parsers refuse deeper documents: Rust's serde_json stops at 128 levels)", MaxDepth)}
+			}
+		case c == ']' || c == '}':
+			depth--
 		case c == '-' || c >= '0' && c <= '9':
 			j := i + 1
 			for j < len(data) && strings.IndexByte("0123456789.eE+-", data[j]) >= 0 {
@@ -143,7 +156,8 @@ func withinDouble(num []byte) bool {
 		return false
 	}
 	// 10^308 ≤ |num| < 10^309: compare d.ddd…e308 itself.
-	_, err := strconv.ParseFloat(sig[:1]+"."+sig[1:min(len(sig), 40)]+"e308", 64)
+	// Every digit counts: the ones past the 17th decide the rounding there.
+	_, err := strconv.ParseFloat(sig[:1]+"."+sig[1:]+"e308", 64)
 	return err == nil
 }
 

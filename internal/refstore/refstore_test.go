@@ -70,7 +70,7 @@ func TestCheckJSON(t *testing.T) {
 		{strings.Repeat("[", MaxDepth+1) + strings.Repeat("]", MaxDepth+1), false},
 		{strings.Repeat(`{"a":`, MaxDepth) + "1" + strings.Repeat("}", MaxDepth), true},
 		{strings.Repeat(`{"a":`, MaxDepth+1) + "1" + strings.Repeat("}", MaxDepth+1), false},
-		{strings.Repeat("[[],", MaxDepth) + "1" + strings.Repeat("]", MaxDepth), true},
+		{strings.Repeat("[[],", MaxDepth-1) + "1" + strings.Repeat("]", MaxDepth-1), true},
 		{`{"[[[[": "` + strings.Repeat("[{", 200) + `"}`, true},
 		{strings.Repeat("[", MaxDepth) + `"]]]\"]]"` + strings.Repeat("]", MaxDepth), true},
 	} {

@@ -502,10 +502,11 @@ export interface components {
          *     insignificant whitespace: object keys in their order (a repeated key
          *     too), numbers exactly as written (`1e2` stays `1e2`). A document
          *     holding the escape for U+0000 (NUL), an unpaired UTF-16 surrogate
-         *     escape (`\ud800` alone), text that is not UTF-8, or a number beyond
+         *     escape (`\ud800` alone), text that is not UTF-8, a number beyond
          *     the range of an IEEE 754 double (±1.7976931348623157e308), which most
-         *     JSON parsers cannot read, is refused: such a write gets 400
-         *     `invalid-request` naming `data`.
+         *     JSON parsers cannot read, or arrays and objects nested more than 100
+         *     levels deep, which some parsers refuse, is refused: such a write gets
+         *     400 `invalid-request` naming `data`.
          * @example {
          *       "invoice": 7,
          *       "status": "paid",
@@ -668,9 +669,10 @@ export interface components {
              *       read or write in time. A write may or may not have been applied
              *       (it can still commit): read the document before writing again.
              *     - `shutting-down` (503): the server began shutting down while an
-             *       acquire waited (`wait_ms`) for a taken lock, or while a request's
-             *       body was arriving; nothing was done. Retry, on another server if
-             *       there is one.
+             *       acquire waited (`wait_ms`) for a taken lock, or its shutdown grace
+             *       period ran out while a request's body was arriving (before the
+             *       read timeout did: then it is `request-timeout`); nothing was done.
+             *       Retry, on another server if there is one.
              *     - `request-timeout` (408): the body did not arrive in full before the
              *       server's read timeout; nothing was done, and the connection is
              *       closed.
@@ -997,8 +999,9 @@ export interface components {
          * @description `store-unavailable`: Postgres did not answer in time; a write may or
          *     may not have been applied (it can still commit). Or
          *     `auth-unavailable`: the API key could not be checked (Postgres did not
-         *     answer); nothing was done. Or `shutting-down`: the server began
-         *     shutting down while a write's body was arriving; nothing was done.
+         *     answer); nothing was done. Or `shutting-down`: the server's shutdown
+         *     grace period ran out while a write's body was arriving; nothing was
+         *     done.
          *     Retry after `Retry-After` seconds.
          */
         StoreUnavailable: {
@@ -1551,8 +1554,9 @@ export interface operations {
             /**
              * @description Not extended: `quorum-unavailable` (too few nodes answered),
              *     `fencing-unavailable` (Postgres did not answer) or `shutting-down`
-             *     (the server began shutting down while the body was arriving). The
-             *     lease keeps its old deadline.
+             *     (the server's shutdown grace period ran out while the body was
+             *     arriving; a body still arriving at the read timeout gets 408
+             *     `request-timeout` instead). The lease keeps its old deadline.
              *     `auth-unavailable`: the API key could not be checked (Postgres did not answer).
              */
             503: {
