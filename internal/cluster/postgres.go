@@ -19,6 +19,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/redfence/redfence/internal/childproc"
 )
 
 // PostgresOptions configures a Postgres server.
@@ -168,7 +170,13 @@ func (p *Postgres) initdb(ctx context.Context, bin string, cred *syscall.Credent
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = sysProcAttr(cred)
 	cmd.WaitDelay = 2 * time.Second
-	if err := cmd.Run(); err != nil {
+	// Through childproc, as every child here: its parent-death signal
+	// follows the thread that forked it, which must not end before it does.
+	exited, err := childproc.Start(cmd)
+	if err == nil {
+		err = <-exited
+	}
+	if err != nil {
 		return fmt.Errorf("cluster: initdb: %w:\n%s", err, out)
 	}
 	return nil
