@@ -1138,8 +1138,9 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	g, err := h.locker.Extend(r.Context(), key, token, ttl)
 	if err != nil {
 		grant := h.grantFor(r, slog.LevelInfo, key, token)
-		h.m.failed("extend", serviceBounds(err))
-		h.writeError(w, r, serviceBounds(err))
+		answer := serviceBounds(err)
+		h.m.failed("extend", answer)
+		h.writeError(w, r, answer)
 		h.answerBefore(w, grant)
 		owner, ft := grant.get()
 		h.audit(r, slog.LevelInfo, "lock extend refused", name, owner, ft, classifyOutcome(err), noTTL)
