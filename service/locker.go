@@ -974,8 +974,14 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 	}
 	l.opts.Observer.Quarantine(m.Addr(), until)
 	if cur != prev {
-		msg := "node restarted without its data: its votes do not count until every lease it may have held has expired"
-		if req.unseen && cur == next {
+		// This server knows the cause when it found it; one that learns of
+		// the quarantine from the record (the node's epoch moved on) does
+		// not: /v1/nodes' quarantine_reason says.
+		msg := "node lost its memory, or another server recorded a loss of it (a restart without its data, an eviction spell; see quarantine_reason in /v1/nodes): its votes do not count until every lease it may have held has expired"
+		switch {
+		case req.evict:
+			msg = "node counted out, as it may evict lock keys: its votes do not count until every lease it may have held has expired"
+		case req.unseen && cur == next:
 			msg = "node restarted while no server watched it (its Redis process is not the one on record) and may have lost locks: its votes do not count until every lease it may have held has expired"
 		}
 		l.opts.Logger.Warn(msg, slog.String("node", m.Addr()), slog.Time("quarantined_until", until))

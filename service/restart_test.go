@@ -575,6 +575,13 @@ func TestLocker_EvictingNode(t *testing.T) {
 	if r := l.Nodes(ctx)[0].QuarantineReason; r != service.QuarantineEvicting {
 		t.Errorf("node 0 quarantined for %q; want %q", r, service.QuarantineEvicting)
 	}
+	// The log names the cause: no restart happened.
+	testutil.WaitFor(t, 20*time.Second, "the log to say node 0 is counted out for eviction", func() (bool, error) {
+		return strings.Contains(logs.String(), `"msg":"node counted out, as it may evict lock keys`), nil
+	})
+	if strings.Contains(logs.String(), "restarted") {
+		t.Errorf("an eviction spell logged as a restart:\n%s", logs)
+	}
 	if st := e.locker(t, e.db).Nodes(ctx); st[0].QuarantinedUntil.IsZero() || st[0].QuarantineReason != service.QuarantineEvicting {
 		t.Errorf("a second server sees node 0 as %+v; want counted out as evicting", st[0])
 	}
