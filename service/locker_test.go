@@ -788,7 +788,11 @@ func TestLocker_Extend(t *testing.T) {
 		// heard that it lost it.
 		ns, ms := nodes(3)
 		iss := &memIssuer{}
-		l := newLocker(t, ns, iss, Options{})
+		// Every node's release is awaited below: a node timeout no slow
+		// moment of a loaded machine reaches (at the default 50ms, a
+		// straggler's delete under -race timed out and was left to the
+		// sweeper).
+		l := newLocker(t, ns, iss, Options{NodeTimeout: time.Minute})
 		g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
 		if err != nil {
 			t.Fatal(err)
