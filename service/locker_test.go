@@ -228,6 +228,20 @@ func settle(ms []*memNode) {
 	}
 }
 
+// countOps sets a hook on each of ms that counts its op operations.
+func countOps(ms []*memNode, op string) *atomic.Int32 {
+	var n atomic.Int32
+	for _, m := range ms {
+		m.hook = func(_ context.Context, o string) error {
+			if o == op {
+				n.Add(1)
+			}
+			return nil
+		}
+	}
+	return &n
+}
+
 func nodes(n int) ([]Node, []*memNode) {
 	ns := make([]Node, n)
 	ms := make([]*memNode, n)
@@ -597,15 +611,7 @@ func TestLocker_Acquire(t *testing.T) {
 	// until their clean-up, refusing live callers meanwhile.
 	t.Run("GoneBeforeTry", func(t *testing.T) {
 		ns, ms := nodes(5)
-		var sets atomic.Int32
-		for _, m := range ms {
-			m.hook = func(_ context.Context, op string) error {
-				if op == "acquire" {
-					sets.Add(1)
-				}
-				return nil
-			}
-		}
+		sets := countOps(ms, "acquire")
 		l := newLocker(t, ns, &memIssuer{}, Options{})
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()

@@ -329,15 +329,7 @@ func TestLocker_ExtendFencingDown(t *testing.T) {
 		t.Fatal(err)
 	}
 	settle(ms)
-	var extends atomic.Int32
-	for _, m := range ms {
-		m.hook = func(_ context.Context, op string) error {
-			if op == "extend" {
-				extends.Add(1)
-			}
-			return nil
-		}
-	}
+	extends := countOps(ms, "extend")
 	iss.mu.Lock()
 	iss.err = errors.New("postgres is down")
 	iss.mu.Unlock()
