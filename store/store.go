@@ -24,6 +24,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/url"
 	"strings"
 	"time"
 
@@ -200,13 +201,43 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	return db, nil
 }
 
-// redactErr avoids echoing a URL (which may hold a password) back in errors.
+// redactErr keeps a URL (which may hold a password) out of a parse error
+// while still saying what is wrong with it: pgx's own message names the
+// part it refused, and its cause is kept unless it may quote the URL.
 func redactErr(err error) error {
 	var pe *pgconn.ParseConfigError
-	if errors.As(err, &pe) {
+	if !errors.As(err, &pe) {
+		return err
+	}
+	// pgx formats "cannot parse `<conn string>`: <msg>[ (<cause>)]"; only
+	// the part after the conn string is free of it.
+	msg := pe.Error()
+	if i := strings.LastIndex(msg, "`: "); i >= 0 {
+		msg = msg[i+3:]
+	} else {
+		msg = ""
+	}
+	cause := pe.Unwrap()
+	if cause != nil {
+		msg = strings.TrimSuffix(msg, " ("+cause.Error()+")")
+	}
+	var ue *url.Error
+	var esc url.EscapeError
+	switch {
+	case cause == nil:
+	case errors.As(cause, &esc): // quotes a piece of the URL
+	case errors.As(cause, &ue):
+		if !errors.As(ue.Err, &esc) {
+			msg += ": " + ue.Err.Error() // the cause without the URL
+		}
+	case msg == "" || pe.ConnString != "" && strings.Contains(cause.Error(), pe.ConnString):
+	default:
+		msg += ": " + cause.Error()
+	}
+	if msg == "" || pe.ConnString != "" && strings.Contains(msg, pe.ConnString) {
 		return errors.New("invalid connection string")
 	}
-	return err
+	return fmt.Errorf("invalid connection string: %s", msg)
 }
 
 // Close stops token issuance and closes the pools. Issue calls still waiting

@@ -1,0 +1,37 @@
+package store
+
+import (
+	"context"
+	"strings"
+	"testing"
+)
+
+// A database URL that does not parse is refused with what is wrong with it,
+// and never with its password.
+func TestOpen_BadURLSaysWhyWithoutPassword(t *testing.T) {
+	const pw = "s3cr3tPW"
+	cases := []struct {
+		name, url, want string
+	}{
+		{"SSLMode", "postgres://u:" + pw + "@127.0.0.1:5432/db?sslmode=nope", "sslmode is invalid"},
+		{"Port", "postgres://u:" + pw + "@127.0.0.1:port/db", "invalid port"},
+		{"Escape", "postgres://u:" + pw + "%zz@127.0.0.1:5432/db", "failed to parse as URL"},
+		{"KeywordValue", "host=127.0.0.1 password=" + pw + " port=x", "invalid port"},
+		{"ConnectTimeout", "postgres://u:" + pw + "@127.0.0.1/db?connect_timeout=soon", "invalid connect_timeout"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Open(context.Background(), tc.url, Options{})
+			if err == nil {
+				t.Fatal("Open succeeded")
+			}
+			msg := err.Error()
+			if strings.Contains(msg, pw) || strings.Contains(msg, "zz") {
+				t.Fatalf("error quotes the password: %s", msg)
+			}
+			if !strings.Contains(msg, "invalid connection string: ") || !strings.Contains(msg, tc.want) {
+				t.Fatalf("error = %q, want it to say %q", msg, tc.want)
+			}
+		})
+	}
+}
