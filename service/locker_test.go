@@ -252,8 +252,17 @@ func nodes(n int) ([]Node, []*memNode) {
 	return ns, ms
 }
 
+// newLocker is New with a seeded Rand. Unless opts sets one, a locker on the
+// real clock without a registry gets a per-node timeout no scheduler stall
+// reaches: in-memory nodes answer at once, and a busy machine running -race
+// must not make them time out (a test of timeouts sets its own). With a
+// fake clock or a registry the default stays, as quarantines last MaxTTL
+// plus drift plus the node timeout.
 func newLocker(t *testing.T, ns []Node, iss Issuer, opts Options) *Locker {
 	t.Helper()
+	if opts.NodeTimeout == 0 && opts.Now == nil && opts.Registry == nil {
+		opts.NodeTimeout = time.Minute
+	}
 	if opts.Rand == nil {
 		opts.Rand = mathrand.NewPCG(1, 2)
 	}

@@ -214,7 +214,9 @@ func TestLocker_Speculation(t *testing.T) {
 	t.Run("RaceCostsNoToken", func(t *testing.T) {
 		ns, ms := nodes(5)
 		iss := &specIssuer{memIssuer: &memIssuer{}, speculated: make(chan string, 1)}
-		l := newLocker(t, ns, iss, Options{})
+		// The first try's held SETs time out well within the 1s lease the
+		// second try then waits out its withdrawal in.
+		l := newLocker(t, ns, iss, Options{NodeTimeout: 250 * time.Millisecond})
 		// The first try's SETs reach node 0 only; on nodes 1-4 they are
 		// held until they time out, and the second try wins those.
 		var mu sync.Mutex
