@@ -52,6 +52,10 @@ var (
 	// ErrCommandRefused reports a node that answered a command with an
 	// error reply, such as an ACL that does not allow it (NOPERM).
 	ErrCommandRefused = errors.New("service: the node refused the command")
+	// ErrAuth reports a node that refused the credentials (WRONGPASS,
+	// NOAUTH): it runs no command, so it tells nothing of its state and is
+	// only a node that fails, and Init refuses it.
+	ErrAuth = errors.New("service: the node refused the credentials")
 )
 
 // Outcome is what one node answered in one round.

@@ -608,7 +608,8 @@ func (l *Locker) seen(i int, id string, durable bool) {
 // one server): that server would vote twice, and one matching
 // ErrCommandRefused when a node refuses INFO (an ACL without +info):
 // neither this check, nor the run_id that finds a restart from a snapshot,
-// nor the eviction check could see it. Nodes that do not answer within
+// nor the eviction check could see it; and one matching ErrAuth when a node
+// refuses the credentials. Nodes that do not answer within
 // NodeTimeout are not checked. It returns the process found behind each
 // node (a zero one for those).
 func (l *Locker) checkDistinct(ctx context.Context) ([]process, error) {
@@ -623,6 +624,9 @@ func (l *Locker) checkDistinct(ctx context.Context) ([]process, error) {
 		switch {
 		case err == nil:
 			procs[i] = process{id: id, durable: durable}
+		case errors.Is(err, ErrAuth):
+			// Not a node that is down: one this server may never reach.
+			refused[i] = fmt.Errorf("service: node %s: %w; check the Redis user and password", n.Addr(), err)
 		case errors.Is(err, ErrCommandRefused):
 			refused[i] = fmt.Errorf("service: node %s: %w; allow the Redis user +info (see service.RedisACL)", n.Addr(), err)
 		}

@@ -317,9 +317,13 @@ func fsyncConfig(cfg map[string]string, err error) bool {
 }
 
 // refusal returns err, matching ErrCommandRefused too if it is the node's
-// error reply (not a network error or a timeout).
+// error reply (not a network error or a timeout), or ErrAuth instead if
+// that reply refused the credentials (then no command ran at all).
 func refusal(err error) error {
 	if rerr, ok := errors.AsType[redis.Error](err); ok && !errors.Is(err, redis.Nil) {
+		if redis.IsAuthError(rerr) {
+			return fmt.Errorf("%w: %w", ErrAuth, rerr)
+		}
 		return fmt.Errorf("%w: %w", ErrCommandRefused, rerr)
 	}
 	return err
@@ -591,11 +595,18 @@ func (n *RedisNode) ServerID(ctx context.Context) (id string, durable bool, err 
 	// process, even if the node restarts meanwhile.
 	var info *redis.StringCmd
 	var cfg *redis.MapStringStringCmd
-	_, _ = n.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+	_, perr := n.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		info, cfg = p.Info(ctx, "server"), p.ConfigGet(ctx, "*append*")
 		return nil
 	})
-	if err := info.Err(); err != nil {
+	// A connection that could not be opened (refused credentials, say)
+	// fails the pipeline, not its commands. (CONFIG's own refusal fails
+	// it too, with INFO answered.)
+	err = info.Err()
+	if err == nil && info.Val() == "" && perr != nil {
+		err = perr
+	}
+	if err != nil {
 		return "", false, fmt.Errorf("info server: %w", refusal(err))
 	}
 	if id = runID(info.Val()); id == "" {

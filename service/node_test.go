@@ -207,7 +207,8 @@ func (n *policyNode) EvictionPolicy(context.Context) (string, error) {
 
 // TestLocker_EvictionPolicyUnknown: a node whose eviction policy cannot be
 // read (INFO refused, or INFO memory without it) is counted out as if it
-// evicted, with the reason; one whose check merely failed keeps its state.
+// evicted, with the reason; one whose check merely failed (a timeout, the
+// credentials refused) keeps its state.
 func TestLocker_EvictionPolicyUnknown(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
@@ -218,6 +219,8 @@ func TestLocker_EvictionPolicyUnknown(t *testing.T) {
 		{"Refused", fmt.Errorf("info memory: %w", ErrCommandRefused), true, "node refuses INFO"},
 		{"Unreported", errNoPolicy, true, "has no maxmemory or maxmemory_policy"},
 		{"Timeout", context.DeadlineExceeded, false, ""},
+		// It ran no INFO: it tells nothing of the node.
+		{"WrongPassword", fmt.Errorf("info memory: %w: WRONGPASS invalid username-password pair", ErrAuth), false, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var logs testutil.Buffer

@@ -961,6 +961,104 @@ func TestLocker_INFORevoked(t *testing.T) {
 	}
 }
 
+// TestLocker_WrongPassword: a server whose Redis password is wrong refuses
+// to start (ErrAuth, naming each node) and changes nothing the running
+// servers count on: no node's record in the Registry, no marker. Its nodes'
+// refusals match ErrAuth, never ErrCommandRefused: a node that runs no
+// command tells nothing of its eviction policy or restarts (counted out as
+// refusing INFO, it was recorded as evicting, with a new epoch it could not
+// mark, which made every other server quarantine it).
+func TestLocker_WrongPassword(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	ctx := t.Context()
+	l, err := service.New(e.aclNodes(t, "redfence", service.RedisACL), e.db,
+		service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	if err := l.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	state := func() string {
+		t.Helper()
+		conn, err := pgx.Connect(ctx, e.url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		var b strings.Builder
+		rows, err := conn.Query(ctx, `SELECT addr, epoch, memory_losses, coalesce(quarantined_until::text, '') FROM redfence_nodes ORDER BY addr`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for rows.Next() {
+			var addr, epoch, until string
+			var losses int64
+			if err := rows.Scan(&addr, &epoch, &losses, &until); err != nil {
+				t.Fatal(err)
+			}
+			fmt.Fprintf(&b, "%s epoch %s losses %d until %q\n", addr, epoch, losses, until)
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		for i, c := range e.raw {
+			m, err := c.Get(ctx, keyspace.NodeEpochKey(e.nodes[i].Addr())).Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			fmt.Fprintf(&b, "marker of %s: %s\n", e.nodes[i].Addr(), m)
+		}
+		return b.String()
+	}
+	before := state()
+
+	var bad []service.Node
+	for _, n := range e.nodes {
+		rn := service.NewRedisNode(n.Addr(), service.RedisOptions{Username: "redfence", Password: "not-the-password"})
+		t.Cleanup(func() { rn.Close() })
+		bad = append(bad, rn)
+	}
+	rn := bad[0].(*service.RedisNode)
+	if _, err := rn.EvictionPolicy(ctx); !errors.Is(err, service.ErrAuth) || errors.Is(err, service.ErrCommandRefused) {
+		t.Errorf("EvictionPolicy with a wrong password = %v; want ErrAuth, not ErrCommandRefused", err)
+	}
+	if _, _, err := rn.ServerID(ctx); !errors.Is(err, service.ErrAuth) {
+		t.Errorf("ServerID with a wrong password = %v; want ErrAuth", err)
+	}
+	var logs testutil.Buffer
+	l2, err := service.New(bad, e.db, service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l2.Close)
+	err = l2.Init(ctx)
+	if !errors.Is(err, service.ErrAuth) {
+		t.Fatalf("Init with a wrong password = %v; want ErrAuth", err)
+	}
+	for _, n := range e.nodes {
+		if !strings.Contains(err.Error(), n.Addr()) {
+			t.Errorf("Init's error does not name node %s: %v", n.Addr(), err)
+		}
+	}
+	l2.Close()
+	if after := state(); after != before {
+		t.Errorf("a server refused by every node changed the record or markers:\nbefore:\n%safter:\n%s\nits log:\n%s", before, after, logs.String())
+	}
+	// The running server still counts every node.
+	if _, err := l.Acquire(ctx, "wrong-password", service.Request{TTL: 10 * time.Second}); err != nil {
+		t.Fatalf("acquire on the running server: %v", err)
+	}
+	for i, st := range l.Nodes(ctx) {
+		if !st.Up || !st.QuarantinedUntil.IsZero() {
+			t.Errorf("node %d on the running server: %+v; want up and counted", i, st)
+		}
+	}
+}
+
 // TestRedisNode_ConnectRefusedError: a command that gets no connection
 // because the node refuses INFO to the new connection's check (see
 // WatchRestarts) fails with that refusal, not with an empty answer.

@@ -316,6 +316,24 @@ func TestOpen(t *testing.T) {
 		}
 	})
 
+	// Nodes that answer but are quarantined (new addresses while another
+	// server may hold leases) are logged as not counting, with the line
+	// the end of their quarantines answers, never as not answering.
+	t.Run("ReportsQuarantinedNodes", func(t *testing.T) {
+		t.Parallel()
+		url := clustertest.Database(t)
+		open(t, testConfig(t, addrs(clustertest.Redis(t, 3, cluster.RedisOptions{})), url), discard)
+		var logs testutil.Buffer
+		open(t, testConfig(t, addrs(clustertest.Redis(t, 3, cluster.RedisOptions{})), url), slog.New(slog.NewJSONHandler(&logs, nil)))
+		out := logs.String()
+		if !strings.Contains(out, `"level":"ERROR","msg":"fewer Redis nodes count than a majority`) {
+			t.Errorf("no error for 3 quarantined nodes of 3:\n%s", out)
+		}
+		if strings.Contains(out, "fewer Redis nodes answer") || strings.Contains(out, "does not answer") {
+			t.Errorf("nodes that answer logged as not answering:\n%s", out)
+		}
+	})
+
 	t.Run("ServeAndClose", func(t *testing.T) {
 		t.Parallel()
 		nodes := clustertest.Redis(t, 5, cluster.RedisOptions{})

@@ -130,6 +130,9 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		return nil, err
 	}
 	if err := s.locker.Init(ctx); err != nil {
+		if errors.Is(err, service.ErrAuth) {
+			err = fmt.Errorf("%w (set by REDFENCE_REDIS_USERNAME and REDFENCE_REDIS_PASSWORD)", err)
+		}
 		return nil, err
 	}
 	s.reportNodes(ctx)
@@ -236,15 +239,16 @@ func (s *Server) closeBackends() {
 }
 
 // reportNodes logs, at start, each node that does not answer (a wrong
-// address, password or TLS setting shows here, not only in /readyz), and an
-// error when too few answer for any grant. The server starts anyway: nodes
-// may come up later.
+// address or TLS setting shows here, not only in /readyz) or is
+// quarantined. The server starts anyway: nodes may come up later.
 func (s *Server) reportNodes(ctx context.Context) {
 	if n, q := len(s.nodes), s.locker.Quorum(); n < 3 || n%2 == 0 {
 		s.log.Warn("with this many Redis nodes a majority tolerates few failures: use an odd number, 3 or more (5 is usual)",
 			slog.Int("nodes", n), slog.Int("quorum", q), slog.Int("failures_tolerated", n-q))
 	}
-	counted := 0
+	// Too few nodes answering, or counting, is logged by the Locker as it
+	// finds it (this ping's round included), with the line that says when
+	// it is over.
 	for _, st := range s.locker.Nodes(ctx) {
 		switch {
 		case !st.Up:
@@ -255,12 +259,6 @@ func (s *Server) reportNodes(ctx context.Context) {
 			s.log.Warn("node does not answer", attrs...)
 		case !st.QuarantinedUntil.IsZero():
 			s.log.Warn("node quarantined: its votes do not count yet", slog.String("node", st.Addr), slog.Time("quarantined_until", st.QuarantinedUntil))
-		default:
-			counted++
 		}
-	}
-	if q := s.locker.Quorum(); counted < q {
-		s.log.Error("fewer Redis nodes answer than a majority: no lock can be granted until more do",
-			slog.Int("counted", counted), slog.Int("quorum", q), slog.Int("nodes", len(s.nodes)))
 	}
 }
