@@ -273,6 +273,10 @@ func TestOwnLockTokenNotQuoted(t *testing.T) {
 		{http.MethodDelete, "/v1/locks/orders/" + tok, ""},
 		{http.MethodGet, "/v1/nope/%" + fmt.Sprintf("%X", tok[0]) + tok[1:], ""},
 		{tok, "/v1/locks/orders", ""},
+		// Names that hold it are names, refused as not held: their
+		// audit lines quote them too.
+		{http.MethodDelete, "/v1/locks/x" + tok, ""},
+		{http.MethodPost, "/v1/locks/a." + tok + "/extend", `{}`},
 	} {
 		w := e.do(e.h, tc.method, tc.target, tc.body, hdr...)
 		if w.Code < 400 {

@@ -15,7 +15,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/redfence/redfence/fencing"
-	"github.com/redfence/redfence/internal/apikey"
 	"github.com/redfence/redfence/service"
 )
 
@@ -539,7 +538,8 @@ const noTTL = -1
 // the lock's name, the owner label, the fencing token (when known), the
 // outcome ("granted", "extended", "released" or the problem type) and, for
 // grants and extensions, ttl_ms (unless noTTL). It never logs the lock
-// token.
+// token, nor an API key or r's own lock token in the name or owner (see
+// redact).
 func (h *Handler) audit(r *http.Request, level slog.Level, msg, name, owner string, token fencing.Token, outcome string, ttlMS int64) {
 	ctx := r.Context()
 	if !h.raw.Enabled(ctx, level) {
@@ -547,7 +547,7 @@ func (h *Handler) audit(r *http.Request, level slog.Level, msg, name, owner stri
 	}
 	var buf [7]slog.Attr
 	attrs := append(buf[:0], slog.Bool("audit", true), slog.String("request_id", requestID(ctx)),
-		slog.String("name", apikey.Redact(name)), slog.String("owner", apikey.Redact(owner)))
+		slog.String("name", redact(r, name)), slog.String("owner", redact(r, owner)))
 	if token.Valid() {
 		attrs = append(attrs, slog.Int64("fencing_token", int64(token)))
 	}
