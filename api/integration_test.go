@@ -17,6 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
@@ -556,5 +557,36 @@ func TestAPI_CallerLeft(t *testing.T) {
 	}
 	if r := e.release("left", g.LockToken); r.status != 204 {
 		t.Errorf("release = %d; want 204", r.status)
+	}
+}
+
+// TestAPI_TokensExhausted: a name that was issued the last fencing token
+// there is (fencing.MaxToken) is granted no more, and the 503 says so
+// (Retry-After, which every 503 carries, cannot help it). The grant refused
+// leaves no lock key behind.
+func TestAPI_TokensExhausted(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	if _, err := e.pg.Exec(context.Background(), `INSERT INTO redfence_fencing (key, token) VALUES ('maxed', $1)`, int64(fencing.MaxToken)-1); err != nil {
+		t.Fatal(err)
+	}
+	g := e.mustAcquire("maxed", nil)
+	if g.FencingToken != int64(fencing.MaxToken) {
+		t.Fatalf("token = %d; want the last one, %d", g.FencingToken, fencing.MaxToken)
+	}
+	e.release("maxed", g.LockToken)
+	r := e.do(e.client, http.MethodPost, "/v1/locks/maxed", nil)
+	p := r.problem(t)
+	if r.status != 503 || p.Type != api.ProblemTypePrefix+"fencing-unavailable" || !strings.Contains(p.Detail, "no more") {
+		t.Errorf("acquire past the last token = %d %s; want 503 fencing-unavailable saying the name is granted no more", r.status, r.body)
+	}
+	for i, keys := range e.lockKeys() {
+		if len(keys) != 0 {
+			t.Errorf("node %d keeps %v after a grant refused for lack of a token", i, keys)
+		}
+	}
+	// Other names are granted as before.
+	if g := e.mustAcquire("other", nil); g.FencingToken != 1 {
+		t.Errorf("another name's token = %d; want 1", g.FencingToken)
 	}
 }

@@ -480,6 +480,9 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 				p.Detail = "Postgres did not answer, so the lock's fencing token is unknown"
 			default:
 				p.Detail = "Postgres did not issue a fencing token, so nothing was granted"
+				if tree.is(fencing.ErrExhausted) {
+					p.Detail = "this name has been issued its last fencing token (2^53-1, the most JSON carries exactly), so it can be granted no more: use another name"
+				}
 			}
 		case kExpired:
 			p.Detail = "a majority was won but the lease ran out before the fencing token was issued; nothing was granted"

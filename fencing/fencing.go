@@ -83,6 +83,11 @@ func (e *StaleError) Error() string {
 // Unwrap returns ErrStale.
 func (e *StaleError) Unwrap() error { return ErrStale }
 
+// ErrExhausted is returned (wrapped) by an issuer asked for a token past
+// MaxToken: the name has been issued the last token there is, and can be
+// granted no more.
+var ErrExhausted = errors.New("fencing: the name's fencing tokens are exhausted (2^53-1 issued)")
+
 // ErrInvalid is returned when a token is missing or malformed.
 var ErrInvalid = errors.New("fencing: invalid token")
 

@@ -55,7 +55,7 @@ var (
 	// ErrTokensExhausted is returned (with ErrUnavailable) when a name's
 	// next fencing token would pass 2^53-1, the most every JSON parser
 	// holds exactly: the name is granted no more.
-	ErrTokensExhausted = errors.New("store: the name's fencing tokens are exhausted (2^53-1 issued)")
+	ErrTokensExhausted = fencing.ErrExhausted
 )
 
 // classify wraps a failed statement's error with ErrInvalidData for data
