@@ -334,9 +334,14 @@ func (h *Handler) recoverPanic(w http.ResponseWriter, r *http.Request) {
 }
 
 // headerBytes is the size of the request line and headers as the header
-// limit counts it.
+// limit counts it: as sent in the usual form ("Name: value" lines ending in
+// CRLF), Host (which net/http moves out of Header) and the blank line that
+// ends them included.
 func headerBytes(r *http.Request) int {
-	n := len(r.Method) + len(r.RequestURI) + len(r.Proto) + 4
+	n := len(r.Method) + len(r.RequestURI) + len(r.Proto) + 4 + 2
+	if r.Host != "" {
+		n += len("Host") + len(r.Host) + 4
+	}
 	for k, vs := range r.Header {
 		for _, v := range vs {
 			n += len(k) + len(v) + 4

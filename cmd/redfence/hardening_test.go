@@ -95,6 +95,42 @@ func TestServer_Hardening(t *testing.T) {
 		}
 	})
 
+	// The limit counts every byte of the request line and headers as sent
+	// in the usual form (Host and the blank line that ends them included).
+	t.Run("HeadersAtLimit", func(t *testing.T) {
+		raw := func(size int) *http.Response {
+			t.Helper()
+			const head, tail = "GET /v1/locks/x HTTP/1.1\r\nHost: redfence.test\r\nX-Pad: ", "\r\nConnection: close\r\n\r\n"
+			conn, err := net.Dial("tcp", addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			req := head + strings.Repeat("p", size-len(head)-len(tail)) + tail
+			if len(req) != size {
+				t.Fatalf("request of %d bytes; want %d", len(req), size)
+			}
+			if _, err := io.WriteString(conn, req); err != nil {
+				t.Fatal(err)
+			}
+			if err := conn.SetReadDeadline(time.Now().Add(waitTimeout)); err != nil {
+				t.Fatal(err)
+			}
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			return resp
+		}
+		if r := raw(cfg.MaxHeaderBytes); r.StatusCode == http.StatusRequestHeaderFieldsTooLarge {
+			t.Errorf("headers of exactly REDFENCE_MAX_HEADER_BYTES (%d) = %d; want them served", cfg.MaxHeaderBytes, r.StatusCode)
+		}
+		if r := raw(cfg.MaxHeaderBytes + 1); r.StatusCode != http.StatusRequestHeaderFieldsTooLarge || r.Header.Get("Content-Type") != "application/problem+json" {
+			t.Errorf("headers of REDFENCE_MAX_HEADER_BYTES + 1 = %d %s; want 431 problem+json", r.StatusCode, r.Header.Get("Content-Type"))
+		}
+	})
+
 	t.Run("BodyTooLarge", func(t *testing.T) {
 		r := call(t, http.MethodPost, addr, "/v1/locks/x", `{"owner":"`+strings.Repeat("o", 2<<20)+`"}`)
 		if r.status != http.StatusRequestEntityTooLarge || r.header.Get("Content-Type") != "application/problem+json" {
