@@ -54,7 +54,7 @@ Unlike serve, dev listens on loopback unless told otherwise (--addr, or
 else REDFENCE_LISTEN_ADDR), logs text unless REDFENCE_LOG_FORMAT is set, and
 limits no API key's rate unless REDFENCE_RATE_LIMIT is set; the settings
 below are otherwise the same.`, stderr)
-	addr := fs.String("addr", devDefaultAddr, "HTTP listen address (default: REDFENCE_LISTEN_ADDR if set)")
+	addr := fs.String("addr", devDefaultAddr, "HTTP listen address; without it, REDFENCE_LISTEN_ADDR if set")
 	n := fs.Int("nodes", 5, "number of Redis nodes to start")
 	if err := parseFlags(fs, args, stdout); err != nil {
 		return helpOK(err)
