@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -588,5 +590,58 @@ func TestAPI_TokensExhausted(t *testing.T) {
 	// Other names are granted as before.
 	if g := e.mustAcquire("other", nil); g.FencingToken != 1 {
 		t.Errorf("another name's token = %d; want 1", g.FencingToken)
+	}
+}
+
+// TestAPI_QuarantineRetryAfter: an acquire refused only because quarantined
+// nodes do not count (the others said yes) says when enough quarantines end
+// for a majority to count, not "in a second": retry_after_ms, and
+// Retry-After in seconds, rounded up. With a node down besides, it cannot
+// tell: Retry-After 1 and no retry_after_ms.
+func TestAPI_QuarantineRetryAfter(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{registry: true})
+	ctx := context.Background()
+	for _, c := range e.rdb[:3] { // as restarts without persistence would
+		if err := c.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Reading the nodes finds them without their markers and records their
+	// quarantines (it waits for that).
+	var nodes api.NodeList
+	e.do(e.client, http.MethodGet, "/v1/nodes", nil).decode(t, &nodes)
+	var ends []time.Time
+	for i, n := range nodes.Nodes[:3] {
+		until, err := time.Parse(time.RFC3339Nano, n.QuarantinedUntil)
+		if err != nil {
+			t.Fatalf("node %d: quarantined_until %q: %v", i, n.QuarantinedUntil, err)
+		}
+		ends = append(ends, until)
+	}
+	slices.SortFunc(ends, time.Time.Compare)
+	sent := time.Now()
+	r := e.do(e.client, http.MethodPost, "/v1/locks/q", nil)
+	answered := time.Now()
+	p := r.problem(t)
+	if r.status != 503 || p.Type != api.ProblemTypePrefix+"quorum-unavailable" || p.RetryAfterMS == nil {
+		t.Fatalf("acquire with 3 of 5 nodes quarantined = %d %s; want 503 quorum-unavailable with retry_after_ms", r.status, r.body)
+	}
+	ms := time.Duration(*p.RetryAfterMS) * time.Millisecond
+	// One more node must count: the earliest quarantine's end.
+	if lo, hi := ends[0].Sub(answered)-time.Millisecond, ends[0].Sub(sent)+time.Millisecond; ms < lo || ms > hi {
+		t.Errorf("retry_after_ms = %v; want the first quarantine's end, between %v and %v from now", ms, lo, hi)
+	}
+	if want := strconv.FormatInt(int64(math.Ceil(ms.Seconds())), 10); r.header.Get("Retry-After") != want {
+		t.Errorf("Retry-After %q; want retry_after_ms in seconds, rounded up: %s", r.header.Get("Retry-After"), want)
+	}
+
+	if err := e.nodes[4].Stop(ctx); err != nil { // a node down may be back at any moment
+		t.Fatal(err)
+	}
+	r = e.do(e.client, http.MethodPost, "/v1/locks/q", nil)
+	if p := r.problem(t); r.status != 503 || p.RetryAfterMS != nil || r.header.Get("Retry-After") != "1" {
+		t.Errorf("acquire with 3 nodes quarantined and 1 down = %d %s, Retry-After %q; want 503 with Retry-After 1 and no retry_after_ms",
+			r.status, r.body, r.header.Get("Retry-After"))
 	}
 }

@@ -472,6 +472,11 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 			}
 		case kQuorum:
 			p.Detail = quorumDetail(se.Nodes)
+			if se.RetryAfter > 0 { // only quarantines keep a majority from counting
+				ms := retryAfterMS(se.RetryAfter)
+				p.RetryAfterMS = &ms
+				retryAfterHeader(w, se.RetryAfter)
+			}
 		case kFencing:
 			switch se.Op {
 			case "extend":
@@ -494,7 +499,7 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 			p.Detail = "no node holds this lock with this token (already released or expired)"
 		}
 	}
-	if k.status == http.StatusServiceUnavailable {
+	if k.status == http.StatusServiceUnavailable && p.RetryAfterMS == nil {
 		retryAfterHeader(w, time.Second)
 	}
 	level := slog.LevelInfo

@@ -118,7 +118,9 @@ type Error struct {
 	Err error
 	// Nodes holds each node's answer in the last round, in node order.
 	Nodes []NodeResult
-	// RetryAfter is when trying again may succeed (set for ErrHeld).
+	// RetryAfter is when trying again may succeed: set for ErrHeld, and
+	// for an ErrQuorum of an acquire that only quarantined nodes kept
+	// from a majority (when enough of their quarantines end).
 	RetryAfter time.Duration
 	// Cause is the underlying error, if any (node errors, issuer error).
 	Cause error

@@ -1808,17 +1808,15 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		}
 		wg.Wait() // every node answered and deleted what it set
 		l.drain(t, votes)
+		var retry time.Duration
 		if sentinel == nil { // no quorum: decide why on every node's answer
 			sentinel, cause = ErrQuorum, nodeErrors(t.results)
+			retry = l.quarantineRetryAfter(t)
 			if l.refused(t) {
-				sentinel, cause = ErrHeld, nil
+				sentinel, cause, retry = ErrHeld, nil, l.retryAfter(t)
 			}
 		}
-		e := &Error{Op: "acquire", Key: key, Err: sentinel, Nodes: t.results, Cause: cause}
-		if sentinel == ErrHeld {
-			e.RetryAfter = l.retryAfter(t)
-		}
-		return e
+		return &Error{Op: "acquire", Key: key, Err: sentinel, Nodes: t.results, Cause: cause, RetryAfter: retry}
 	}
 
 	if t.yes < l.quorum {
@@ -1941,6 +1939,38 @@ func (l *Locker) retryAfter(t *tally) time.Duration {
 	}
 	slices.SortFunc(rem, func(a, b time.Duration) int { return int(b - a) })
 	return rem[k]
+}
+
+// quarantineRetryAfter is, for a round that missed the quorum only because
+// quarantined nodes do not count (every other node said yes), when enough
+// of their quarantines end for a majority to count; 0 otherwise: a node
+// that failed may answer again at any moment, and one that may evict
+// keys is counted out for as long as it may.
+func (l *Locker) quarantineRetryAfter(t *tally) time.Duration {
+	now := l.opts.Now()
+	var ends []time.Time
+	for i, r := range t.results {
+		switch r.Outcome {
+		case Yes:
+		case Quarantined:
+			m := l.members[i]
+			m.mu.Lock()
+			end, known := m.end(), m.evicting == "" && !m.unrecorded
+			m.mu.Unlock()
+			if !known {
+				return 0
+			}
+			ends = append(ends, end)
+		default:
+			return 0
+		}
+	}
+	need := l.quorum - t.yes
+	if need <= 0 || need > len(ends) {
+		return 0
+	}
+	slices.SortFunc(ends, time.Time.Compare)
+	return max(ends[need-1].Sub(now), 0)
 }
 
 // Extend renews the lease of the grant holding key with token to at least

@@ -367,8 +367,11 @@ type Problem struct {
 	RequestId *string `json:"request_id,omitempty"`
 
 	// RetryAfterMs Milliseconds after which enough holders' keys expire for a majority
-	// to be free (`lock-held`, `wait-timeout`), or after which the API key
-	// may send again (`rate-limited`). 0 when unknown.
+	// to be free (`lock-held`, `wait-timeout`), after which the API key
+	// may send again (`rate-limited`), or after which enough quarantines
+	// end for a majority of nodes to count (an acquire's
+	// `quorum-unavailable` when only quarantined nodes kept it from a
+	// majority; absent otherwise). 0 when unknown.
 	//
 	//
 	// Example: 2417

@@ -716,8 +716,11 @@ export interface components {
             /**
              * Format: int64
              * @description Milliseconds after which enough holders' keys expire for a majority
-             *     to be free (`lock-held`, `wait-timeout`), or after which the API key
-             *     may send again (`rate-limited`). 0 when unknown.
+             *     to be free (`lock-held`, `wait-timeout`), after which the API key
+             *     may send again (`rate-limited`), or after which enough quarantines
+             *     end for a majority of nodes to count (an acquire's
+             *     `quorum-unavailable` when only quarantined nodes kept it from a
+             *     majority; absent otherwise). 0 when unknown.
              * @example 2417
              */
             retry_after_ms?: number;
@@ -1228,7 +1231,10 @@ export interface components {
          */
         WWWAuthenticate: string;
         /**
-         * @description Seconds after which trying again may succeed. Always 1 today.
+         * @description Seconds after which trying again may succeed: 1, except for an
+         *     acquire's `quorum-unavailable` that only quarantined nodes kept from a
+         *     majority (every other node said yes), where it is when enough of their
+         *     quarantines end (`retry_after_ms` in seconds, rounded up).
          * @example 1
          */
         RetryAfter503: number;
