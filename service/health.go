@@ -36,6 +36,10 @@ type reach struct {
 	// end is not.
 	countMu     sync.Mutex
 	countLogged bool
+	// initing, under countMu: Init is recording the nodes one by one, so
+	// a count now would mix nodes recorded with nodes not yet; Init counts
+	// once when it is done.
+	initing bool
 }
 
 func newReach(n int) *reach {
@@ -112,6 +116,9 @@ func (l *Locker) noteCounting() {
 	// call's decision must not undo it.
 	r.countMu.Lock()
 	defer r.countMu.Unlock()
+	if r.initing {
+		return
+	}
 	now := l.opts.Now()
 	counting, answering := 0, 0
 	for i := range l.nodes {

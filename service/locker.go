@@ -449,6 +449,13 @@ func (l *Locker) Init(ctx context.Context) error {
 		l.startEvictionChecks(ctx)
 		return nil
 	}
+	// The counting majority is logged once every node is recorded, not as
+	// each one is.
+	l.setIniting(true)
+	defer func() {
+		l.setIniting(false)
+		l.noteCounting()
+	}()
 	for i, m := range l.members {
 		if rw, ok := m.Node.(restartWatcher); ok {
 			m.mu.Lock()
@@ -519,6 +526,13 @@ func (l *Locker) Init(ctx context.Context) error {
 	}
 	l.startEvictionChecks(ctx)
 	return nil
+}
+
+// setIniting sets whether Init is recording the nodes (see reach.initing).
+func (l *Locker) setIniting(on bool) {
+	l.reach.countMu.Lock()
+	l.reach.initing = on
+	l.reach.countMu.Unlock()
 }
 
 // serverIdentifier is a Node that can name the server process behind it
