@@ -231,8 +231,11 @@ func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	log := cfg.logger(logw)
 	quietRedis(log)
 	warnUnknownSettings(log, os.Environ())
-	s, err := Open(ctx, cfg, log, ServerOptions{})
+	s, err := OpenWaiting(ctx, cfg, log, ServerOptions{})
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil // stopped by a signal while Postgres could not be reached
+		}
 		return err
 	}
 	return serveUntilDone(ctx, s, cfg)
