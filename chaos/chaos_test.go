@@ -907,16 +907,32 @@ func TestChaos_PostgresKill(t *testing.T) {
 		reached chan string
 		release chan struct{}
 	}
-	in := e.startInproc(serverConfig{Hook: func(ctx context.Context, key, _ string) {
+	// The held acquires must win their quorum: a node timeout no loaded
+	// machine reaches (Redis is not what this scenario faults).
+	const nodeTimeout = 2 * time.Second
+	in := e.startInproc(serverConfig{NodeTimeout: nodeTimeout, Hook: func(ctx context.Context, key, _ string) {
 		gate.Lock()
 		reached, release := gate.reached, gate.release
 		gate.Unlock()
 		reached <- key
 		<-release
 	}})
-	p := e.startProc(serverConfig{})
+	p := e.startProc(serverConfig{NodeTimeout: nodeTimeout})
 	ctx := t.Context()
 	hc := e.httpClient(10 * time.Second)
+	ready := func() {
+		for _, s := range []server{in, p} {
+			waitFor(t, 20*time.Second, "the server to be ready", func() bool {
+				resp, err := hc.Get(s.URL() + "/readyz")
+				if err != nil {
+					return false
+				}
+				resp.Body.Close()
+				return resp.StatusCode == http.StatusOK
+			})
+		}
+	}
+	ready() // a node quarantined as the servers start would refuse the held acquires
 	stop := make(chan struct{})
 	wait := runBackground(ctx, &chaos.Workload{Clients: 3, Prefix: "g", Names: []string{"g-0", "g-1"}, Until: stop,
 		Options: constant(chaos.CycleOptions{TTL: 300 * time.Millisecond, Wait: 500 * time.Millisecond}), Links: links(in, p),
@@ -971,16 +987,7 @@ func TestChaos_PostgresKill(t *testing.T) {
 		o.restart = chaos.Now()
 		end()
 		outages = append(outages, o)
-		for _, s := range []server{in, p} {
-			waitFor(t, 20*time.Second, "the server to be ready again", func() bool {
-				resp, err := hc.Get(s.URL() + "/readyz")
-				if err != nil {
-					return false
-				}
-				resp.Body.Close()
-				return resp.StatusCode == http.StatusOK
-			})
-		}
+		ready()
 	}
 	sleepUntil(size(500*time.Millisecond, 2*time.Second), nil) // run on after the last restart
 	close(stop)
