@@ -607,8 +607,14 @@ func TestAPI_QuarantineRetryAfter(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// Reading the nodes finds them without their markers and records their
-	// quarantines (it waits for that).
+	// The acquire that finds them without their markers cannot tell yet
+	// when the quarantines it starts will end.
+	r := e.do(e.client, http.MethodPost, "/v1/locks/q", nil)
+	if p := r.problem(t); r.status != 503 || p.RetryAfterMS != nil || r.header.Get("Retry-After") != "1" {
+		t.Errorf("acquire finding 3 of 5 nodes without their data = %d %s, Retry-After %q; want 503 with Retry-After 1 and no retry_after_ms",
+			r.status, r.body, r.header.Get("Retry-After"))
+	}
+	// Reading the nodes waits for their quarantines to be recorded.
 	var nodes api.NodeList
 	e.do(e.client, http.MethodGet, "/v1/nodes", nil).decode(t, &nodes)
 	var ends []time.Time
@@ -621,7 +627,7 @@ func TestAPI_QuarantineRetryAfter(t *testing.T) {
 	}
 	slices.SortFunc(ends, time.Time.Compare)
 	sent := time.Now()
-	r := e.do(e.client, http.MethodPost, "/v1/locks/q", nil)
+	r = e.do(e.client, http.MethodPost, "/v1/locks/q", nil)
 	answered := time.Now()
 	p := r.problem(t)
 	if r.status != 503 || p.Type != api.ProblemTypePrefix+"quorum-unavailable" || p.RetryAfterMS == nil {
@@ -635,6 +641,20 @@ func TestAPI_QuarantineRetryAfter(t *testing.T) {
 	if want := strconv.FormatInt(int64(math.Ceil(ms.Seconds())), 10); r.header.Get("Retry-After") != want {
 		t.Errorf("Retry-After %q; want retry_after_ms in seconds, rounded up: %s", r.header.Get("Retry-After"), want)
 	}
+
+	// Found without their data again while quarantined: the quarantine
+	// running says nothing of the one this loss starts.
+	for _, c := range e.rdb[:3] {
+		if err := c.FlushAll(ctx).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r = e.do(e.client, http.MethodPost, "/v1/locks/q", nil)
+	if p := r.problem(t); r.status != 503 || p.RetryAfterMS != nil || r.header.Get("Retry-After") != "1" {
+		t.Errorf("acquire finding quarantined nodes without their data again = %d %s, Retry-After %q; want 503 with Retry-After 1 and no retry_after_ms",
+			r.status, r.body, r.header.Get("Retry-After"))
+	}
+	e.do(e.client, http.MethodGet, "/v1/nodes", nil).decode(t, &nodes) // the new quarantines recorded
 
 	if err := e.nodes[4].Stop(ctx); err != nil { // a node down may be back at any moment
 		t.Fatal(err)

@@ -335,12 +335,27 @@ func (h *Handler) recoverPanic(w http.ResponseWriter, r *http.Request) {
 
 // headerBytes is the size of the request line and headers as the header
 // limit counts it: as sent in the usual form ("Name: value" lines ending in
-// CRLF), Host (which net/http moves out of Header) and the blank line that
-// ends them included.
+// CRLF, list values joined with ", "), the headers net/http moves out of
+// Header (Host, Transfer-Encoding, Trailer) and the blank line that ends
+// them included. (An absolute-form request line's Host header is not
+// counted: net/http keeps the URL's host.)
 func headerBytes(r *http.Request) int {
 	n := len(r.Method) + len(r.RequestURI) + len(r.Proto) + 4 + 2
 	if r.Host != "" {
 		n += len("Host") + len(r.Host) + 4
+	}
+	// Also moved out of Header: Transfer-Encoding, and Trailer's names.
+	if len(r.TransferEncoding) > 0 {
+		n += len("Transfer-Encoding") + 4 + len(r.TransferEncoding[0])
+		for _, te := range r.TransferEncoding[1:] {
+			n += 2 + len(te)
+		}
+	}
+	if len(r.Trailer) > 0 {
+		n += len("Trailer") + 4 - 2
+		for k := range r.Trailer {
+			n += 2 + len(k)
+		}
 	}
 	for k, vs := range r.Header {
 		for _, v := range vs {

@@ -340,7 +340,8 @@ func TestChaos_DelayedWrite(t *testing.T) {
 // contention), cycle against two `redfence serve` processes while one of
 // the five Redis nodes is SIGSTOPped for 400ms and continued for 200ms, on
 // and off. Per-node timeout: 200ms. Asserted: acquires are granted, and
-// none is refused while the 4 other nodes said yes; no acquire takes more than 10 per-node timeouts (a generous
+// none is refused unless 2 more nodes failed besides the paused one; no
+// acquire takes more than 10 per-node timeouts (a generous
 // bound for a loaded 2-core machine; p50/p99/max are reported); the checker
 // finds no violation.
 func TestChaos_NodePause(t *testing.T) {
@@ -386,17 +387,17 @@ func TestChaos_NodePause(t *testing.T) {
 	for _, op := range acq {
 		if !op.Granted() && !healthyFailed(op, 0) {
 			unexplained++
-			e.note("  refused after %s though the 4 other nodes said yes: %d %s, nodes %s %s", ms(op.Latency()), op.Status, op.Problem, op.Nodes, op.Err)
+			e.note("  refused after %s, unexplained: %d %s, nodes %s %s", ms(op.Latency()), op.Status, op.Problem, op.Nodes, op.Err)
 		}
 	}
-	e.note("uncontended acquires granted: %d of %d (%.2f%%); %d refused though the 4 other nodes said yes (want 0)", granted, len(acq), 100*ratio, unexplained)
+	e.note("uncontended acquires granted: %d of %d (%.2f%%); %d refused with a majority of yes or only the paused node failing (want 0)", granted, len(acq), 100*ratio, unexplained)
 	e.note("acquire latency p50 %s, p99 %s, max %s (per-node timeout %s; bound 10x); release p99 %s, max %s",
 		ms(p50), ms(p99), ms(worst), nodeTimeout, ms(rp99), ms(rworst))
 	// Refused only when 2 more nodes than the paused one failed (a loaded
-	// machine can make them miss the per-node timeout): never while the
-	// other 4 said yes.
+	// machine can make them miss the per-node timeout): never with a
+	// majority of yes, nor with only the paused node failing.
 	if unexplained > 0 || granted == 0 {
-		t.Errorf("%d of %d uncontended acquires granted, %d refused though the 4 other nodes said yes; want none refused so", granted, len(acq), unexplained)
+		t.Errorf("%d of %d uncontended acquires granted, %d refused with a majority of yes or only the paused node failing; want none refused so", granted, len(acq), unexplained)
 	}
 	if worst > 10*nodeTimeout {
 		t.Errorf("slowest acquire took %v; want at most 10 per-node timeouts (%v)", worst, 10*nodeTimeout)
@@ -405,14 +406,20 @@ func TestChaos_NodePause(t *testing.T) {
 }
 
 // healthyFailed reports whether a refused acquire was 503
-// quorum-unavailable with a node outside faulted (indexes into the
-// servers' node list) not saying yes: the faults alone cannot explain a
-// refusal while every other node said yes.
+// quorum-unavailable with fewer yes answers than a majority of its nodes,
+// a node outside faulted (indexes into the servers' node list) among those
+// that did not say yes: the faults alone cannot explain a refusal while
+// every other node said yes, and nothing explains one with a majority of
+// yes.
 func healthyFailed(op chaos.Op, faulted ...int) bool {
 	if op.Status != http.StatusServiceUnavailable || op.Problem != "quorum-unavailable" {
 		return false
 	}
-	for i, o := range strings.Split(op.Nodes, ",") {
+	outcomes := strings.Split(op.Nodes, ",")
+	if yes := count(outcomes, func(o string) bool { return o == "yes" }); yes >= len(outcomes)/2+1 {
+		return false
+	}
+	for i, o := range outcomes {
 		if o != "yes" && !slices.Contains(faulted, i) {
 			return true
 		}
@@ -530,17 +537,17 @@ func TestChaos_Blackhole(t *testing.T) {
 			}
 			why := "a healthy node failed too"
 			if !healthyFailed(op, 3, 4) {
-				why = "UNEXPLAINED: the 3 healthy nodes said yes"
+				why = "UNEXPLAINED: a majority said yes, or only the faulted nodes failed"
 				unexplained++
 			}
 			e.note("  refused after %s: %d %s, nodes %s %s (%s)", ms(op.Latency()), op.Status, op.Problem, op.Nodes, op.Err, why)
 		}
-		e.note("%s: %d of %d acquires granted (%.1f%%); %d refused though the 3 healthy nodes said yes (want 0)", p.what, g, len(ops), 100*r, unexplained)
+		e.note("%s: %d of %d acquires granted (%.1f%%); %d refused with a majority of yes or only the faulted nodes failing (want 0)", p.what, g, len(ops), 100*r, unexplained)
 		// A loaded machine can make a healthy node miss its per-node
 		// timeout too, and then the quorum is truly gone: such a refusal
 		// is right. One the 3 healthy nodes' yes should have won is not.
 		if unexplained > 0 || g == 0 {
-			t.Errorf("%s: %d of %d acquires granted, %d refused though every healthy node said yes; want none refused so", p.what, g, len(ops), unexplained)
+			t.Errorf("%s: %d of %d acquires granted, %d refused with a majority of yes or only the faulted nodes failing; want none refused so", p.what, g, len(ops), unexplained)
 		}
 	}
 	ops := e.ops(chaos.Acquire, in(three))

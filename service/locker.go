@@ -440,7 +440,7 @@ func (l *Locker) Close() {
 // Registry.NodeProcess says. Then Init starts this server's heartbeat (see
 // startHeartbeat) and the checks of the nodes' eviction policies (see
 // evict.go), with or without a Registry.
-func (l *Locker) Init(ctx context.Context) error {
+func (l *Locker) Init(ctx context.Context) (err error) {
 	procs, err := l.checkDistinct(ctx)
 	if err != nil {
 		return err
@@ -454,7 +454,9 @@ func (l *Locker) Init(ctx context.Context) error {
 	l.setIniting(true)
 	defer func() {
 		l.setIniting(false)
-		l.noteCounting()
+		if err == nil {
+			l.noteCounting()
+		}
 	}()
 	for i, m := range l.members {
 		if rw, ok := m.Node.(restartWatcher); ok {
@@ -1958,8 +1960,9 @@ func (l *Locker) retryAfter(t *tally) time.Duration {
 // quarantineRetryAfter is, for a round that missed the quorum only because
 // quarantined nodes do not count (every other node said yes), when enough
 // of their quarantines end for a majority to count; 0 otherwise: a node
-// that failed may answer again at any moment, and one that may evict
-// keys is counted out for as long as it may.
+// that failed may answer again at any moment, one that may evict keys is
+// counted out for as long as it may, and one whose loss is being recorded
+// gets a quarantine of its own, not known yet.
 func (l *Locker) quarantineRetryAfter(t *tally) time.Duration {
 	now := l.opts.Now()
 	var ends []time.Time
@@ -1967,9 +1970,12 @@ func (l *Locker) quarantineRetryAfter(t *tally) time.Duration {
 		switch r.Outcome {
 		case Yes:
 		case Quarantined:
+			if r.Err != nil {
+				return 0 // found without its data: a new quarantine, not yet recorded
+			}
 			m := l.members[i]
 			m.mu.Lock()
-			end, known := m.end(), m.evicting == "" && !m.unrecorded
+			end, known := m.end(), m.evicting == "" && !m.unrecorded && m.recovery == nil
 			m.mu.Unlock()
 			if !known {
 				return 0

@@ -18,6 +18,11 @@ func TestOpen_BadURLSaysWhyWithoutPassword(t *testing.T) {
 		{"Escape", "postgres://u:" + pw + "%zz@127.0.0.1:5432/db", "failed to parse as URL"},
 		{"KeywordValue", "host=127.0.0.1 password=" + pw + " port=x", "invalid port"},
 		{"ConnectTimeout", "postgres://u:" + pw + "@127.0.0.1/db?connect_timeout=soon", "invalid connect_timeout"},
+		// Causes that quote a piece of the input: the password's.
+		{"KeywordSpace", "host=127.0.0.1 password=foo " + pw + " port=5432", "failed to parse as keyword/value"},
+		{"URLSpace", "postgres://u:pa/ss " + pw + "@h/db", "failed to parse as URL"},
+		{"URLPercent", "postgres://u:pa/" + pw + "%CR@h/db", "failed to parse as URL"},
+		{"URLSpaceNoHost", "postgres://u:" + pw + " x/db", "failed to parse as URL"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -26,7 +31,7 @@ func TestOpen_BadURLSaysWhyWithoutPassword(t *testing.T) {
 				t.Fatal("Open succeeded")
 			}
 			msg := err.Error()
-			if strings.Contains(msg, pw) || strings.Contains(msg, "zz") {
+			if strings.Contains(msg, pw) || strings.Contains(msg, "zz") || strings.Contains(msg, "pa/") {
 				t.Fatalf("error quotes the password: %s", msg)
 			}
 			if !strings.Contains(msg, "invalid connection string: ") || !strings.Contains(msg, tc.want) {

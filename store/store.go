@@ -25,6 +25,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"regexp"
 	"strings"
 	"time"
 
@@ -203,7 +204,9 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 
 // redactErr keeps a URL (which may hold a password) out of a parse error
 // while still saying what is wrong with it: pgx's own message names the
-// part it refused, and its cause is kept unless it may quote the URL.
+// part it refused. Every quoted piece of it is cut (pgx and net/url quote
+// bits of the input, which can be bits of the password), and a cause that
+// may spell the input unquoted (an escape error) is dropped.
 func redactErr(err error) error {
 	var pe *pgconn.ParseConfigError
 	if !errors.As(err, &pe) {
@@ -220,25 +223,23 @@ func redactErr(err error) error {
 	cause := pe.Unwrap()
 	if cause != nil {
 		msg = strings.TrimSuffix(msg, " ("+cause.Error()+")")
-	}
-	var ue *url.Error
-	var esc url.EscapeError
-	switch {
-	case cause == nil:
-	case errors.As(cause, &esc): // quotes a piece of the URL
-	case errors.As(cause, &ue):
-		if !errors.As(ue.Err, &esc) {
-			msg += ": " + ue.Err.Error() // the cause without the URL
+		var esc url.EscapeError
+		if ue, ok := errors.AsType[*url.Error](cause); ok {
+			cause = ue.Err // without the URL
 		}
-	case msg == "" || pe.ConnString != "" && strings.Contains(cause.Error(), pe.ConnString):
-	default:
-		msg += ": " + cause.Error()
+		if !errors.As(cause, &esc) {
+			msg += ": " + cause.Error()
+		}
 	}
+	msg = quoted.ReplaceAllString(msg, `"…"`)
 	if msg == "" || pe.ConnString != "" && strings.Contains(msg, pe.ConnString) {
 		return errors.New("invalid connection string")
 	}
 	return fmt.Errorf("invalid connection string: %s", msg)
 }
+
+// quoted matches a Go-quoted string (%q): redactErr cuts them.
+var quoted = regexp.MustCompile(`"(?:[^"\\]|\\.)*"`)
 
 // Close stops token issuance and closes the pools. Issue calls still waiting
 // fail with ErrClosed (a statement running for them is cancelled), later

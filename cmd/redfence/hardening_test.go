@@ -98,9 +98,13 @@ func TestServer_Hardening(t *testing.T) {
 	// The limit counts every byte of the request line and headers as sent
 	// in the usual form (Host and the blank line that ends them included).
 	t.Run("HeadersAtLimit", func(t *testing.T) {
-		raw := func(size int) *http.Response {
+		raw := func(size int, chunked bool) *http.Response {
 			t.Helper()
-			const head, tail = "GET /v1/locks/x HTTP/1.1\r\nHost: redfence.test\r\nX-Pad: ", "\r\nConnection: close\r\n\r\n"
+			head, tail, body := "GET /v1/locks/x HTTP/1.1\r\nHost: redfence.test\r\nX-Pad: ", "\r\nConnection: close\r\n\r\n", ""
+			if chunked { // net/http moves these headers out of Header
+				head = "POST /v1/locks/x HTTP/1.1\r\nHost: redfence.test\r\nTransfer-Encoding: chunked\r\nTrailer: X-A, X-B\r\nContent-Type: application/json\r\nX-Pad: "
+				body = "2\r\n{}\r\n0\r\n\r\n"
+			}
 			conn, err := net.Dial("tcp", addr)
 			if err != nil {
 				t.Fatal(err)
@@ -110,7 +114,7 @@ func TestServer_Hardening(t *testing.T) {
 			if len(req) != size {
 				t.Fatalf("request of %d bytes; want %d", len(req), size)
 			}
-			if _, err := io.WriteString(conn, req); err != nil {
+			if _, err := io.WriteString(conn, req+body); err != nil {
 				t.Fatal(err)
 			}
 			if err := conn.SetReadDeadline(time.Now().Add(waitTimeout)); err != nil {
@@ -123,11 +127,13 @@ func TestServer_Hardening(t *testing.T) {
 			resp.Body.Close()
 			return resp
 		}
-		if r := raw(cfg.MaxHeaderBytes); r.StatusCode == http.StatusRequestHeaderFieldsTooLarge {
-			t.Errorf("headers of exactly REDFENCE_MAX_HEADER_BYTES (%d) = %d; want them served", cfg.MaxHeaderBytes, r.StatusCode)
-		}
-		if r := raw(cfg.MaxHeaderBytes + 1); r.StatusCode != http.StatusRequestHeaderFieldsTooLarge || r.Header.Get("Content-Type") != "application/problem+json" {
-			t.Errorf("headers of REDFENCE_MAX_HEADER_BYTES + 1 = %d %s; want 431 problem+json", r.StatusCode, r.Header.Get("Content-Type"))
+		for _, chunked := range []bool{false, true} {
+			if r := raw(cfg.MaxHeaderBytes, chunked); r.StatusCode == http.StatusRequestHeaderFieldsTooLarge {
+				t.Errorf("chunked %v: headers of exactly REDFENCE_MAX_HEADER_BYTES (%d) = %d; want them served", chunked, cfg.MaxHeaderBytes, r.StatusCode)
+			}
+			if r := raw(cfg.MaxHeaderBytes+1, chunked); r.StatusCode != http.StatusRequestHeaderFieldsTooLarge || r.Header.Get("Content-Type") != "application/problem+json" {
+				t.Errorf("chunked %v: headers of REDFENCE_MAX_HEADER_BYTES + 1 = %d %s; want 431 problem+json", chunked, r.StatusCode, r.Header.Get("Content-Type"))
+			}
 		}
 	})
 

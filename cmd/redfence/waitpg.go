@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -31,8 +32,13 @@ func OpenWaiting(ctx context.Context, cfg *Config, log *slog.Logger, opts Server
 	delay := waitPostgresFirst
 	for {
 		s, err := Open(ctx, cfg, log, opts)
-		if err == nil || !postgresUnreachable(err) || ctx.Err() != nil {
-			return s, err
+		switch {
+		case err == nil:
+			return s, nil
+		case ctx.Err() != nil:
+			return nil, errors.Join(ctx.Err(), err)
+		case !postgresUnreachable(err):
+			return nil, err
 		}
 		log.Warn("Postgres cannot be reached: the server starts once it can (SIGINT or SIGTERM stops waiting)",
 			slog.String("error", err.Error()), slog.String("retry_in", delay.String()))
@@ -60,9 +66,14 @@ func postgresUnreachable(err error) bool {
 		case "57P01", "57P02", "57P03", "53300": // admin_shutdown, crash_shutdown, cannot_connect_now, too_many_connections
 			return true
 		}
-		return false
+		// Class 08, connection exception: a pooler (PgBouncer) that
+		// cannot reach Postgres says so with 08P01 or 08006.
+		return strings.HasPrefix(pe.Code, "08")
 	}
-	if _, ok := errors.AsType[net.Error](err); ok { // refused, unreachable, timed out, no such host yet
+	// Refused, unreachable, timed out; a host name that does not resolve
+	// is waited for too, as in Docker and Kubernetes a name goes with
+	// its container (the log names the error every few seconds).
+	if _, ok := errors.AsType[net.Error](err); ok {
 		return true
 	}
 	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
