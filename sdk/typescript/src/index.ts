@@ -143,8 +143,10 @@ export interface RedfenceOptions {
   fetch?: (input: Request) => Promise<Response>;
   /**
    * How long one request may take before it fails with kind "unavailable",
-   * in ms (default 30 000); an acquire gets its waitMs on top. A renewal is
-   * bounded by the lease's deadline instead.
+   * in ms (default 30 000); an acquire gets its waitMs on top. A renewal try
+   * is bounded instead by half the renewal interval (1 s at least) and the
+   * lease's deadline, so one stuck on a dead connection is tried again in
+   * time; withLock's release, by the lease's time left (1 s at least).
    */
   timeoutMs?: number;
 }
@@ -188,16 +190,29 @@ const released = new WeakSet<object>();
  * even with a fetch that ignores it.
  */
 function bounded<T>(run: (signal: AbortSignal) => Promise<T>, timeoutMs: number, outer?: AbortSignal): Promise<T> {
-  const signals = [AbortSignal.timeout(Math.max(Math.ceil(timeoutMs), 1))];
-  if (outer) signals.push(outer);
-  const signal = AbortSignal.any(signals);
-  if (signal.aborted) return Promise.reject(signal.reason);
+  if (outer?.aborted) return Promise.reject(outer.reason);
+  // A timer and a controller of its own, held until the request settles:
+  // Node 20 lets a garbage collection drop an AbortSignal.timeout that only
+  // AbortSignal.any holds, and the request then waits for ever
+  // (nodejs/node#57736).
+  const ctrl = new AbortController();
+  const signal = ctrl.signal;
+  const timer = setTimeout(
+    () => ctrl.abort(new DOMException("The operation was aborted due to timeout", "TimeoutError")),
+    Math.max(Math.ceil(timeoutMs), 1),
+  );
+  const onOuter = () => ctrl.abort(outer?.reason);
+  outer?.addEventListener("abort", onOuter, { once: true });
   let onAbort: () => void = () => undefined;
   const aborted = new Promise<never>((_, reject) => {
     onAbort = () => reject(signal.reason);
     signal.addEventListener("abort", onAbort, { once: true });
   });
-  return Promise.race([run(signal), aborted]).finally(() => signal.removeEventListener("abort", onAbort));
+  return Promise.race([run(signal), aborted]).finally(() => {
+    clearTimeout(timer);
+    outer?.removeEventListener("abort", onOuter);
+    signal.removeEventListener("abort", onAbort);
+  });
 }
 
 /**
@@ -312,7 +327,11 @@ export class Lease {
   async #renew(): Promise<void> {
     if (!this.held) return;
     try {
-      await this.extend();
+      // Each try is bounded by half the renewal interval (1 s at least), not
+      // only by the deadline: one stuck on a connection that went dead
+      // without a word is given up in time to try again on a new one.
+      const interval = this.ttlMs * (this.#opts.renewFraction ?? 1 / 3);
+      await this.#extend(this.ttlMs, Math.min(this.remainingMs, Math.max(interval / 2, 1000)));
       this.#lastRenewError = undefined;
     } catch (err) {
       if (this.signal.aborted) return;
@@ -342,6 +361,12 @@ export class Lease {
    */
   async extend(ttlMs = this.ttlMs): Promise<void> {
     if (!this.held) throw this.signal.reason;
+    return this.#extend(ttlMs, this.remainingMs);
+  }
+
+  /** extend, its request bounded by limitMs (and by the lease's end). */
+  async #extend(ttlMs: number, limitMs: number): Promise<void> {
+    if (!this.held) throw this.signal.reason;
     const sent = performance.now();
     const { data, error, response } = await bounded(
       (signal) => this.#rf.api.POST("/v1/locks/{name}/extend", {
@@ -349,7 +374,7 @@ export class Lease {
         body: { ttl_ms: ttlMs },
         signal,
       }),
-      this.remainingMs,
+      limitMs,
       this.signal,
     ).catch((cause: unknown) => {
       // Released or lost meanwhile: the lease's reason (kind "lost").
@@ -381,6 +406,14 @@ export class Lease {
    * or after one that settled it, returns that one's outcome.
    */
   release(): Promise<void> {
+    return this.releaseWithin(this.#rf.timeoutMs);
+  }
+
+  /**
+   * @internal release, its request bounded by limitMs (at most the
+   * client's timeoutMs).
+   */
+  releaseWithin(limitMs: number): Promise<void> {
     if (this.#release) return this.#release;
     const reason = releasedReason(this.name);
     released.add(reason); // a release, not a loss (see withLock)
@@ -391,7 +424,7 @@ export class Lease {
           params: { path: { name: this.name }, header: { "Lock-Token": this.#lockToken } },
           signal,
         }),
-        this.#rf.timeoutMs,
+        Math.min(limitMs, this.#rf.timeoutMs),
       ).catch((cause: unknown) => {
         throw noAnswer("release", this.name, cause);
       });
@@ -419,7 +452,9 @@ async function releaseRetrying(lease: Lease): Promise<void> {
   const end = performance.now() + Math.max(lease.remainingMs, 0);
   for (let again = false; ; again = true) {
     try {
-      await lease.release();
+      // Each try bounded by the lease's time left (1 s at least): after it
+      // the lock runs out by itself, and the caller need not wait on.
+      await lease.releaseWithin(Math.max(end - performance.now(), 1000));
       return;
     } catch (err) {
       if (again && err instanceof RedfenceError && err.kind === "lost" && performance.now() < end) return;

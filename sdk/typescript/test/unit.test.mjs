@@ -6,6 +6,8 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { setTimeout as delay } from "node:timers/promises";
+import v8 from "node:v8";
+import vm from "node:vm";
 
 import { Redfence, RedfenceError } from "../dist/index.js";
 
@@ -271,5 +273,55 @@ test("no error or lease shows the lock token or the API key", async () => {
   const err = await lease.release().catch((e) => e);
   for (const s of [JSON.stringify(lease), String(lease), JSON.stringify(err), String(err), err.stack, JSON.stringify(rf)]) {
     assert.ok(!s.includes("jzocnifUtgU") && !s.includes("secret"), s);
+  }
+});
+
+/** Node's gc(), without --expose-gc on the command line. */
+function gcFunction() {
+  v8.setFlagsFromString("--expose-gc");
+  return vm.runInNewContext("gc");
+}
+
+/** Settles with p's outcome, or with "pending" if p has not settled by ms. */
+const within = (p, ms) => Promise.race([p.then(() => "resolved", (e) => e), delay(ms, "pending")]);
+
+test("a request's timeout holds through garbage collections (an AbortSignal.timeout held only by AbortSignal.any is collected in Node 20)", async () => {
+  const gc = gcFunction();
+  const { rf } = scripted(() => new Promise(() => {}), { timeoutMs: 300 }); // never answers, ignores abort
+  const collect = setInterval(gc, 20);
+  try {
+    const e = await within(rf.acquire("n"), 10_000);
+    assert.ok(e instanceof RedfenceError && e.kind === "unavailable", `acquire with the server silent: ${e}; want it timed out`);
+  } finally {
+    clearInterval(collect);
+  }
+});
+
+test("a renewal stuck on a dead connection is given up and tried again while the lease lasts", async () => {
+  const { rf, count } = scripted((kind, n) => {
+    if (kind === "acquire") return grant(3000);
+    if (kind === "extend" && n === 1) return new Promise(() => {}); // a connection gone silent
+    return kind === "extend" ? grant(3000) : noContent();
+  });
+  const lease = await rf.acquire("n"); // renews after 1 s; each try bounded by 1 s
+  const keepAlive = setInterval(() => undefined, 1000);
+  try {
+    await within(new Promise((resolve) => { const t = setInterval(() => { if (count("extend") >= 2) { clearInterval(t); resolve(); } }, 10); }), 10_000);
+    assert.ok(count("extend") >= 2, `${count("extend")} extends; want the stuck one tried again`);
+    assert.equal(lease.held, true, "the lease was lost to one stuck renewal");
+  } finally {
+    clearInterval(keepAlive);
+    await lease.release();
+  }
+});
+
+test("withLock's release gives up once the lease has run out, not after timeoutMs", async () => {
+  const { rf } = scripted((kind) => (kind === "acquire" ? grant(500) : new Promise(() => {})), { timeoutMs: 60_000 });
+  const keepAlive = setInterval(() => undefined, 1000);
+  try {
+    const e = await within(rf.withLock("n", () => "done", { renewFraction: 0 }), 20_000);
+    assert.ok(e instanceof RedfenceError && e.kind === "unavailable", `withLock with the release unanswered: ${e}; want it to give up as unavailable`);
+  } finally {
+    clearInterval(keepAlive);
   }
 });
