@@ -338,7 +338,9 @@ func (c *Client) GetResource(ctx context.Context, name string) (*Resource, error
 // Do acquires the lock on name, runs fn with a context that is cancelled the
 // moment the lease is lost or runs out (context.Cause tells why), and always
 // releases the lock afterwards, even if fn panics or ctx is cancelled (with a
-// context of its own, bounded by 10s).
+// context of its own, bounded by the lease's time left, 1 s at least: after
+// it the lock runs out by itself). A grant whose validity ran out before its
+// answer arrived is released and never handed to fn (ErrLost).
 //
 // It returns the acquire error, or else fn's error unchanged; if fn returned
 // nil but the lease was lost before it did, an error matching ErrLost (fn's
@@ -357,7 +359,9 @@ func (c *Client) Do(ctx context.Context, name string, opts *LockOptions, fn func
 	defer func() {
 		stop()
 		cancel(nil)
-		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		// Tried while the lease lasts (1 s at least): after that the lock
+		// runs out by itself, and the caller need not wait on.
+		rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), max(time.Until(l.Deadline()), time.Second))
 		defer rcancel()
 		lostErr := l.Err()
 		rerr := l.ReleaseRetrying(rctx)

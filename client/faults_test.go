@@ -3,6 +3,7 @@ package client_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -405,5 +406,115 @@ func TestRelease_AnswerLost(t *testing.T) {
 	}
 	if n := releases.Load(); n != 2 {
 		t.Errorf("Do sent %d releases; want 2", n)
+	}
+}
+
+// scriptedServer answers each request with handle (a fake Redfence, for
+// answers a real one gives only under faults); it counts them by method.
+func scriptedServer(t *testing.T, handle func(w http.ResponseWriter, r *http.Request), opts ...client.Options) (*client.Client, map[string]*atomic.Int32) {
+	t.Helper()
+	counts := map[string]*atomic.Int32{http.MethodPost: {}, http.MethodDelete: {}}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if n, ok := counts[r.Method]; ok {
+			n.Add(1)
+		}
+		handle(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	c, err := client.New(srv.URL, append(opts, client.Options{})[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, counts
+}
+
+const grantBody = `{"name":"n","lock_token":"jzocnifUtgU-kaoMf0LY4Vtgw_c","fencing_token":7,"ttl_ms":1000,"validity_ms":%d,"expires_at":"2030-01-01T00:00:00Z","owner":""}`
+
+func writeGrant(w http.ResponseWriter, validityMS int) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, grantBody, validityMS)
+}
+
+// TestAcquire_LateGrant: a grant whose validity ran out before its answer
+// arrived is not handed out: Acquire and Do return ErrLost (fn never runs)
+// and release it.
+func TestAcquire_LateGrant(t *testing.T) {
+	t.Parallel()
+	c, counts := scriptedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodDelete {
+			w.WriteHeader(http.StatusNoContent)
+			return
+		}
+		time.Sleep(50 * time.Millisecond) // the fault: an answer 50 ms late, for a 10 ms validity
+		writeGrant(w, 10)
+	})
+	if l, err := c.Acquire(t.Context(), "n", nil); !errors.Is(err, client.ErrLost) {
+		t.Errorf("Acquire of a grant that ran out on its way = %v, %v; want ErrLost", l, err)
+	}
+	ran := false
+	if err := c.Do(t.Context(), "n", nil, func(context.Context, *client.Lease) error { ran = true; return nil }); !errors.Is(err, client.ErrLost) || ran {
+		t.Errorf("Do of a grant that ran out on its way = %v (fn ran: %v); want ErrLost, fn not run", err, ran)
+	}
+	if n := counts[http.MethodDelete].Load(); n != 2 {
+		t.Errorf("%d releases; want the 2 late grants released", n)
+	}
+}
+
+// TestLease_ExtendBoundedByDeadline: Lease.Extend gives up at the lease's
+// end, whatever its context: an answer after it renews nothing that lasts.
+func TestLease_ExtendBoundedByDeadline(t *testing.T) {
+	t.Parallel()
+	stop := make(chan struct{})
+	c, _ := scriptedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		switch {
+		case r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/extend"):
+			select { // the fault: a server that does not answer
+			case <-r.Context().Done():
+			case <-stop:
+			}
+		case r.Method == http.MethodPost:
+			writeGrant(w, 300)
+		default:
+			w.WriteHeader(http.StatusNoContent)
+		}
+	}, client.Options{RequestTimeout: time.Hour}) // only the lease bounds it
+	t.Cleanup(func() { close(stop) }) // before the server closes
+	l, err := c.Acquire(t.Context(), "n", &client.LockOptions{NoRenew: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- l.Extend(context.Background(), 0) }()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Error("Extend with no answer succeeded")
+		}
+	case <-time.After(time.Minute): // far past the 300 ms lease: only a hang gets here
+		t.Fatal("Extend outlived its lease's deadline (waiting on its context only)")
+	}
+	if !errors.Is(l.Err(), client.ErrLost) {
+		t.Errorf("lease after its deadline: Err = %v; want ErrLost", l.Err())
+	}
+}
+
+// TestAcquire_RetryAfterBeyondWait: a 503 whose Retry-After ends after the
+// acquire's wait (quarantines ending later) is returned at once, not slept
+// through to one more try that cannot succeed.
+func TestAcquire_RetryAfterBeyondWait(t *testing.T) {
+	t.Parallel()
+	c, counts := scriptedServer(t, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.Header().Set("Retry-After", "30")
+		w.WriteHeader(http.StatusServiceUnavailable)
+		io.WriteString(w, `{"type":"urn:redfence:problem:quorum-unavailable","title":"t","status":503,"retry_after_ms":30000}`)
+	})
+	_, err := c.Acquire(t.Context(), "n", &client.LockOptions{Wait: 5 * time.Second})
+	if !errors.Is(err, client.ErrUnavailable) {
+		t.Fatalf("Acquire = %v; want ErrUnavailable", err)
+	}
+	if n := counts[http.MethodPost].Load(); n != 1 {
+		t.Errorf("%d acquires sent; want 1", n)
 	}
 }

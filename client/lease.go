@@ -110,8 +110,10 @@ type Lease struct {
 
 // Acquire takes the lock on name and starts its watchdog. It tries once,
 // or keeps trying until opts.Wait has passed (through a server that could
-// not answer meanwhile, ErrUnavailable, too); the error then matches ErrHeld
-// (or ErrUnavailable). It returns ctx's error when ctx ends first.
+// not answer meanwhile, ErrUnavailable, too, unless its Retry-After ends
+// after the wait); the error then matches ErrHeld (or ErrUnavailable). It
+// returns ctx's error when ctx ends first, and ErrLost for a grant whose
+// validity ran out before its answer arrived (released again).
 func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*Lease, error) {
 	o, err := opts.withDefaults()
 	if err != nil {
@@ -145,7 +147,13 @@ func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*
 			continue // one chunk of a long wait ran out
 		case errors.Is(err, ErrUnavailable):
 			// Not reached, or it could not decide (a restart, a
-			// majority of nodes down): try again while the wait lasts.
+			// majority of nodes down): try again while the wait lasts,
+			// unless the server said it cannot succeed before the wait
+			// ends (quarantines ending later: every other 503 says
+			// "in a second").
+			if e, ok := errors.AsType[*Error](err); ok && e.RetryAfter > time.Second && e.RetryAfter > left {
+				return nil, err
+			}
 			d := min(retryDelay(err, backoff), left)
 			backoff = min(2*backoff, time.Second)
 			if !sleep(ctx, d) {
@@ -201,6 +209,14 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 		defer cancel()
 		_ = c.release(ctx, name, g.lock)
 		return nil, err
+	}
+	if !time.Now().Before(l.endAt()) {
+		// Granted, but its validity ran out before the answer arrived (a
+		// pause, a slow network): never handed out as held.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = c.release(ctx, name, g.lock)
+		return nil, fmt.Errorf("client: acquire %q: %w: the grant's validity ran out before its answer arrived (it was released)", name, ErrLost)
 	}
 	l.life, l.end = context.WithCancelCause(context.Background())
 	l.stopped, l.stop = context.WithCancel(context.Background())
@@ -258,8 +274,22 @@ func (l *Lease) Done() <-chan struct{} { return l.life.Done() }
 func (l *Lease) Context() context.Context { return l.life }
 
 // Err returns nil while the lease lasts, then why it ended: an error
-// matching ErrLost, or ErrReleased.
+// matching ErrLost, or ErrReleased. It checks the deadline itself, so it
+// is not nil past it even before the watchdog has run (after a pause of
+// the process, say).
 func (l *Lease) Err() error {
+	if l.life.Err() == nil {
+		if time.Now().Before(l.endAt()) {
+			return nil
+		}
+		l.lose(fmt.Errorf("%w: the deadline passed", ErrLost))
+	}
+	return l.ended()
+}
+
+// ended is why the lease ended, or nil while Done is open (Err without its
+// deadline check, for callers holding mu).
+func (l *Lease) ended() error {
 	if l.life.Err() == nil {
 		return nil
 	}
@@ -278,9 +308,10 @@ func (l *Lease) endAt() time.Time { return l.Deadline().Add(-l.opts.Margin) }
 func (l *Lease) lose(err error) { l.end(err) }
 
 // Extend renews the lease now for ttl (0: the lease's TTL), whether or not
-// the watchdog runs. An error matching ErrLost means the lease is gone and
-// has ended; other errors (ErrUnavailable) leave the lease with its old
-// deadline.
+// the watchdog runs. It is bounded by the lease's end, as by ctx: an answer
+// after it renews nothing that lasts. An error matching ErrLost means the
+// lease is gone and has ended; other errors (ErrUnavailable) leave the lease
+// with its old deadline.
 func (l *Lease) Extend(ctx context.Context, ttl time.Duration) error {
 	if err := l.Err(); err != nil {
 		return err
@@ -288,6 +319,8 @@ func (l *Lease) Extend(ctx context.Context, ttl time.Duration) error {
 	if ttl <= 0 {
 		ttl = l.ttl
 	}
+	ctx, cancel := context.WithDeadline(ctx, l.endAt())
+	defer cancel()
 	return l.extendWith(ctx, ttl, false)
 }
 
@@ -405,7 +438,7 @@ func (l *Lease) extendWith(ctx context.Context, ttl time.Duration, watchdog bool
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if err := l.Err(); err != nil {
+	if err := l.ended(); err != nil {
 		// It ended while the renewal was on its way (it ran out, or was
 		// released): the server's new lease is nobody's; it runs out.
 		return err
