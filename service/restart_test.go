@@ -800,6 +800,22 @@ func (e *restartEnv) aclNodes(t *testing.T, name, rules string) []service.Node {
 	return ns
 }
 
+// aclLocker is an initialised Locker on e's nodes as the ACL user
+// "redfence" with service.RedisACL (see aclNodes), closed when the test ends.
+func (e *restartEnv) aclLocker(t *testing.T) *service.Locker {
+	t.Helper()
+	l, err := service.New(e.aclNodes(t, "redfence", service.RedisACL), e.db,
+		service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	if err := l.Init(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
 // TestLocker_ACLUser: a Redis user with service.RedisACL (the rules README
 // gives) can do everything: Init finds every process, locks are acquired,
 // extended and released, and a waiter of another Locker is woken by the
@@ -927,15 +943,7 @@ func TestLocker_INFORevoked(t *testing.T) {
 	t.Parallel()
 	e := newRestartEnv(t, false)
 	ctx := t.Context()
-	l, err := service.New(e.aclNodes(t, "redfence", service.RedisACL), e.db,
-		service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(l.Close)
-	if err := l.Init(ctx); err != nil {
-		t.Fatal(err)
-	}
+	l := e.aclLocker(t)
 	if err := e.raw[0].Do(ctx, "acl", "setuser", "redfence", "-info").Err(); err != nil {
 		t.Fatal(err)
 	}
@@ -972,15 +980,7 @@ func TestLocker_WrongPassword(t *testing.T) {
 	t.Parallel()
 	e := newRestartEnv(t, false)
 	ctx := t.Context()
-	l, err := service.New(e.aclNodes(t, "redfence", service.RedisACL), e.db,
-		service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(l.Close)
-	if err := l.Init(ctx); err != nil {
-		t.Fatal(err)
-	}
+	l := e.aclLocker(t)
 	state := func() string {
 		t.Helper()
 		conn, err := pgx.Connect(ctx, e.url)

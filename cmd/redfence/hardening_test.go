@@ -67,22 +67,7 @@ func TestServer_Hardening(t *testing.T) {
 	})
 
 	t.Run("OptionsStar", func(t *testing.T) {
-		conn, err := net.Dial("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close()
-		if _, err := io.WriteString(conn, "OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"); err != nil {
-			t.Fatal(err)
-		}
-		if err := conn.SetReadDeadline(time.Now().Add(waitTimeout)); err != nil {
-			t.Fatal(err)
-		}
-		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
+		resp := rawRequest(t, addr, "OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
 		if resp.StatusCode < 400 || resp.Header.Get("Content-Type") != "application/problem+json" || resp.Header.Get("X-Request-Id") == "" {
 			t.Errorf("OPTIONS * = %d %v; want a problem+json error with a request ID", resp.StatusCode, resp.Header)
 		}
@@ -105,27 +90,11 @@ func TestServer_Hardening(t *testing.T) {
 				head = "POST /v1/locks/x HTTP/1.1\r\nHost: redfence.test\r\nTransfer-Encoding: chunked\r\nTrailer: X-A, X-B\r\nContent-Type: application/json\r\nX-Pad: "
 				body = "2\r\n{}\r\n0\r\n\r\n"
 			}
-			conn, err := net.Dial("tcp", addr)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer conn.Close()
 			req := head + strings.Repeat("p", size-len(head)-len(tail)) + tail
 			if len(req) != size {
 				t.Fatalf("request of %d bytes; want %d", len(req), size)
 			}
-			if _, err := io.WriteString(conn, req+body); err != nil {
-				t.Fatal(err)
-			}
-			if err := conn.SetReadDeadline(time.Now().Add(waitTimeout)); err != nil {
-				t.Fatal(err)
-			}
-			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			resp.Body.Close()
-			return resp
+			return rawRequest(t, addr, req+body)
 		}
 		for _, chunked := range []bool{false, true} {
 			if r := raw(cfg.MaxHeaderBytes, chunked); r.StatusCode == http.StatusRequestHeaderFieldsTooLarge {
@@ -147,4 +116,27 @@ func TestServer_Hardening(t *testing.T) {
 	t.Run("StillServing", func(t *testing.T) {
 		acquire(t, addr, "after-hostile-clients")
 	})
+}
+
+// rawRequest sends req as written to the server at addr on a connection of
+// its own and returns the answer (its body closed).
+func rawRequest(t *testing.T, addr, req string) *http.Response {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := io.WriteString(conn, req); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.SetReadDeadline(time.Now().Add(waitTimeout)); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp
 }
