@@ -68,9 +68,24 @@ type Error struct {
 	RetryAfter time.Duration
 	// CurrentFencingToken is the newest token issued (stale-token).
 	CurrentFencingToken fencing.Token
+	// Nodes is each Redis node's answer in the last round, in node order
+	// (quorum-unavailable, lock-held, ...); nil when the problem lists none.
+	Nodes []NodeOutcome
 
 	sentinel error
 	cause    error
+}
+
+// NodeOutcome is one Redis node's answer in a round, as a problem lists it.
+type NodeOutcome struct {
+	// Address is the node's host:port.
+	Address string
+	// Outcome is yes, no, error, timeout or quarantined (others may be
+	// added: treat an unknown one as error).
+	Outcome string
+	// Error says what went wrong, for humans (error, timeout), or why the
+	// node is quarantined when the round found it so; empty otherwise.
+	Error string
 }
 
 // Slug returns the problem type without its urn:redfence:problem: prefix.
@@ -172,6 +187,15 @@ func problemError(op, name string, resp *http.Response, body []byte) *Error {
 			}
 			if p.CurrentFencingToken != nil {
 				e.CurrentFencingToken = fencing.Token(*p.CurrentFencingToken)
+			}
+			if p.Nodes != nil {
+				e.Nodes = make([]NodeOutcome, len(*p.Nodes))
+				for i, n := range *p.Nodes {
+					e.Nodes[i] = NodeOutcome{Address: n.Address, Outcome: string(n.Outcome)}
+					if n.Error != nil {
+						e.Nodes[i].Error = *n.Error
+					}
+				}
 			}
 		}
 	}

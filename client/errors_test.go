@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -30,7 +31,7 @@ func TestProblemError(t *testing.T) {
 		{"LockLost", 409, "application/problem+json", problem("lock-lost", 409, ""), nil, ErrLost, "lock-lost", 0, 0},
 		{"NotHolder", 409, "application/problem+json", problem("not-holder", 409, ""), nil, ErrLost, "not-holder", 0, 0},
 		{"Stale", 409, "application/problem+json", problem("stale-token", 409, `,"current_fencing_token":35`), nil, ErrStale, "stale-token", 0, 35},
-		{"Quorum", 503, "application/problem+json", problem("quorum-unavailable", 503, ""), nil, ErrUnavailable, "quorum-unavailable", 0, 0},
+		{"Quorum", 503, "application/problem+json", problem("quorum-unavailable", 503, `,"nodes":[{"address":"r1:6379","outcome":"yes"},{"address":"r2:6379","outcome":"quarantined","error":"restarted without its data"}]`), nil, ErrUnavailable, "quorum-unavailable", 0, 0},
 		{"Fencing", 503, "application/problem+json", problem("fencing-unavailable", 503, ""), nil, ErrUnavailable, "fencing-unavailable", 0, 0},
 		{"LeaseExpired", 503, "application/problem+json", problem("lease-expired", 503, ""), nil, ErrUnavailable, "lease-expired", 0, 0},
 		{"Invalid", 400, "application/problem+json", problem("invalid-request", 400, ""), nil, ErrInvalid, "invalid-request", 0, 0},
@@ -55,6 +56,9 @@ func TestProblemError(t *testing.T) {
 			}
 			if e.Slug() != tc.slug || e.RetryAfter != tc.retryAfter || int64(e.CurrentFencingToken) != tc.current || e.Status != tc.status {
 				t.Errorf("problemError = %+v; want slug %q, retry after %v, current token %d", e, tc.slug, tc.retryAfter, tc.current)
+			}
+			if want := []NodeOutcome{{"r1:6379", "yes", ""}, {"r2:6379", "quarantined", "restarted without its data"}}; tc.name == "Quorum" && !slices.Equal(e.Nodes, want) {
+				t.Errorf("problemError nodes = %+v; want %+v", e.Nodes, want)
 			}
 			if tc.slug != "" && (e.RequestID != "r1" || !strings.Contains(e.Error(), tc.slug)) {
 				t.Errorf("problemError = %q (request id %q); want the slug in the message and request id r1", e.Error(), e.RequestID)
