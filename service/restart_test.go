@@ -816,6 +816,30 @@ func (e *restartEnv) aclLocker(t *testing.T) *service.Locker {
 	return l
 }
 
+// initRefused checks that Init of a Locker on ns fails with an error
+// matching want that names every node of e, and returns the Locker's log
+// (the Locker is closed).
+func (e *restartEnv) initRefused(t *testing.T, ns []service.Node, want error) string {
+	t.Helper()
+	var logs testutil.Buffer
+	l, err := service.New(ns, e.db, service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = l.Init(t.Context())
+	l.Close()
+	if !errors.Is(err, want) {
+		t.Fatalf("Init = %v; want %v", err, want)
+	}
+	for _, n := range e.nodes {
+		if !strings.Contains(err.Error(), n.Addr()) {
+			t.Errorf("Init's error does not name node %s: %v", n.Addr(), err)
+		}
+	}
+	return logs.String()
+}
+
 // TestLocker_ACLUser: a Redis user with service.RedisACL (the rules README
 // gives) can do everything: Init finds every process, locks are acquired,
 // extended and released, and a waiter of another Locker is woken by the
@@ -899,21 +923,7 @@ func TestLocker_ACLUser(t *testing.T) {
 	}
 
 	// A user without INFO: Init refuses, naming every node.
-	ns3 := e.aclNodes(t, "noinfo", service.RedisACL+" -info")
-	l3, err := service.New(ns3, e.db, service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(l3.Close)
-	err = l3.Init(ctx)
-	if !errors.Is(err, service.ErrCommandRefused) {
-		t.Errorf("Init with nodes refusing INFO = %v; want ErrCommandRefused", err)
-	}
-	for _, n := range e.nodes {
-		if err == nil || !strings.Contains(err.Error(), n.Addr()) {
-			t.Errorf("Init's error does not name node %s: %v", n.Addr(), err)
-		}
-	}
+	e.initRefused(t, e.aclNodes(t, "noinfo", service.RedisACL+" -info"), service.ErrCommandRefused)
 	var log3 testutil.Buffer
 	// Without the channels (Redis 7's default for a new user), the release
 	// script's PUBLISH is refused after its DEL, which a script does not
@@ -1028,25 +1038,9 @@ func TestLocker_WrongPassword(t *testing.T) {
 	if _, _, err := rn.ServerID(ctx); !errors.Is(err, service.ErrAuth) {
 		t.Errorf("ServerID with a wrong password = %v; want ErrAuth", err)
 	}
-	var logs testutil.Buffer
-	l2, err := service.New(bad, e.db, service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second,
-		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(l2.Close)
-	err = l2.Init(ctx)
-	if !errors.Is(err, service.ErrAuth) {
-		t.Fatalf("Init with a wrong password = %v; want ErrAuth", err)
-	}
-	for _, n := range e.nodes {
-		if !strings.Contains(err.Error(), n.Addr()) {
-			t.Errorf("Init's error does not name node %s: %v", n.Addr(), err)
-		}
-	}
-	l2.Close()
+	logs := e.initRefused(t, bad, service.ErrAuth)
 	if after := state(); after != before {
-		t.Errorf("a server refused by every node changed the record or markers:\nbefore:\n%safter:\n%s\nits log:\n%s", before, after, logs.String())
+		t.Errorf("a server refused by every node changed the record or markers:\nbefore:\n%safter:\n%s\nits log:\n%s", before, after, logs)
 	}
 	// The running server still counts every node.
 	if _, err := l.Acquire(ctx, "wrong-password", service.Request{TTL: 10 * time.Second}); err != nil {
