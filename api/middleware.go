@@ -344,19 +344,24 @@ func headerBytes(r *http.Request) int {
 	if r.Host != "" {
 		n += len("Host") + len(r.Host) + 4
 	}
-	// Also moved out of Header: Transfer-Encoding, and Trailer's names.
-	if len(r.TransferEncoding) > 0 {
-		n += len("Transfer-Encoding") + 4 + len(r.TransferEncoding[0])
-		for _, te := range r.TransferEncoding[1:] {
-			n += 2 + len(te)
+	// Also moved out of Header: Transfer-Encoding, and Trailer's names,
+	// each a list on one line ("Name: a, b\r\n").
+	list := func(name string, n, size int) int {
+		if n == 0 {
+			return 0
 		}
+		return len(name) + 4 + size + 2*(n-1)
 	}
-	if len(r.Trailer) > 0 {
-		n += len("Trailer") + 4 - 2
-		for k := range r.Trailer {
-			n += 2 + len(k)
-		}
+	size := 0
+	for _, te := range r.TransferEncoding {
+		size += len(te)
 	}
+	n += list("Transfer-Encoding", len(r.TransferEncoding), size)
+	size = 0
+	for k := range r.Trailer {
+		size += len(k)
+	}
+	n += list("Trailer", len(r.Trailer), size)
 	for k, vs := range r.Header {
 		for _, v := range vs {
 			n += len(k) + len(v) + 4

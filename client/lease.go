@@ -202,21 +202,21 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 		c: c, name: name, token: g.lock, fencing: g.fencing, owner: g.owner, ttl: g.ttl, acquired: later(g.sent, deadline.Add(-g.ttl)), opts: o,
 		watchdogRet: make(chan struct{}), deadline: deadline,
 	}
-	if err := o.checkTTL(l.ttl); err != nil {
-		// The server's default TTL: renewal would come too late to keep
-		// the lease, or the lease outlasts MaxHold. Release it again.
+	refuse := func(err error) (*Lease, error) { // the grant is released again
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		_ = c.release(ctx, name, g.lock)
 		return nil, err
 	}
+	if err := o.checkTTL(l.ttl); err != nil {
+		// The server's default TTL: renewal would come too late to keep
+		// the lease, or the lease outlasts MaxHold.
+		return refuse(err)
+	}
 	if !time.Now().Before(l.endAt()) {
 		// Granted, but its validity ran out before the answer arrived (a
 		// pause, a slow network): never handed out as held.
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		_ = c.release(ctx, name, g.lock)
-		return nil, fmt.Errorf("client: acquire %q: %w: the grant's validity ran out before its answer arrived (it was released)", name, ErrLost)
+		return refuse(fmt.Errorf("client: acquire %q: %w: the grant's validity ran out before its answer arrived (it was released)", name, ErrLost))
 	}
 	l.life, l.end = context.WithCancelCause(context.Background())
 	l.stopped, l.stop = context.WithCancel(context.Background())

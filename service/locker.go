@@ -1826,10 +1826,10 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		l.drain(t, votes)
 		var retry time.Duration
 		if sentinel == nil { // no quorum: decide why on every node's answer
-			sentinel, cause = ErrQuorum, nodeErrors(t.results)
-			retry = l.quarantineRetryAfter(t)
 			if l.refused(t) {
-				sentinel, cause, retry = ErrHeld, nil, l.retryAfter(t)
+				sentinel, retry = ErrHeld, l.retryAfter(t)
+			} else {
+				sentinel, cause, retry = ErrQuorum, nodeErrors(t.results), l.quarantineRetryAfter(t)
 			}
 		}
 		return &Error{Op: "acquire", Key: key, Err: sentinel, Nodes: t.results, Cause: cause, RetryAfter: retry}
