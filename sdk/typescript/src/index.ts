@@ -228,6 +228,22 @@ function noAnswer(op: string, name: string, cause: unknown, outer?: AbortSignal)
   return new RedfenceError(op, name, 0, { cause });
 }
 
+/** Waits ms, or rejects with signal's reason once it aborts (as fetch does). */
+function pause(ms: number, signal?: AbortSignal): Promise<void> {
+  if (signal?.aborted) return Promise.reject(signal.reason);
+  return new Promise((resolve, reject) => {
+    const onAbort = () => {
+      clearTimeout(timer);
+      reject(signal?.reason);
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, Math.max(Math.ceil(ms), 0));
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
 /** A held lock. Send `fencingToken` with every write made under it. */
 export class Lease {
   readonly name: string;
@@ -494,7 +510,10 @@ export class Redfence {
    * Takes the lock on name; rejects with a RedfenceError (kind "held" when it
    * is taken, "lost" when the grant's validity ran out before its answer
    * arrived: it is released again). The lease renews itself until released
-   * or lost (see LockOptions.renewFraction).
+   * or lost (see LockOptions.renewFraction). With waitMs, an answer of kind
+   * "unavailable" (no server reached, too few nodes, shutting down) is tried
+   * again after its retryAfterMs while the wait lasts, unless that ends
+   * after the wait does.
    */
   async acquire(name: string, opts: LockOptions = {}): Promise<Lease> {
     const invalid = (detail: string) => new RedfenceError("acquire", name, 0, { detail, kind: "invalid" });
@@ -504,15 +523,43 @@ export class Redfence {
       throw invalid(`maxHoldMs ${maxHoldMs} is shorter than ttlMs ${ttlMs}: the first lease would outlast it`);
     }
     const owner = opts.owner ?? this.#owner;
+    const waitEnd = performance.now() + (opts.waitMs ?? 0);
+    let backoff = 50;
+    for (let tries = 0; ; tries++) {
+      // The wait asked for, then what is left of it.
+      const waitMs = opts.waitMs === undefined || tries === 0 ? opts.waitMs : Math.max(Math.floor(waitEnd - performance.now()), 0);
+      try {
+        return await this.#acquireOnce(name, opts, owner, waitMs);
+      } catch (err) {
+        // Not reached, or it could not decide (a restart, a majority of
+        // nodes down, shutting down): try again while the wait lasts, as the
+        // Go client does, unless the server said it cannot succeed before
+        // the wait ends (quarantines ending later: every other 503 says
+        // "in a second").
+        const left = waitEnd - performance.now();
+        if (!(err instanceof RedfenceError) || err.kind !== "unavailable" || left <= 0) throw err;
+        if (err.retryAfterMs > 1000 && err.retryAfterMs > left) throw err;
+        // Jittered, so clients told the same Retry-After do not all come back at once.
+        const base = Math.max(backoff, err.retryAfterMs);
+        backoff = Math.min(2 * backoff, 1000);
+        await pause(Math.min(base + Math.random() * (base / 5), left), opts.signal);
+      }
+    }
+  }
+
+  /** One acquire request, sent with waitMs as its wait_ms. */
+  async #acquireOnce(name: string, opts: LockOptions, owner: string | undefined, waitMs: number | undefined): Promise<Lease> {
+    const { maxHoldMs, ttlMs } = opts;
+    const invalid = (detail: string) => new RedfenceError("acquire", name, 0, { detail, kind: "invalid" });
     const body: components["schemas"]["AcquireRequest"] = {};
-    if (opts.ttlMs !== undefined) body.ttl_ms = opts.ttlMs;
-    if (opts.waitMs !== undefined) body.wait_ms = opts.waitMs;
+    if (ttlMs !== undefined) body.ttl_ms = ttlMs;
+    if (waitMs !== undefined) body.wait_ms = waitMs;
     if (owner) body.owner = owner;
     const sent = performance.now();
     const { data, error, response } = await bounded(
       (signal) => this.api.POST("/v1/locks/{name}", { params: { path: { name } }, body, signal }),
       // An answer later than the wait plus the TTL grants nothing that lasts.
-      Math.min(this.timeoutMs, ttlMs ?? Infinity) + (opts.waitMs ?? 0),
+      Math.min(this.timeoutMs, ttlMs ?? Infinity) + (waitMs ?? 0),
       opts.signal,
     ).catch((cause: unknown) => {
       throw noAnswer("acquire", name, cause, opts.signal);

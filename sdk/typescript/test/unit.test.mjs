@@ -325,3 +325,53 @@ test("withLock's release gives up once the lease has run out, not after timeoutM
     clearInterval(keepAlive);
   }
 });
+
+test("an acquire with waitMs tries again after an unavailable answer, with what is left of the wait", async () => {
+  const waits = [];
+  const { rf, count } = scripted(async (kind, n, req) => {
+    if (kind !== "acquire") return noContent();
+    waits.push((await req.json()).wait_ms);
+    if (n === 1) return problem(503, "quorum-unavailable", { retry_after_ms: 20 });
+    if (n === 2) throw new TypeError("fetch failed"); // not reached (a restart)
+    return grant();
+  });
+  const lease = await rf.acquire("n", { waitMs: 30_000, renewFraction: 0 });
+  assert.equal(count("acquire"), 3);
+  assert.equal(waits[0], 30_000);
+  assert.ok(waits[1] < waits[0] && waits[2] < waits[1], `wait_ms sent ${waits}: want what is left of the wait each time`);
+  await lease.release();
+
+  // Without a wait, or with a refusal that is not "unavailable", one try only.
+  for (const [opts, res] of [
+    [{}, () => problem(503, "quorum-unavailable", { retry_after_ms: 20 })],
+    [{ waitMs: 30_000 }, () => problem(409, "wait-timeout", { retry_after_ms: 20 })],
+    [{ waitMs: 30_000 }, () => problem(400, "invalid-request")],
+  ]) {
+    const once = scripted(res);
+    await assert.rejects(once.rf.acquire("n", opts), RedfenceError);
+    assert.equal(once.count("acquire"), 1, `${JSON.stringify(opts)}: sent again`);
+  }
+});
+
+test("an acquire gives up at once when the server says it cannot succeed before the wait ends", async () => {
+  // A quarantine ending in a minute, for a wait of 30 s.
+  const { rf, count } = scripted(() => problem(503, "quorum-unavailable", { retry_after_ms: 60_000 }, { "retry-after": "60" }));
+  await assert.rejects(rf.acquire("n", { waitMs: 30_000 }), (e) => e.kind === "unavailable" && e.retryAfterMs === 60_000);
+  assert.equal(count("acquire"), 1);
+});
+
+test("an acquire waiting to try again ends with its signal's reason", async () => {
+  let answered;
+  const first = new Promise((resolve) => { answered = resolve; });
+  const { rf, count } = scripted(() => {
+    answered();
+    return problem(503, "shutting-down", {}, { "retry-after": "1" });
+  });
+  const ac = new AbortController();
+  const p = rf.acquire("n", { waitMs: 60_000, signal: ac.signal });
+  await first; // the 503 is on its way: the acquire then waits a second to try again
+  const reason = new Error("stop");
+  ac.abort(reason);
+  assert.equal(await within(p, 5_000), reason);
+  assert.equal(count("acquire"), 1);
+});
