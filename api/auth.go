@@ -226,10 +226,17 @@ type KeyAuthOptions struct {
 	// without asking Postgres again: the longest a revocation can take to
 	// apply on a server that missed its notification. The default is 1s.
 	CacheTTL time.Duration
-	// MaxCached bounds the number of cached key ids. The default is 10000.
+	// MaxCached bounds the number of cached key ids, and apart from them
+	// the number of cached unknown ids, so that a flood of made-up keys
+	// never evicts a valid one. The default is 10000.
 	MaxCached int
-	// LookupTimeout bounds each lookup in Postgres. The default is 2s.
+	// LookupTimeout bounds each lookup in Postgres, its wait for a lookup
+	// slot included. The default is 2s.
 	LookupTimeout time.Duration
+	// MaxLookups bounds the lookups in Postgres under way at once, so that
+	// a flood of made-up keys (each a lookup) cannot take every connection
+	// of a pool it shares with token issuance. The default is 2.
+	MaxLookups int
 	// Now is the clock. The default is time.Now.
 	Now func() time.Time
 }
@@ -263,8 +270,14 @@ type KeyAuth struct {
 	// every key, changed[id] the last one of id since.
 	gen, flushed uint64
 	changed      map[string]uint64
-	cache        map[string]cached
-	group        singleflight.Group
+	// cache holds the ids of keys (valid or revoked), unknown the ids
+	// that name no key: each is bounded by MaxCached on its own.
+	cache, unknown map[string]cached
+	group          singleflight.Group
+	// slots holds a token per lookup under way (MaxLookups).
+	slots chan struct{}
+	// waiting, if set (tests), is called when a lookup waits for a slot.
+	waiting func()
 }
 
 type cached struct {
@@ -292,10 +305,14 @@ func NewKeyAuth(ks KeyStore, opts KeyAuthOptions) *KeyAuth {
 	if opts.LookupTimeout <= 0 {
 		opts.LookupTimeout = 2 * time.Second
 	}
+	if opts.MaxLookups <= 0 {
+		opts.MaxLookups = 2
+	}
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
-	return &KeyAuth{ks: ks, opts: opts, cache: make(map[string]cached), changed: make(map[string]uint64)}
+	return &KeyAuth{ks: ks, opts: opts, cache: make(map[string]cached), unknown: make(map[string]cached),
+		changed: make(map[string]uint64), slots: make(chan struct{}, opts.MaxLookups)}
 }
 
 // version is the last invalidation of id: a lookup of id may cache what it
@@ -320,11 +337,8 @@ func (a *KeyAuth) Changed(c apikey.Change) {
 		clear(a.changed)
 	}
 	if c.ID == "" {
+		clear(a.unknown)
 		for id, e := range a.cache {
-			if e.key == nil {
-				delete(a.cache, id)
-				continue
-			}
 			e.at, e.down = time.Time{}, false // long expired, looked up before use
 			a.cache[id] = e
 		}
@@ -332,6 +346,7 @@ func (a *KeyAuth) Changed(c apikey.Change) {
 	}
 	a.changed[c.ID] = a.gen
 	delete(a.cache, c.ID)
+	delete(a.unknown, c.ID)
 }
 
 // Authenticate implements Authenticator.
@@ -363,6 +378,9 @@ func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 	now := a.opts.Now()
 	a.mu.Lock()
 	e, ok := a.cache[id]
+	if !ok {
+		e, ok = a.unknown[id]
+	}
 	gen := a.version(id)
 	a.mu.Unlock()
 	if ok && !now.Before(e.at) && now.Sub(e.at) < a.opts.CacheTTL {
@@ -394,7 +412,7 @@ func (a *KeyAuth) fetch(ctx context.Context, id string, gen uint64) (cached, err
 	start := a.opts.Now()
 	lctx, cancel := context.WithTimeout(ctx, a.opts.LookupTimeout)
 	defer cancel()
-	k, err := a.ks.Key(lctx, id)
+	k, err := a.lookupSlot(lctx, id)
 	if errors.Is(err, apikey.ErrNotFound) {
 		k, err = nil, nil
 	}
@@ -410,6 +428,25 @@ func (a *KeyAuth) fetch(ctx context.Context, id string, gen uint64) (cached, err
 	}
 	a.store(id, c, gen)
 	return c, nil
+}
+
+// lookupSlot looks id up in the store once one of the MaxLookups slots is
+// free (or fails with ctx's error, as a lookup that got no answer).
+func (a *KeyAuth) lookupSlot(ctx context.Context, id string) (*apikey.Key, error) {
+	select {
+	case a.slots <- struct{}{}:
+	default:
+		if a.waiting != nil {
+			a.waiting()
+		}
+		select {
+		case a.slots <- struct{}{}:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("waiting for a lookup slot (%d lookups under way): %w", cap(a.slots), ctx.Err())
+		}
+	}
+	defer func() { <-a.slots }()
+	return a.ks.Key(ctx, id)
 }
 
 // markDown marks the cached entry of id down and returns it, if id is cached
@@ -441,18 +478,25 @@ func (a *KeyAuth) store(id string, e cached, gen uint64) {
 		}
 		return
 	}
-	if len(a.cache) >= a.opts.MaxCached {
+	// A key's entry and an unknown id's live apart: made-up ids, however
+	// many, only ever evict one another.
+	m, other := a.cache, a.unknown
+	if e.key == nil {
+		m, other = a.unknown, a.cache
+	}
+	delete(other, id) // a key created, or deleted, since
+	if _, ok := m[id]; !ok && len(m) >= a.opts.MaxCached {
 		now := a.opts.Now()
-		for k, v := range a.cache {
+		for k, v := range m {
 			if now.Before(v.at) || now.Sub(v.at) >= a.opts.CacheTTL {
-				delete(a.cache, k)
+				delete(m, k)
 			}
 		}
-		if len(a.cache) >= a.opts.MaxCached {
-			clear(a.cache) // a flood of distinct ids: start over
+		if len(m) >= a.opts.MaxCached {
+			clear(m) // a flood of distinct ids: start over
 		}
 	}
-	a.cache[id] = e
+	m[id] = e
 }
 
 // principalLog adds the tenant and key id of the request's principal to

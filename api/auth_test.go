@@ -428,6 +428,37 @@ func TestKeyAuth_Cache(t *testing.T) {
 	})
 }
 
+// TestKeyAuth_FloodKeepsKeys: made-up key ids, however many, never evict a
+// valid key's entry: its next request within the TTL asks Postgres nothing.
+func TestKeyAuth_FloodKeepsKeys(t *testing.T) {
+	t.Parallel()
+	db := testKeyStore(t)
+	ctx := t.Context()
+	gs := &gatedStore{KeyStore: db}
+	clk := &clock{now: time.Unix(1_000_000, 0)}
+	a := api.NewKeyAuth(gs, api.KeyAuthOptions{CacheTTL: time.Hour, MaxCached: 4, Now: clk.Now})
+	key, _, err := db.CreateKey(ctx, "acme", apikey.DefaultScopes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Authenticate(ctx, key); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 10 {
+		made := fmt.Sprintf("%s%016x_%s", apikey.Prefix, i, strings.Repeat("x", 43))
+		if _, err := a.Authenticate(ctx, made); !errors.Is(err, api.ErrUnauthorized) {
+			t.Fatalf("made-up key %d: %v; want ErrUnauthorized", i, err)
+		}
+	}
+	before := gs.count()
+	if _, err := a.Authenticate(ctx, key); err != nil {
+		t.Fatal(err)
+	}
+	if n := gs.count() - before; n != 0 {
+		t.Errorf("the valid key was looked up %d more times after a flood of 10 made-up ids (MaxCached 4); want it still cached", n)
+	}
+}
+
 // gatedStore is a KeyStore over a real one that counts its lookups and,
 // while armed, holds each one (after it read the key) until it is let go.
 type gatedStore struct {

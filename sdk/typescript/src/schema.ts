@@ -640,8 +640,11 @@ export interface components {
              *     - `request-too-large` (413): the body exceeds the server's limit (1 MiB
              *       by default).
              *     - `unsupported-media-type` (415): a non-empty body that is not
-             *       `application/json` (or another `+json` type), or whose Content-Type
-             *       names a charset other than UTF-8.
+             *       `application/json` (or another `+json` type, which the server
+             *       accepts too; the operations list `application/json`, what clients
+             *       should send), whose Content-Type names a charset other than
+             *       UTF-8, or that has a `Content-Encoding` (the answer then carries
+             *       `Accept-Encoding: identity`, RFC 7694).
              *     - `not-found` (404): no such route.
              *     - `method-not-allowed` (405): the path exists but not with this method;
              *       see the `Allow` header.
@@ -839,7 +842,7 @@ export interface components {
                 "application/problem+json": components["schemas"]["Problem"];
             };
         };
-        /** @description `unsupported-media-type`: a non-empty body whose Content-Type is not `application/json` (or another `+json` type), or names a charset other than UTF-8. */
+        /** @description `unsupported-media-type`: a non-empty body whose Content-Type is not `application/json` (or another `+json` type), names a charset other than UTF-8, or that has a `Content-Encoding` (then with `Accept-Encoding: identity`, RFC 7694). */
         UnsupportedMediaType: {
             headers: {
                 "X-Request-Id": components["headers"]["XRequestId"];
