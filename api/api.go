@@ -374,11 +374,27 @@ func (h *Handler) key(r *http.Request) (name, key string, err error) {
 		// them (as owners).
 		reason = "must not hold an API key, whole or cut short (rf_, a key id, _ and part of the secret: every reader of the lock is shown its name)"
 	}
+	if r.URL.RawQuery != "" {
+		// Closed, as the bodies are: a ttl_ms or a lock_token put in the
+		// query would be ignored, and the request served as if it were
+		// not there. Its text is not echoed (it may hold a secret).
+		var bad badRequest
+		if reason != "" {
+			bad.add("the name in the path is invalid: "+reason, InvalidParam{Name: "name", Reason: reason})
+		}
+		bad.add("the request has a query string, which this API does not take: request fields go in the JSON body, the lock token in the "+LockTokenHeader+" header",
+			InvalidParam{Name: "query", Reason: queryReason})
+		return name, "", bad.err()
+	}
 	if reason != "" {
 		return name, "", invalid("the name in the path is invalid: "+reason, InvalidParam{Name: "name", Reason: reason})
 	}
 	return name, keyspace.Key(h.opts.Namespace(r), name), nil
 }
+
+// queryReason is why a query string is refused.
+const queryReason = "must be absent: no operation on a lock or a document takes query parameters"
+
 
 // lockToken reads the Lock-Token header: the 27-character base64url token
 // acquire returned.

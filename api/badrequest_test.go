@@ -110,6 +110,14 @@ func TestAPI_BadRequests(t *testing.T) {
 		{"ExtendFieldCaseFolded", "POST", "/v1/locks/held/extend", `{"Ttl_Ms":1000}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
 		{"PutUnissuedToken", "PUT", "/v1/resources/held", `{"fencing_token":999,"data":1}`, json, nil, 409, "stale-token"},
 		{"PutNeverLocked", "PUT", "/v1/resources/never", `{"fencing_token":1,"data":1}`, json, nil, 409, "stale-token"},
+		// query strings: no operation takes one (a ttl_ms there would be ignored)
+		{"QueryOnAcquire", "POST", "/v1/locks/x?ttl_ms=5", `{}`, json, nil, 400, "invalid-request"},
+		{"QueryOnAcquireBadName", "POST", "/v1/locks/x!?wait_ms=5", `{"bogus":1}`, json, nil, 400, "invalid-request"},
+		{"QueryOnGetLock", "GET", "/v1/locks/held?fresh", "", "", nil, 400, "invalid-request"},
+		{"QueryOnExtend", "POST", "/v1/locks/held/extend?ttl_ms=60000", `{}`, json, []string{api.LockTokenHeader, validToken}, 400, "invalid-request"},
+		{"QueryOnRelease", "DELETE", "/v1/locks/held?lock_token=" + validToken, "", "", nil, 400, "invalid-request"},
+		{"QueryOnPut", "PUT", "/v1/resources/held?version=1", `{"fencing_token":1,"data":1}`, json, nil, 400, "invalid-request"},
+		{"QueryOnGetResource", "GET", "/v1/resources/held?x=1", "", "", nil, 400, "invalid-request"},
 		// routes and methods
 		{"PatchLock", "PATCH", "/v1/locks/held", "", "", nil, 405, "method-not-allowed"},
 		{"PutLock", "PUT", "/v1/locks/held", `{}`, json, nil, 405, "method-not-allowed"},
@@ -187,6 +195,11 @@ func TestAPI_BadRequests(t *testing.T) {
 		"FieldThrice":            {"ttl_ms"},
 		"AllExtend":              {"name", api.LockTokenHeader, "ttl_ms"},
 		"AllRelease":             {"name", api.LockTokenHeader},
+		"QueryOnAcquire":         {"query"},
+		"QueryOnAcquireBadName":  {"name", "query", "bogus"},
+		"QueryOnExtend":          {"query"},
+		"QueryOnRelease":         {"query", api.LockTokenHeader},
+		"QueryOnPut":             {"query"},
 		"AllPutTokenData":        {"fencing_token", "data"},
 		"AllPutEmptyObject":      {"fencing_token", "data"},
 		"AllPutNameTokenUnknown": {"name", "fencing_token", "v"},
@@ -271,7 +284,7 @@ func TestAPI_BadRequests(t *testing.T) {
 			if r.status != tt.status || p.Type != api.ProblemTypePrefix+tt.slug || p.Status != tt.status {
 				t.Errorf("%s %s = %d %s; want %d %s", tt.method, tt.path, r.status, p.Type, tt.status, tt.slug)
 			}
-			if want := strings.Replace(tt.path, "_"+strings.Repeat("s", 43), "_[redacted]", 1); p.Instance != want {
+			if want, _, _ := strings.Cut(strings.Replace(tt.path, "_"+strings.Repeat("s", 43), "_[redacted]", 1), "?"); p.Instance != want {
 				t.Errorf("instance %q; want the path as sent (a key's secret redacted), %q", p.Instance, want)
 			}
 			if p.Title == "" || p.Detail == "" && tt.status != 405 && tt.status != 404 {
