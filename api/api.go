@@ -395,7 +395,6 @@ func (h *Handler) key(r *http.Request) (name, key string, err error) {
 // queryReason is why a query string is refused.
 const queryReason = "must be absent: no operation on a lock or a document takes query parameters"
 
-
 // lockToken reads the Lock-Token header: the 27-character base64url token
 // acquire returned.
 func lockToken(r *http.Request) (string, error) {
