@@ -389,8 +389,17 @@ func (h *Handler) key(r *http.Request) (name, key string, err error) {
 	if reason != "" {
 		return name, "", invalid("the name in the path is invalid: "+reason, InvalidParam{Name: "name", Reason: reason})
 	}
+	if h.opts.Auth != nil && PrincipalFrom(r.Context()) == nil {
+		// A route that skipped authorize (a bug): fail closed rather than
+		// act in the default namespace, which is no tenant's.
+		return name, "", errNoPrincipal
+	}
 	return name, keyspace.Key(h.opts.Namespace(r), name), nil
 }
+
+// errNoPrincipal is key's error for a request with no API key checked while
+// access control is on: a 500, never the shared namespace.
+var errNoPrincipal = errors.New("api: a lock or document call reached its handler without an API key checked")
 
 // queryReason is why a query string is refused.
 const queryReason = "must be absent: no operation on a lock or a document takes query parameters"

@@ -1363,3 +1363,22 @@ func TestReadyzPanic(t *testing.T) {
 		}
 	}
 }
+
+// TestKey_FailsClosedWithoutPrincipal: with access control on, a lock or
+// document call whose API key was not checked (a route that skipped
+// authorize) is refused, never served in the default namespace.
+func TestKey_FailsClosedWithoutPrincipal(t *testing.T) {
+	t.Parallel()
+	e := newFakeEnv(t, true)
+	r := httptest.NewRequest("GET", "/v1/locks/x", nil)
+	rc := chi.NewRouteContext()
+	rc.URLParams.Add("name", "x")
+	r = r.WithContext(context.WithValue(r.Context(), chi.RouteCtxKey, rc))
+	if _, key, err := e.h.key(r); !errors.Is(err, errNoPrincipal) {
+		t.Errorf("key without a principal = %q, %v; want errNoPrincipal", key, err)
+	}
+	open := newFakeEnv(t, false)
+	if _, key, err := open.h.key(r); err != nil || key == "" {
+		t.Errorf("key with access control off = %q, %v; want the default namespace's", key, err)
+	}
+}
