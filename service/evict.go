@@ -8,16 +8,23 @@ package service
 // nor for a quarantine after it stopped (a lease it evicted meanwhile ends
 // within MaxTTL). Each Locker checks every node's policy at Init and then
 // every evictionCheckEvery, through INFO memory, which managed servers that
-// refuse CONFIG still answer. The first finding is also recorded as a
-// quarantine for every server (as for a restart).
+// refuse CONFIG still answer. The same check reads the node's count of
+// evicted keys (INFO stats): a node that evicted keys since the last check
+// is counted out the same way even if it does not evict any more, so a
+// spell shorter than the check (a limit set and undone at once) is not
+// missed. The first finding is also recorded as a quarantine for every
+// server (as for a restart).
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // evictionCheckEvery is how often a Locker reads every node's eviction
@@ -25,25 +32,83 @@ import (
 // within it.
 const evictionCheckEvery = time.Second
 
-// evictionReader is a Node that reports whether it may evict keys
-// (RedisNode does).
+// evictionReader is a Node that reports whether it may evict keys, and
+// whether it did (RedisNode does).
 type evictionReader interface {
-	// EvictionPolicy returns the node's maxmemory-policy when the node may
-	// evict keys, "" when it never does.
-	EvictionPolicy(ctx context.Context) (string, error)
+	// Eviction returns the node's maxmemory-policy when the node may evict
+	// keys ("" when it never does), and how many keys it evicted since its
+	// process started or its statistics were reset (-1 if it does not say).
+	Eviction(ctx context.Context) (policy string, evicted int64, err error)
 }
 
-// EvictionPolicy implements evictionReader: it returns the node's
+// Eviction implements evictionReader: the policy is the node's
 // maxmemory-policy when it has a maxmemory limit and a policy that evicts
-// keys to stay under it; "" when it never evicts (maxmemory 0, or policy
-// noeviction).
-func (n *RedisNode) EvictionPolicy(ctx context.Context) (string, error) {
-	info, err := n.client.Info(ctx, "memory").Result()
-	if err != nil {
-		return "", fmt.Errorf("info memory: %w", refusal(err))
+// keys to stay under it, "" when it never evicts (maxmemory 0, or policy
+// noeviction); evicted is INFO stats' evicted_keys. Both are read in one
+// pipeline, so they come from one process.
+func (n *RedisNode) Eviction(ctx context.Context) (string, int64, error) {
+	var mem, stats *redis.StringCmd
+	_, perr := n.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		mem, stats = p.Info(ctx, "memory"), p.Info(ctx, "stats")
+		return nil
+	})
+	// A connection that could not be opened (refused credentials, say)
+	// fails the pipeline, not its commands.
+	err := mem.Err()
+	if err == nil && mem.Val() == "" && perr != nil {
+		err = perr
 	}
-	return evictionPolicy(info)
+	if err != nil {
+		return "", -1, fmt.Errorf("info memory: %w", refusal(err))
+	}
+	policy, err := evictionPolicy(mem.Val())
+	evicted := int64(-1)
+	if stats.Err() == nil {
+		evicted = evictedKeys(stats.Val())
+	}
+	return policy, evicted, err
 }
+
+// evictedKeys reads evicted_keys from an INFO stats answer; -1 if it has
+// none.
+func evictedKeys(info string) int64 {
+	for line := range strings.Lines(info) {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "evicted_keys:"); ok {
+			if n, err := strconv.ParseInt(v, 10, 64); err == nil && n >= 0 {
+				return n
+			}
+			return -1
+		}
+	}
+	return -1
+}
+
+// newEvictions records evicted, the node's evicted_keys now, and returns how
+// many keys it evicted since the last reading: 0 at the first (a baseline:
+// when those were evicted is unknown, and a quarantine recorded for them by
+// a server that saw them is read from the Registry). A count lower than the
+// last one started again from 0 (a restart, CONFIG RESETSTAT): all of it is
+// new. A node that did not say (-1: no answer) keeps its last reading, to
+// compare the next one with. m.mu is held.
+func (m *member) newEvictions(evicted int64) int64 {
+	last := m.evictedKeys
+	if evicted < 0 {
+		return 0
+	}
+	m.evictedKeys = evicted
+	switch {
+	case last < 0:
+		return 0
+	case evicted >= last:
+		return evicted - last
+	default:
+		return evicted
+	}
+}
+
+// evictedSpell is noted as the eviction policy of a node that does not
+// evict now but evicted keys since the last check (see checkEviction).
+const evictedSpell = "noeviction now, but keys were evicted since the last check"
 
 // evictionPolicy reads an INFO memory answer (see RedisNode.EvictionPolicy).
 func evictionPolicy(info string) (string, error) {
@@ -85,9 +150,17 @@ func (l *Locker) checkEviction(ctx context.Context) {
 	defer l.eachNode(ctx, l.checkDurability)
 	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
 		if er, ok := n.(evictionReader); ok {
-			policy, err := er.EvictionPolicy(ctx)
+			policy, evicted, err := er.Eviction(ctx)
+			m := l.members[i]
+			m.mu.Lock()
+			fresh := m.newEvictions(evicted)
+			m.mu.Unlock()
 			switch {
 			case err == nil:
+				if fresh > 0 && policy == "" {
+					// A spell that began and ended between two checks.
+					policy = evictedSpell
+				}
 				l.noteEviction(i, policy)
 			case errors.Is(err, ErrCommandRefused):
 				// Unknown, so counted out as if it evicted.
@@ -130,6 +203,10 @@ func (l *Locker) noteEviction(i int, policy string) {
 	case policy == policyUnreported && was == "":
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node's INFO memory has no maxmemory or maxmemory_policy: whether it may evict lock keys cannot be told, so its votes do not count until it says and every lease it may have lost has expired; connect Redfence to the Redis server itself, not a proxy",
+			slog.String("node", m.Addr()))
+	case policy == evictedSpell && was == "":
+		l.opts.Observer.Quarantine(m.Addr(), until)
+		l.opts.Logger.Warn("node evicted keys since the last check, though it does not evict now (a maxmemory limit with an evicting policy came and went between two checks): its votes do not count until every lease it may have evicted has expired; set maxmemory-policy noeviction for good",
 			slog.String("node", m.Addr()))
 	case policy != "" && was == "":
 		l.opts.Observer.Quarantine(m.Addr(), until)

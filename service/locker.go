@@ -244,6 +244,10 @@ type member struct {
 	// was recorded in the Registry. Guarded by mu.
 	evicting      string
 	evictRecorded bool
+	// evictedKeys is the node's count of evicted keys (INFO stats
+	// evicted_keys) at the last check, -1 before the first or when the
+	// node does not report it. Guarded by mu.
+	evictedKeys int64
 	// endLogged is the end of the last quarantine logged as over (see
 	// watchQuarantine). Guarded by mu.
 	endLogged time.Time
@@ -386,7 +390,7 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 	}
 	members := make([]*member, len(nodes))
 	for i, n := range nodes {
-		members[i] = &member{Node: n}
+		members[i] = &member{Node: n, evictedKeys: -1}
 	}
 	l := &Locker{
 		nodes:     nodes,
@@ -2265,8 +2269,9 @@ const (
 	// (it refuses INFO, or its INFO memory has no maxmemory_policy), so
 	// whether it may evict keys cannot be told; counted as if it evicted.
 	QuarantinePolicyUnknown = "policy_unknown"
-	// QuarantineEvicted: the node stopped evicting; a lease it evicted may
-	// still be live until the quarantine ends.
+	// QuarantineEvicted: the node stopped evicting (or evicted keys in a
+	// spell shorter than the check: its evicted_keys rose); a lease it
+	// evicted may still be live until the quarantine ends.
 	QuarantineEvicted = "evicted"
 )
 
@@ -2336,6 +2341,8 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 		switch {
 		case m.evicting == policyRefused || m.evicting == policyUnreported:
 			reason = QuarantinePolicyUnknown
+		case m.evicting == evictedSpell:
+			reason = QuarantineEvicted
 		case m.evicting != "":
 			reason = QuarantineEvicting
 		case !m.unrecorded && m.evictEnd.After(now) && !m.evictEnd.Before(m.until):

@@ -184,13 +184,15 @@ func TestEvictionPolicy(t *testing.T) {
 	}
 }
 
-// policyNode is a memNode whose eviction policy is policy, or err (set
-// them with set once the Locker runs: its checks read them).
+// policyNode is a memNode whose eviction policy is policy, or err, and
+// whose evicted_keys is evicted (set them with set and evict once the Locker
+// runs: its checks read them).
 type policyNode struct {
 	*memNode
-	pmu    sync.Mutex
-	policy string
-	err    error
+	pmu     sync.Mutex
+	policy  string
+	err     error
+	evicted int64
 }
 
 func (n *policyNode) set(policy string, err error) {
@@ -199,10 +201,81 @@ func (n *policyNode) set(policy string, err error) {
 	n.policy, n.err = policy, err
 }
 
-func (n *policyNode) EvictionPolicy(context.Context) (string, error) {
+func (n *policyNode) evict(evicted int64) {
 	n.pmu.Lock()
 	defer n.pmu.Unlock()
-	return n.policy, n.err
+	n.evicted = evicted
+}
+
+func (n *policyNode) Eviction(context.Context) (string, int64, error) {
+	n.pmu.Lock()
+	defer n.pmu.Unlock()
+	if n.err != nil {
+		return "", -1, n.err
+	}
+	return n.policy, n.evicted, nil
+}
+
+func TestEvictedKeys(t *testing.T) {
+	for _, tc := range []struct {
+		info string
+		want int64
+	}{
+		{"# Stats\r\ntotal_connections_received:3\r\nevicted_keys:0\r\nkeyspace_hits:1\r\n", 0},
+		{"# Stats\r\nevicted_keys:12\r\n", 12},
+		{"# Stats\r\nexpired_keys:4\r\n", -1},
+		{"# Stats\r\nevicted_keys:x\r\n", -1},
+	} {
+		if got := evictedKeys(tc.info); got != tc.want {
+			t.Errorf("evictedKeys(%q) = %d; want %d", tc.info, got, tc.want)
+		}
+	}
+}
+
+// TestLocker_EvictedBetweenChecks: a node whose evicted_keys rose since the
+// last check is counted out even though it does not evict now (a limit set
+// and undone between two checks), then quarantined as evicted; a count that
+// started again from 0 (a restart, CONFIG RESETSTAT) is all new; a first
+// reading, or a check the node did not answer, counts out nothing.
+func TestLocker_EvictedBetweenChecks(t *testing.T) {
+	var logs testutil.Buffer
+	ns, ms := nodes(3)
+	pn := &policyNode{memNode: ms[0], evicted: 7}
+	ns[0] = pn
+	l := newLocker(t, ns, &memIssuer{}, Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	check := func(what string, out bool, reason string) {
+		t.Helper()
+		l.checkEviction(t.Context())
+		if counted := l.counts(0, l.opts.Now()); counted == out {
+			t.Errorf("%s: node 0 counts = %v; want %v", what, counted, !out)
+		}
+		if st := l.Nodes(t.Context())[0]; st.QuarantineReason != reason {
+			t.Errorf("%s: Nodes shows %+v; want quarantine reason %q", what, st, reason)
+		}
+	}
+	check("evicted_keys 7 at the first check", false, "")
+	check("no new eviction", false, "")
+	pn.set("", context.DeadlineExceeded)
+	check("no answer", false, "")
+	pn.set("", nil)
+	pn.evict(9)
+	check("2 keys evicted since, noeviction now", true, QuarantineEvicted)
+	if !strings.Contains(logs.String(), "node evicted keys since the last check") {
+		t.Errorf("log = %s; want it to say keys were evicted", logs.String())
+	}
+	check("no new eviction after the spell", true, QuarantineEvicted)
+
+	// Started again from 0: a second node, which restarted and evicted.
+	ns2, ms2 := nodes(3)
+	pn2 := &policyNode{memNode: ms2[0], evicted: 50}
+	ns2[0] = pn2
+	l2 := newLocker(t, ns2, &memIssuer{}, Options{})
+	l2.checkEviction(t.Context())
+	pn2.evict(1)
+	l2.checkEviction(t.Context())
+	if l2.counts(0, l2.opts.Now()) {
+		t.Error("evicted_keys 50 then 1 (counted from 0 again): node 0 counts; want it counted out")
+	}
 }
 
 // TestLocker_EvictionPolicyUnknown: a node whose eviction policy cannot be

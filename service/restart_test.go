@@ -613,6 +613,48 @@ func TestLocker_EvictingNode(t *testing.T) {
 	}
 }
 
+// TestLocker_EvictionSpellBetweenChecks: a node that evicts A's lease in a
+// spell shorter than any check (a limit set, a write that evicts, the limit
+// undone, all in one pipeline) is counted out by its evicted_keys, so B is
+// not granted while A holds the lock on the two other nodes; a second
+// server sees the quarantine on record.
+func TestLocker_EvictionSpellBetweenChecks(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.lockerWith(t, nil, service.Options{Registry: e.db})
+	ctx := t.Context()
+	a := e.holdOnFirstThree(t, l, "spell")
+	cmds, err := e.raw[0].Pipelined(ctx, func(p redis.Pipeliner) error {
+		p.ConfigSet(ctx, "maxmemory-policy", "volatile-lru")
+		p.ConfigSet(ctx, "maxmemory", "1")
+		p.Set(ctx, "spell-trigger", "x", 0) // evicts every key with a TTL, then is refused (OOM)
+		p.ConfigSet(ctx, "maxmemory", "0")
+		p.ConfigSet(ctx, "maxmemory-policy", "noeviction")
+		return nil
+	})
+	if err != nil && !strings.Contains(err.Error(), "OOM") {
+		t.Fatal(err)
+	}
+	for _, c := range []redis.Cmder{cmds[0], cmds[1], cmds[3], cmds[4]} {
+		if c.Err() != nil {
+			t.Fatalf("%v: %v", c.Args(), c.Err())
+		}
+	}
+	if n, err := e.raw[0].Exists(ctx, "redfence:lock:spell").Result(); err != nil || n != 0 {
+		t.Fatalf("A's key on node 0 after the spell: exists = %d, %v; want evicted", n, err)
+	}
+	waitQuarantined(t, l, 0)
+	if r := l.Nodes(ctx)[0].QuarantineReason; r != service.QuarantineEvicted {
+		t.Errorf("node 0 quarantined for %q; want %q", r, service.QuarantineEvicted)
+	}
+	if g, err := l.Acquire(ctx, "spell", service.Request{TTL: 3 * time.Second}); err == nil {
+		t.Fatalf("B granted %d while A (%d) holds the lock on 2 nodes and node 0 evicted its lease", g.Fencing, a.Fencing)
+	}
+	if st := e.locker(t, e.db).Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
+		t.Errorf("a second server sees node 0 as %+v; want it quarantined", st[0])
+	}
+}
+
 // TestLocker_ExtendQuarantinedNode: A holds a lock on nodes 0-2 and node 2
 // restarts empty. Its "not held" does not count: the extend cannot reach a
 // majority (503, node 2 quarantined) instead of declaring the lock lost, and
@@ -1032,8 +1074,8 @@ func TestLocker_WrongPassword(t *testing.T) {
 		bad = append(bad, rn)
 	}
 	rn := bad[0].(*service.RedisNode)
-	if _, err := rn.EvictionPolicy(ctx); !errors.Is(err, service.ErrAuth) || errors.Is(err, service.ErrCommandRefused) {
-		t.Errorf("EvictionPolicy with a wrong password = %v; want ErrAuth, not ErrCommandRefused", err)
+	if _, _, err := rn.Eviction(ctx); !errors.Is(err, service.ErrAuth) || errors.Is(err, service.ErrCommandRefused) {
+		t.Errorf("Eviction with a wrong password = %v; want ErrAuth, not ErrCommandRefused", err)
 	}
 	if _, _, err := rn.ServerID(ctx); !errors.Is(err, service.ErrAuth) {
 		t.Errorf("ServerID with a wrong password = %v; want ErrAuth", err)

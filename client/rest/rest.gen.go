@@ -256,7 +256,9 @@ type Node struct {
 	// count. `lost_memory`: it restarted without its data, or another
 	// server recorded that it may have lost leases. `evicting`: it has a
 	// `maxmemory` limit with an evicting `maxmemory-policy`. `evicted`:
-	// it stopped evicting, and a lease it evicted may still be live.
+	// it stopped evicting (or evicted keys in a spell between two
+	// checks: its `evicted_keys` rose), and a lease it evicted may
+	// still be live.
 	// `policy_unknown`: its eviction policy cannot be read (it refuses
 	// `INFO`: allow the Redis user `+info`; or its `INFO memory` has no
 	// `maxmemory_policy`), so whether it evicts cannot be told. Clients
