@@ -927,8 +927,11 @@ func problems(pathErr, bodyErr error) (badRequest, error) {
 		return badRequest{}, bodyErr
 	}
 	var bad badRequest
-	_ = bad.merge(pathErr)
-	_ = bad.merge(bodyErr)
+	for _, err := range [2]error{pathErr, bodyErr} {
+		if err := bad.merge(err); err != nil {
+			return badRequest{}, err // not a client's mistake (errNoPrincipal)
+		}
+	}
 	return bad, nil
 }
 
@@ -1140,8 +1143,11 @@ func (h *Handler) held(r *http.Request) (name, key, token string, err error) {
 		return name, key, token, nil
 	}
 	var bad badRequest
-	_ = bad.merge(nameErr)
-	_ = bad.merge(tokenErr)
+	for _, err := range [2]error{nameErr, tokenErr} {
+		if err := bad.merge(err); err != nil {
+			return name, key, token, err // not a client's mistake (errNoPrincipal)
+		}
+	}
 	return name, key, token, bad.err()
 }
 

@@ -233,9 +233,11 @@ type KeyAuthOptions struct {
 	// LookupTimeout bounds each lookup in Postgres, its wait for a lookup
 	// slot included. The default is 2s.
 	LookupTimeout time.Duration
-	// MaxLookups bounds the lookups in Postgres under way at once, so that
-	// a flood of made-up keys (each a lookup) cannot take every connection
-	// of a pool it shares with token issuance. The default is 2.
+	// MaxLookups bounds the lookups in Postgres of ids not cached as keys
+	// under way at once, so that a flood of made-up keys (each a lookup)
+	// cannot take every connection of a pool it shares with token
+	// issuance. Refreshing a cached key's entry does not wait for them.
+	// The default is 2.
 	MaxLookups int
 	// Now is the clock. The default is time.Now.
 	Now func() time.Time
@@ -377,7 +379,8 @@ func (a *KeyAuth) Authenticate(ctx context.Context, key string) (*Principal, err
 func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 	now := a.opts.Now()
 	a.mu.Lock()
-	e, ok := a.cache[id]
+	e, known := a.cache[id]
+	ok := known
 	if !ok {
 		e, ok = a.unknown[id]
 	}
@@ -389,7 +392,7 @@ func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 	// The query serves every caller waiting on it: it must not end because
 	// the first one went away.
 	ch := a.group.DoChan(id+"\x00"+strconv.FormatUint(gen, 10), func() (any, error) {
-		return a.fetch(context.WithoutCancel(ctx), id, gen)
+		return a.fetch(context.WithoutCancel(ctx), id, gen, known)
 	})
 	if ok && e.down {
 		return e, nil // Postgres was down at the last lookup: the one just started runs in the background
@@ -407,12 +410,20 @@ func (a *KeyAuth) lookup(ctx context.Context, id string) (cached, error) {
 
 // fetch looks id up in the store and caches the answer. If the store cannot
 // answer and id was last seen as a valid key, it returns that entry, marked
-// down (see KeyAuth).
-func (a *KeyAuth) fetch(ctx context.Context, id string, gen uint64) (cached, error) {
-	start := a.opts.Now()
+// down (see KeyAuth). The lookup of an id not cached as a key (known) waits
+// for one of the MaxLookups slots first; that of a key's id, which only
+// its holders can cause (once per CacheTTL), never waits behind made-up ids.
+func (a *KeyAuth) fetch(ctx context.Context, id string, gen uint64, known bool) (cached, error) {
 	lctx, cancel := context.WithTimeout(ctx, a.opts.LookupTimeout)
 	defer cancel()
-	k, err := a.lookupSlot(lctx, id)
+	if !known {
+		if err := a.takeSlot(lctx); err != nil {
+			return cached{}, err
+		}
+		defer func() { <-a.slots }()
+	}
+	start := a.opts.Now() // after any wait: the entry is as old as the read
+	k, err := a.ks.Key(lctx, id)
 	if errors.Is(err, apikey.ErrNotFound) {
 		k, err = nil, nil
 	}
@@ -430,23 +441,23 @@ func (a *KeyAuth) fetch(ctx context.Context, id string, gen uint64) (cached, err
 	return c, nil
 }
 
-// lookupSlot looks id up in the store once one of the MaxLookups slots is
-// free (or fails with ctx's error, as a lookup that got no answer).
-func (a *KeyAuth) lookupSlot(ctx context.Context, id string) (*apikey.Key, error) {
+// takeSlot takes one of the MaxLookups slots (give it back by receiving
+// from a.slots), or fails with ctx's error once it ends.
+func (a *KeyAuth) takeSlot(ctx context.Context) error {
 	select {
 	case a.slots <- struct{}{}:
+		return nil
 	default:
-		if a.waiting != nil {
-			a.waiting()
-		}
-		select {
-		case a.slots <- struct{}{}:
-		case <-ctx.Done():
-			return nil, fmt.Errorf("waiting for a lookup slot (%d lookups under way): %w", cap(a.slots), ctx.Err())
-		}
 	}
-	defer func() { <-a.slots }()
-	return a.ks.Key(ctx, id)
+	if a.waiting != nil {
+		a.waiting()
+	}
+	select {
+	case a.slots <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for one of the %d lookup slots, all taken by lookups of unknown key ids: %w", cap(a.slots), ctx.Err())
+	}
 }
 
 // markDown marks the cached entry of id down and returns it, if id is cached

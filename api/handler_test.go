@@ -1364,21 +1364,45 @@ func TestReadyzPanic(t *testing.T) {
 	}
 }
 
-// TestKey_FailsClosedWithoutPrincipal: with access control on, a lock or
-// document call whose API key was not checked (a route that skipped
-// authorize) is refused, never served in the default namespace.
-func TestKey_FailsClosedWithoutPrincipal(t *testing.T) {
+// TestHandlers_FailClosedWithoutPrincipal: with access control on, every lock
+// and document operation whose API key was not checked (a route that
+// skipped authorize) answers 500 and acts on nothing, never on the default
+// namespace or on an empty key.
+func TestHandlers_FailClosedWithoutPrincipal(t *testing.T) {
 	t.Parallel()
 	e := newFakeEnv(t, true)
-	r := httptest.NewRequest("GET", "/v1/locks/x", nil)
-	rc := chi.NewRouteContext()
-	rc.URLParams.Add("name", "x")
-	r = r.WithContext(context.WithValue(r.Context(), chi.RouteCtxKey, rc))
-	if _, key, err := e.h.key(r); !errors.Is(err, errNoPrincipal) {
-		t.Errorf("key without a principal = %q, %v; want errNoPrincipal", key, err)
+	token := strings.Repeat("A", lockTokenLen)
+	for _, tc := range []struct {
+		name, method, body string
+		serve              http.HandlerFunc
+		hdr                []string
+	}{
+		{"acquire", "POST", `{"ttl_ms":1000}`, e.h.acquire, nil},
+		{"extend", "POST", `{"ttl_ms":1000}`, e.h.extend, []string{LockTokenHeader, token}},
+		{"release", "DELETE", "", e.h.release, []string{LockTokenHeader, token}},
+		{"status", "GET", "", e.h.status, nil},
+		{"putResource", "PUT", `{"fencing_token":1,"data":1}`, e.h.putResource, nil},
+		{"getResource", "GET", "", e.h.getResource, nil},
+	} {
+		r := httptest.NewRequest(tc.method, "/v1/locks/x", strings.NewReader(tc.body))
+		if tc.body != "" {
+			r.Header.Set("Content-Type", "application/json")
+		}
+		for i := 0; i+1 < len(tc.hdr); i += 2 {
+			r.Header.Set(tc.hdr[i], tc.hdr[i+1])
+		}
+		rc := chi.NewRouteContext()
+		rc.URLParams.Add("name", "x")
+		r = r.WithContext(context.WithValue(r.Context(), chi.RouteCtxKey, rc))
+		w := httptest.NewRecorder()
+		tc.serve(w, r)
+		if w.Code != http.StatusInternalServerError || !strings.Contains(w.Body.String(), "internal-error") {
+			t.Errorf("%s without a principal = %d %s; want 500 internal-error", tc.name, w.Code, w.Body)
+		}
 	}
-	open := newFakeEnv(t, false)
-	if _, key, err := open.h.key(r); err != nil || key == "" {
-		t.Errorf("key with access control off = %q, %v; want the default namespace's", key, err)
+	e.l.mu.Lock()
+	defer e.l.mu.Unlock()
+	if len(e.l.held) != 0 || e.l.fencing != 0 || e.l.lastCalls != 0 {
+		t.Errorf("the locker holds %v, issued up to %d and was asked for %d records; want nothing done", e.l.held, e.l.fencing, e.l.lastCalls)
 	}
 }

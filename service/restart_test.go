@@ -106,9 +106,15 @@ func (e *restartEnv) lockerWith(t *testing.T, addrs []string, opts service.Optio
 	return l
 }
 
-// holdOnFirstThree makes A hold key on nodes 0-2 only: nodes 3 and 4 are
-// held by someone else while A acquires, and freed afterwards.
+// holdOnFirstThree makes A hold key on nodes 0-2 only, for 3 s: nodes 3 and
+// 4 are held by someone else while A acquires, and freed afterwards.
 func (e *restartEnv) holdOnFirstThree(t *testing.T, l *service.Locker, key string) *service.Grant {
+	t.Helper()
+	return e.holdOnFirstThreeFor(t, l, key, 3*time.Second)
+}
+
+// holdOnFirstThreeFor is holdOnFirstThree with A's TTL.
+func (e *restartEnv) holdOnFirstThreeFor(t *testing.T, l *service.Locker, key string, ttl time.Duration) *service.Grant {
 	t.Helper()
 	ctx := t.Context()
 	rkey := "redfence:lock:" + key
@@ -119,7 +125,7 @@ func (e *restartEnv) holdOnFirstThree(t *testing.T, l *service.Locker, key strin
 		}
 		scripts[3+i] = scriptCalls(t, c)
 	}
-	a, err := l.Acquire(ctx, key, service.Request{TTL: 3 * time.Second})
+	a, err := l.Acquire(ctx, key, service.Request{TTL: ttl})
 	if err != nil {
 		t.Fatalf("A: %v", err)
 	}
@@ -621,9 +627,11 @@ func TestLocker_EvictingNode(t *testing.T) {
 func TestLocker_EvictionSpellBetweenChecks(t *testing.T) {
 	t.Parallel()
 	e := newRestartEnv(t, false)
-	l := e.lockerWith(t, nil, service.Options{Registry: e.db})
+	logs := &testutil.Buffer{}
+	// A lease and a quarantine that outlast a slow run of the test.
+	l := e.lockerWith(t, nil, service.Options{Registry: e.db, MaxTTL: 30 * time.Second, Logger: slog.New(slog.NewJSONHandler(logs, nil))})
 	ctx := t.Context()
-	a := e.holdOnFirstThree(t, l, "spell")
+	a := e.holdOnFirstThreeFor(t, l, "spell", 30*time.Second)
 	cmds, err := e.raw[0].Pipelined(ctx, func(p redis.Pipeliner) error {
 		p.ConfigSet(ctx, "maxmemory-policy", "volatile-lru")
 		p.ConfigSet(ctx, "maxmemory", "1")
@@ -650,7 +658,11 @@ func TestLocker_EvictionSpellBetweenChecks(t *testing.T) {
 	if g, err := l.Acquire(ctx, "spell", service.Request{TTL: 3 * time.Second}); err == nil {
 		t.Fatalf("B granted %d while A (%d) holds the lock on 2 nodes and node 0 evicted its lease", g.Fencing, a.Fencing)
 	}
-	if st := e.locker(t, e.db).Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
+	// Logged once the quarantine is on record.
+	testutil.WaitFor(t, 30*time.Second, "the log to say node 0 is counted out for eviction", func() (bool, error) {
+		return strings.Contains(logs.String(), `"msg":"node counted out, as it may evict lock keys`), nil
+	})
+	if st := e.lockerWith(t, nil, service.Options{Registry: e.db, MaxTTL: 30 * time.Second}).Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
 		t.Errorf("a second server sees node 0 as %+v; want it quarantined", st[0])
 	}
 }

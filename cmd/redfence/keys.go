@@ -24,7 +24,13 @@ func (s *Server) openAuth(ctx context.Context) (api.Authenticator, error) {
 			"release and extend every lock and overwrite every resource. Never run production like this.")
 		return nil, nil
 	}
-	auth := api.NewKeyAuth(s.db, api.KeyAuthOptions{CacheTTL: s.cfg.AuthCacheTTL})
+	opts := api.KeyAuthOptions{CacheTTL: s.cfg.AuthCacheTTL}
+	if s.cfg.DBMaxConns > 0 {
+		// Half the pool at most, so that issuance keeps the rest (the
+		// default pool, at least 4, leaves KeyAuth's default of 2).
+		opts.MaxLookups = max(1, min(2, int(s.cfg.DBMaxConns)/2))
+	}
+	auth := api.NewKeyAuth(s.db, opts)
 	w, err := s.db.WatchKeys(ctx, auth.Changed)
 	if err != nil {
 		return nil, err

@@ -495,6 +495,17 @@ export class Redfence {
   readonly timeoutMs: number;
 
   constructor(opts: RedfenceOptions) {
+    let base: URL | undefined;
+    try {
+      base = new URL(opts.baseUrl);
+    } catch {
+      base = undefined;
+    }
+    if (!base || (base.protocol !== "http:" && base.protocol !== "https:")) {
+      // Caught here: fetch's failure would read as an unreachable server
+      // (kind "unavailable"), and an acquire would retry it while it waits.
+      throw new TypeError(`redfence: baseUrl must be an absolute http or https URL, like "http://127.0.0.1:8080", not ${JSON.stringify(opts.baseUrl)}`);
+    }
     const headers: Record<string, string> = {};
     if (opts.apiKey) {
       // Checked here, without quoting it: fetch's own error would.
@@ -517,8 +528,9 @@ export class Redfence {
    */
   async acquire(name: string, opts: LockOptions = {}): Promise<Lease> {
     const invalid = (detail: string) => new RedfenceError("acquire", name, 0, { detail, kind: "invalid" });
-    const { renewFraction: f, maxHoldMs, ttlMs } = opts;
+    const { renewFraction: f, maxHoldMs, ttlMs, waitMs } = opts;
     if (f !== undefined && !(f >= 0 && f < 1)) throw invalid(`renewFraction ${f} is outside [0, 1)`);
+    if (waitMs !== undefined && !(Number.isFinite(waitMs) && waitMs >= 0)) throw invalid(`waitMs ${waitMs} is not a finite number of ms, 0 or more`);
     if (maxHoldMs !== undefined && ttlMs !== undefined && !(maxHoldMs >= ttlMs)) {
       throw invalid(`maxHoldMs ${maxHoldMs} is shorter than ttlMs ${ttlMs}: the first lease would outlast it`);
     }

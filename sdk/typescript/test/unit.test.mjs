@@ -221,10 +221,17 @@ test("extend while a release is under way rejects with the lease's reason (lost)
 
 test("bad options are refused before anything is sent", async () => {
   const { rf, calls } = scripted(() => grant(60_000));
-  for (const opts of [{ renewFraction: Number.NaN }, { renewFraction: 1 }, { renewFraction: -0.1 }, { ttlMs: 10_000, maxHoldMs: 5_000 }]) {
-    await assert.rejects(rf.acquire("n", opts), (e) => e instanceof RedfenceError && e.kind === "invalid", JSON.stringify(opts));
+  for (const opts of [
+    { renewFraction: Number.NaN }, { renewFraction: 1 }, { renewFraction: -0.1 }, { ttlMs: 10_000, maxHoldMs: 5_000 },
+    { waitMs: Number.NaN }, { waitMs: -1 }, { waitMs: Infinity },
+  ]) {
+    await assert.rejects(rf.acquire("n", opts), (e) => e instanceof RedfenceError && e.kind === "invalid", String(Object.entries(opts)));
   }
   assert.deepEqual(calls, []);
+  // A base URL fetch cannot use is refused at once, not retried as an unreachable server.
+  for (const baseUrl of ["localhost:8080", "127.0.0.1:8080", "/v1", "", "ftp://host"]) {
+    assert.throws(() => new Redfence({ baseUrl }), (e) => e instanceof TypeError && /absolute http or https URL/.test(e.message), baseUrl);
+  }
   // A cap below the server's default TTL is found on the grant, which is released.
   const { rf: rf2, count } = scripted((kind) => (kind === "acquire" ? grant(60_000) : noContent()));
   await assert.rejects(rf2.acquire("n", { maxHoldMs: 1000 }), (e) => e.kind === "invalid");
@@ -361,17 +368,26 @@ test("an acquire gives up at once when the server says it cannot succeed before 
 });
 
 test("an acquire waiting to try again ends with its signal's reason", async () => {
-  let answered;
-  const first = new Promise((resolve) => { answered = resolve; });
+  // The 503's body signals once it has been read to its end: what is left
+  // before the acquire waits to try again (30 s away) is microtasks, which
+  // all run before the next macrotask (setImmediate).
+  let read;
+  const bodyRead = new Promise((resolve) => { read = resolve; });
   const { rf, count } = scripted(() => {
-    answered();
-    return problem(503, "shutting-down", {}, { "retry-after": "1" });
+    const text = new TextEncoder().encode(JSON.stringify({ type: "urn:redfence:problem:shutting-down", title: "t", status: 503 }));
+    const body = new ReadableStream({
+      start(c) { c.enqueue(text); },
+      pull(c) { c.close(); read(); },
+    });
+    return new Response(body, { status: 503, headers: { "content-type": "application/problem+json", "retry-after": "30" } });
   });
   const ac = new AbortController();
   const p = rf.acquire("n", { waitMs: 60_000, signal: ac.signal });
-  await first; // the 503 is on its way: the acquire then waits a second to try again
+  await bodyRead;
+  await new Promise((resolve) => setImmediate(resolve));
+  assert.equal(count("acquire"), 1);
   const reason = new Error("stop");
   ac.abort(reason);
-  assert.equal(await within(p, 5_000), reason);
+  assert.equal(await within(p, 5_000), reason); // now, not once the 30 s are over
   assert.equal(count("acquire"), 1);
 });
