@@ -147,6 +147,8 @@ var errNoPolicy = errors.New("info memory: no maxmemory or maxmemory_policy")
 // node held durable still is (see checkDurability). A node that does not
 // answer keeps its state.
 func (l *Locker) checkEviction(ctx context.Context) {
+	l.evictionMu.Lock()
+	defer l.evictionMu.Unlock()
 	defer l.eachNode(ctx, l.checkDurability)
 	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
 		if er, ok := n.(evictionReader); ok {
@@ -154,7 +156,13 @@ func (l *Locker) checkEviction(ctx context.Context) {
 			m := l.members[i]
 			m.mu.Lock()
 			fresh := m.newEvictions(evicted)
+			warn := err == nil && evicted < 0 && !m.evictedUnreported
+			m.evictedUnreported = m.evictedUnreported || warn
 			m.mu.Unlock()
+			if warn {
+				l.opts.Logger.Warn("node's INFO stats has no evicted_keys: an eviction spell shorter than the check (a limit set and undone within a second) cannot be seen on it; connect Redfence to the Redis server itself, not a proxy",
+					slog.String("node", m.Addr()))
+			}
 			switch {
 			case err == nil:
 				if fresh > 0 && policy == "" {

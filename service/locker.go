@@ -248,6 +248,9 @@ type member struct {
 	// evicted_keys) at the last check, -1 before the first or when the
 	// node does not report it. Guarded by mu.
 	evictedKeys int64
+	// evictedUnreported is set once a node that answered INFO stats
+	// without evicted_keys was warned of. Guarded by mu.
+	evictedUnreported bool
 	// endLogged is the end of the last quarantine logged as over (see
 	// watchQuarantine). Guarded by mu.
 	endLogged time.Time
@@ -336,6 +339,10 @@ type Locker struct {
 	bg       sync.WaitGroup
 	// evictionChecks is set once they started (under bgMu; see evict.go).
 	evictionChecks bool
+	// evictionMu runs one checkEviction at a time, so that an older count
+	// of evicted keys is never noted after a newer one (it would read as
+	// a reset: every key evicted since would count as new).
+	evictionMu sync.Mutex
 }
 
 // lateRound is the clean-up state of one acquire round, shared by its nodes'

@@ -276,6 +276,20 @@ func TestLocker_EvictedBetweenChecks(t *testing.T) {
 	if l2.counts(0, l2.opts.Now()) {
 		t.Error("evicted_keys 50 then 1 (counted from 0 again): node 0 counts; want it counted out")
 	}
+
+	// A node that answers without evicted_keys (a proxy): warned of once.
+	var logs3 testutil.Buffer
+	ns3, ms3 := nodes(3)
+	ns3[0] = &policyNode{memNode: ms3[0], evicted: -1}
+	l3 := newLocker(t, ns3, &memIssuer{}, Options{Logger: slog.New(slog.NewTextHandler(&logs3, nil))})
+	l3.checkEviction(t.Context())
+	l3.checkEviction(t.Context())
+	if n := strings.Count(logs3.String(), "has no evicted_keys"); n != 1 {
+		t.Errorf("log = %s; want one warning that evicted_keys is missing, got %d", logs3.String(), n)
+	}
+	if !l3.counts(0, l3.opts.Now()) {
+		t.Error("a node without evicted_keys is counted out; want it counted (its policy says noeviction)")
+	}
 }
 
 // TestLocker_EvictionPolicyUnknown: a node whose eviction policy cannot be

@@ -160,17 +160,13 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	rp["application_name"] = "redfence"
 	// A token acknowledged before its commit is durable could be issued again
 	// after a crash. Force the session to wait for the WAL flush, whatever
-	// the server default is (keep a stricter remote_* setting if configured).
+	// the server default is (keep a stricter remote_* setting if
+	// configured), and set it for the session even when the default is
+	// already durable: a session value outlives a reload of the server's
+	// configuration, which would otherwise turn it off under a live pool.
 	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
-		var sc string
-		if err := c.QueryRow(ctx, "SHOW synchronous_commit").Scan(&sc); err != nil {
-			return err
-		}
-		if sc == "off" {
-			_, err := c.Exec(ctx, "SET synchronous_commit = on")
-			return err
-		}
-		return nil
+		_, err := c.Exec(ctx, syncCommitSQL)
+		return err
 	}
 	dcfg := cfg.Copy()
 	if opts.DocMaxConns > 0 {
@@ -322,6 +318,11 @@ func lastRecord(ctx context.Context, pool *pgxpool.Pool, key string) (fencing.Re
 	r.Token = fencing.Token(t)
 	return r, nil
 }
+
+// syncCommitSQL sets the session's synchronous_commit to the server's
+// default, or to on where that is off (see Open).
+const syncCommitSQL = `SELECT set_config('synchronous_commit',
+  CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false)`
 
 // Resource is one document of the reference store.
 type Resource = refstore.Resource

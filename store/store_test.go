@@ -1021,6 +1021,63 @@ func TestOpen_SynchronousCommit(t *testing.T) {
 	}
 }
 
+// TestOpen_SynchronousCommitSurvivesReload: a reload of the server's
+// configuration that turns synchronous_commit off reaches every live session
+// still on the server default; the pool's sessions set it themselves, so
+// they keep waiting for the WAL flush.
+func TestOpen_SynchronousCommitSurvivesReload(t *testing.T) {
+	t.Parallel()
+	// A server of its own: ALTER SYSTEM would reach every test's sessions.
+	pg, err := cluster.StartPostgres(t.Context(), cluster.PostgresOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := pg.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	url := pg.URL()
+	const conns = 2
+	db := open(t, url, Options{MaxConns: conns})
+	held := make([]*pgxpool.Conn, 0, conns)
+	defer func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}()
+	for range conns {
+		c, err := db.pool.Acquire(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+	}
+	control := connect(t, url) // a plain session on the server default
+	admin := connect(t, url)
+	if _, err := admin.Exec(t.Context(), "ALTER SYSTEM SET synchronous_commit = off"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(t.Context(), "SELECT pg_reload_conf()"); err != nil {
+		t.Fatal(err)
+	}
+	// The postmaster signals every session at once: once the control
+	// session runs with off, so would the pool's on the default.
+	var sc string
+	testutil.WaitFor(t, 30*time.Second, "the reload to reach a live session", func() (bool, error) {
+		err := control.QueryRow(t.Context(), "SHOW synchronous_commit").Scan(&sc)
+		return sc == "off", err
+	})
+	for i, c := range held {
+		if err := c.QueryRow(t.Context(), "SHOW synchronous_commit").Scan(&sc); err != nil {
+			t.Fatal(err)
+		}
+		if sc != "on" {
+			t.Errorf("pool connection %d after the reload: synchronous_commit = %q; want on", i, sc)
+		}
+	}
+}
+
 func TestDB_Nodes(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

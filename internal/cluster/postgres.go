@@ -128,7 +128,9 @@ func (p *Postgres) settings() []string {
 	return []string{
 		"-c", "fsync=" + durable,
 		"-c", "full_page_writes=" + durable,
-		"-c", "synchronous_commit=on",
+		// synchronous_commit keeps its default (on) and stays
+		// reloadable: a command-line setting would hide what a reload
+		// does to live sessions (Redfence's set it for themselves).
 		"-c", "max_connections=200",
 	}
 }
