@@ -439,7 +439,7 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 	case k == kStore && r.Method == http.MethodGet:
 		p.Detail = "Postgres did not answer in time (or no connection of the documents' pool was free); the document could not be read"
 	case k == kStore:
-		p.Detail = "Postgres did not answer in time (or no connection of the documents' pool was free); the write may or may not have been applied (it can still commit): read the document before writing again"
+		p.Detail = "Postgres did not answer in time (or no connection of the documents' pool was free); the write may or may not have been applied (its commit may still land): read the document before writing again"
 	case tree.is(service.ErrInvalid):
 		p.Detail = err.Error()
 	}

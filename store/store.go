@@ -157,6 +157,10 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	}
 	rp := cfg.ConnConfig.RuntimeParams
 	rp["statement_timeout"] = fmt.Sprint(opts.StatementTimeout.Milliseconds())
+	// No transaction of Redfence's waits between its statements: one idle
+	// that long lost its client (a COMMIT that never came), and its locks
+	// (a document's row, a name's token row) must not outlive it for long.
+	rp["idle_in_transaction_session_timeout"] = fmt.Sprint(opts.StatementTimeout.Milliseconds())
 	rp["application_name"] = "redfence"
 	// A token acknowledged before its commit is durable could be issued again
 	// after a crash. Force the session to wait for the WAL flush, whatever
@@ -370,8 +374,18 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	}
 	r := &Resource{Key: key}
 	var t int64
+	// In a transaction of its own, committed only once the statement's
+	// answer is back: a statement held up on its way (a stalled network)
+	// and delivered after this call gave up finds its connection closed
+	// behind it, and Postgres rolls it back, instead of committing a write
+	// whose holder was told 503 and may have written again since. (A
+	// COMMIT held up the same way still commits late, but its row lock
+	// made every later write wait for it; idle_in_transaction_session_timeout
+	// bounds how long.)
 	err := db.retryStalePlan(func() error {
-		return db.docs.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+		return pgx.BeginFunc(ctx, db.docs, func(tx pgx.Tx) error {
+			return tx.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+		})
 	})
 	if errors.Is(err, pgx.ErrNoRows) {
 		last, lerr := lastRecord(ctx, db.docs, key)

@@ -428,7 +428,9 @@ type Problem struct {
 	//   server's limit (64 KiB by default).
 	// - `store-unavailable` (503): Postgres did not answer a reference-store
 	//   read or write in time. A write may or may not have been applied
-	//   (it can still commit): read the document before writing again.
+	//   (only one whose commit was already on its way can still commit,
+	//   and a later write of the document waits for it): read the
+	//   document before writing again.
 	// - `shutting-down` (503): the server began shutting down while an
 	//   acquire waited (`wait_ms`) for a taken lock, or its shutdown grace
 	//   period ran out while a request's body was arriving (before the

@@ -672,7 +672,9 @@ export interface components {
              *       server's limit (64 KiB by default).
              *     - `store-unavailable` (503): Postgres did not answer a reference-store
              *       read or write in time. A write may or may not have been applied
-             *       (it can still commit): read the document before writing again.
+             *       (only one whose commit was already on its way can still commit,
+             *       and a later write of the document waits for it): read the
+             *       document before writing again.
              *     - `shutting-down` (503): the server began shutting down while an
              *       acquire waited (`wait_ms`) for a taken lock, or its shutdown grace
              *       period ran out while a request's body was arriving (before the
@@ -1005,7 +1007,8 @@ export interface components {
         };
         /**
          * @description `store-unavailable`: Postgres did not answer in time; a write may or
-         *     may not have been applied (it can still commit). Or
+         *     may not have been applied (only one whose commit was already on its
+         *     way can still commit, and a later write waits for it). Or
          *     `auth-unavailable`: the API key could not be checked (Postgres did not
          *     answer); nothing was done. Or `shutting-down`: the server's shutdown
          *     grace period ran out while a write's body was arriving; nothing was
@@ -1025,7 +1028,7 @@ export interface components {
                  *       "type": "urn:redfence:problem:store-unavailable",
                  *       "title": "The reference store (Postgres) is unavailable",
                  *       "status": 503,
-                 *       "detail": "Postgres did not answer in time; the write may or may not have been applied (it can still commit): read the document before writing again",
+                 *       "detail": "Postgres did not answer in time; the write may or may not have been applied (its commit may still land): read the document before writing again",
                  *       "instance": "/v1/resources/orders:invoice-7",
                  *       "request_id": "5f2c9a7e1b3d4c6a"
                  *     }
