@@ -20,6 +20,7 @@ import (
 	"net/http"
 	"net/url"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -139,7 +140,10 @@ type Handler struct {
 	// the router: authorization and the handler.
 	acquireH, releaseH http.Handler
 	// drain is closed by Drain: blocking acquires stop waiting.
-	drain     chan struct{}
+	drain chan struct{}
+	// audits counts the audit lines written after their handler returned
+	// (see auditGrant).
+	audits    sync.WaitGroup
 	drainOnce sync.Once
 	// unready is set by Unready: /readyz fails.
 	unready atomic.Bool
@@ -167,6 +171,11 @@ func (h *Handler) Unready() { h.unready.Store(true) }
 func (h *Handler) Drain() {
 	h.drainOnce.Do(func() { close(h.drain) })
 }
+
+// Wait waits for the audit lines still to be written after their requests
+// were answered (each waits 1 s at most for Postgres). A server calls it
+// once it stopped serving, before it closes the store.
+func (h *Handler) Wait() { h.audits.Wait() }
 
 // NewHandler returns the API over locker and st.
 func NewHandler(locker Locker, st Store, opts Options) *Handler {
@@ -1051,14 +1060,27 @@ func (a grantAnswer) get() (string, fencing.Token) {
 	return a.owner, a.fencing
 }
 
-// answerBefore sends what w holds now, when the audit line would otherwise
-// hold it back waiting for grant's lookup in Postgres (another server's
-// grant, or one made before a restart), which neither a release nor a
-// refusal needs. Otherwise the answer goes when the handler returns.
-func (h *Handler) answerBefore(w http.ResponseWriter, grant grantAnswer) {
-	if !grant.ready() {
-		_ = http.NewResponseController(w).Flush()
+// auditGrant writes the info audit line of a release or a refusal, naming
+// grant's owner and fencing token. When they are still being looked up in
+// Postgres (another server's grant, or one made before a restart), which
+// neither a release nor a refusal needs, the line is written once the lookup
+// ends (1 s at most), and the handler returns now: its answer, and the next
+// request on the connection, do not wait for Postgres.
+func (h *Handler) auditGrant(r *http.Request, msg, name string, grant grantAnswer, outcome string) {
+	if grant.ready() {
+		owner, ft := grant.get()
+		h.audit(r, slog.LevelInfo, msg, name, owner, ft, outcome, noTTL)
+		return
 	}
+	// What audit reads of r, kept apart from r, which the server is done
+	// with once the handler returns: its values, and its Lock-Token
+	// header (for redaction).
+	later := (&http.Request{Header: http.Header{LockTokenHeader: slices.Clone(r.Header[LockTokenHeader])}}).
+		WithContext(context.WithoutCancel(r.Context()))
+	h.audits.Go(func() {
+		owner, ft := grant.get()
+		h.audit(later, slog.LevelInfo, msg, name, owner, ft, outcome, noTTL)
+	})
 }
 
 // ready reports whether get would not wait.
@@ -1171,9 +1193,7 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 		answer := serviceBounds(err)
 		h.m.failed("extend", answer)
 		h.writeError(w, r, answer)
-		h.answerBefore(w, grant)
-		owner, ft := grant.get()
-		h.audit(r, slog.LevelInfo, "lock extend refused", name, owner, ft, classifyOutcome(err), noTTL)
+		h.auditGrant(r, "lock extend refused", name, grant, classifyOutcome(err))
 		return nil
 	}
 	h.m.extended("extended")
@@ -1200,18 +1220,14 @@ func (h *Handler) doRelease(w http.ResponseWriter, r *http.Request) error {
 	if err := h.locker.Release(r.Context(), key, token); err != nil {
 		h.m.failed("release", err)
 		h.writeError(w, r, err)
-		h.answerBefore(w, grant)
-		owner, ft := grant.get()
-		h.audit(r, slog.LevelInfo, "lock release refused", name, owner, ft, classifyOutcome(err), noTTL)
+		h.auditGrant(r, "lock release refused", name, grant, classifyOutcome(err))
 		return nil
 	}
 	h.m.releaseSeconds.Observe(time.Since(start).Seconds())
 	h.m.released("released")
 	h.grants.drop(token)
 	w.WriteHeader(http.StatusNoContent)
-	h.answerBefore(w, grant)
-	owner, ft := grant.get()
-	h.audit(r, slog.LevelInfo, "lock released", name, owner, ft, "released", noTTL)
+	h.auditGrant(r, "lock released", name, grant, "released")
 	return nil
 }
 

@@ -195,8 +195,7 @@ func appendRFC3339Nano(dst []byte, t time.Time) []byte {
 func writeBody(w http.ResponseWriter, status int, contentType string, b []byte) {
 	setHeader(w, "Content-Type", contentType)
 	setHeader(w, "Cache-Control", "no-store")
-	// Declared, so an answer sent before the handler returns (see
-	// answerBefore) is not chunked.
+	// Declared: the answer is never chunked.
 	setHeader(w, "Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(status)
 	_, _ = w.Write(b)

@@ -216,6 +216,7 @@ func (s *Server) Close(ctx context.Context) error {
 		err = errors.Join(err, s.http.Close())
 	}
 	s.stop()
+	s.api.Wait() // audit lines still looking their grant up
 	for _, f := range s.beforeClose {
 		f(ctx)
 	}
