@@ -400,7 +400,7 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 	if len(batch) == 1 {
 		c := batch[0].claim
 		var t int64
-		err := q.pool.QueryRow(ctx, issueSQL, c.Key, c.Owner, c.Holder).Scan(&t)
+		err := retryPooled(q.pool, func() error { return q.pool.QueryRow(ctx, issueSQL, c.Key, c.Owner, c.Holder).Scan(&t) })
 		res[0] = issueResult{tok: fencing.Token(t), err: err}
 		return res
 	}
@@ -411,15 +411,19 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 		keys[i], owners[i], holders[i] = r.claim.Key, r.claim.Owner, r.claim.Holder
 	}
 	got := make(map[string]int64, len(batch))
-	rows, err := q.pool.Query(ctx, issueBatchSQL, keys, owners, holders)
-	if err == nil {
+	err := retryPooled(q.pool, func() error {
+		rows, err := q.pool.Query(ctx, issueBatchSQL, keys, owners, holders)
+		if err != nil {
+			return err
+		}
 		var k string
 		var t int64
 		_, err = pgx.ForEachRow(rows, []any{&k, &t}, func() error {
 			got[k] = t
 			return nil
 		})
-	}
+		return err
+	})
 	for i, k := range keys {
 		switch t, ok := got[k]; {
 		case err != nil:

@@ -310,9 +310,11 @@ func (db *DB) Last(ctx context.Context, key string) (fencing.Record, error) {
 func lastRecord(ctx context.Context, pool *pgxpool.Pool, key string) (fencing.Record, error) {
 	r := fencing.Record{Claim: fencing.Claim{Key: key}}
 	var t int64
-	err := pool.QueryRow(ctx,
-		`SELECT token, owner, holder, issued_at FROM redfence_fencing WHERE key = $1`, key).
-		Scan(&t, &r.Owner, &r.Holder, &r.IssuedAt)
+	err := retryPooled(pool, func() error {
+		return pool.QueryRow(ctx,
+			`SELECT token, owner, holder, issued_at FROM redfence_fencing WHERE key = $1`, key).
+			Scan(&t, &r.Owner, &r.Holder, &r.IssuedAt)
+	})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return r, nil
 	}
@@ -410,17 +412,32 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	return r, nil
 }
 
-// retryStalePlan runs query, and again while it fails because a statement
-// pgx prepared on a pooled connection no longer matches the table (a
-// migration changed a column's type since: Postgres refuses the cached plan
-// before running it, and pgx forgets it), at most once per connection of
-// the documents' pool.
+// retryStalePlan is retryPooled on the documents' pool.
 func (db *DB) retryStalePlan(query func() error) error {
+	return retryPooled(db.docs, query)
+}
+
+// retryPooled runs query on pool, and again while it fails on a pooled
+// connection without having run (see notRun), at most once per connection
+// of the pool: each failure leaves one connection behind (forgotten or
+// closed), so the next try takes another, or a new one.
+func retryPooled(pool *pgxpool.Pool, query func() error) error {
 	err := query()
-	for i := int32(0); stalePlan(err) && i < db.docs.Config().MaxConns; i++ {
+	for i := int32(0); notRun(err) && i < pool.Config().MaxConns; i++ {
 		err = query()
 	}
 	return err
+}
+
+// notRun reports whether err says the statement did not run, so that it may
+// be sent again on another connection: a statement pgx prepared on a pooled
+// connection that no longer matches the table (stalePlan), a connection
+// whose backend was terminated while it sat in the pool (pg_terminate_backend,
+// or a fast shutdown: Postgres's 57P01 was waiting on it), or one that failed
+// before anything was sent.
+func notRun(err error) bool {
+	var pe *pgconn.PgError
+	return stalePlan(err) || errors.As(err, &pe) && pe.Code == "57P01" || err != nil && pgconn.SafeToRetry(err)
 }
 
 // stalePlan reports whether err is Postgres refusing a prepared statement

@@ -1078,6 +1078,54 @@ func TestOpen_SynchronousCommitSurvivesReload(t *testing.T) {
 	}
 }
 
+// TestDB_TerminatedConnections: backends terminated while their connections
+// sat in the pools (pg_terminate_backend, a fast restart) cost no call an
+// error: each statement is sent again on a live connection, since Postgres
+// ran none of them.
+func TestDB_TerminatedConnections(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{MaxConns: 2, DocMaxConns: 2})
+	ctx := t.Context()
+	tok := issue(t, db, "k")
+	put(t, db, "k", tok, `{"v":1}`)
+	if _, err := db.Last(ctx, "k"); err != nil {
+		t.Fatal(err)
+	}
+	admin := connect(t, url)
+	var dbName string
+	if err := admin.QueryRow(ctx, "SELECT current_database()").Scan(&dbName); err != nil {
+		t.Fatal(err)
+	}
+	terminate := func() {
+		t.Helper()
+		if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+			WHERE datname = $1 AND application_name = 'redfence'`, dbName); err != nil {
+			t.Fatal(err)
+		}
+		testutil.WaitFor(t, waitTimeout, "the backends to exit", func() (bool, error) {
+			var n int
+			err := admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE datname = $1 AND application_name = 'redfence'`, dbName).Scan(&n)
+			return n == 0, err
+		})
+	}
+	terminate()
+	tok2, err := db.Issue(ctx, fencing.Claim{Key: "k"})
+	if err != nil || tok2 != tok+1 {
+		t.Errorf("Issue after the backends were terminated = %d, %v; want %d", tok2, err, tok+1)
+	}
+	if _, err := db.PutResource(ctx, "k", tok2, json.RawMessage(`{"v":2}`)); err != nil {
+		t.Errorf("PutResource after the backends were terminated: %v", err)
+	}
+	terminate()
+	if r, err := db.Last(ctx, "k"); err != nil || r.Token != tok2 {
+		t.Errorf("Last after the backends were terminated = %+v, %v; want token %d", r, err, tok2)
+	}
+	if _, err := db.GetResource(ctx, "k"); err != nil {
+		t.Errorf("GetResource after the backends were terminated: %v", err)
+	}
+}
+
 func TestDB_Nodes(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
