@@ -142,8 +142,14 @@ type Handler struct {
 	// drain is closed by Drain: blocking acquires stop waiting.
 	drain chan struct{}
 	// audits counts the audit lines written after their handler returned
-	// (see auditGrant).
-	audits    sync.WaitGroup
+	// (see auditGrant); auditMu guards it and waited, set by Wait, after
+	// which such lines are written before their handler returns.
+	audits  sync.WaitGroup
+	auditMu sync.Mutex
+	waited  bool
+	// lookups holds a token per grant lookup in Postgres under way (see
+	// lookupGrant).
+	lookups   chan struct{}
 	drainOnce sync.Once
 	// unready is set by Unready: /readyz fails.
 	unready atomic.Bool
@@ -173,9 +179,16 @@ func (h *Handler) Drain() {
 }
 
 // Wait waits for the audit lines still to be written after their requests
-// were answered (each waits 1 s at most for Postgres). A server calls it
-// once it stopped serving, before it closes the store.
-func (h *Handler) Wait() { h.audits.Wait() }
+// were answered (each waits 1 s at most for Postgres); from then on such
+// lines are written before their handler returns. A server calls it once it
+// stopped serving (a handler may still run if its shutdown timed out),
+// before it closes the store.
+func (h *Handler) Wait() {
+	h.auditMu.Lock()
+	h.waited = true // no line is left to a goroutine any more
+	h.auditMu.Unlock()
+	h.audits.Wait()
+}
 
 // NewHandler returns the API over locker and st.
 func NewHandler(locker Locker, st Store, opts Options) *Handler {
@@ -206,7 +219,7 @@ func NewHandler(locker Locker, st Store, opts Options) *Handler {
 		opts.Now = time.Now
 	}
 	h := &Handler{locker: locker, store: st, opts: opts, log: opts.Logger, raw: raw, m: newMetrics(opts.Registry),
-		ids: newRequestIDs(), grants: newGrantCache(), drain: make(chan struct{})}
+		ids: newRequestIDs(), grants: newGrantCache(), drain: make(chan struct{}), lookups: make(chan struct{}, maxGrantLookups)}
 	h.ttlMS, h.waitMS = lockerBounds(locker)
 	h.limits = newLimiter(rate.Limit(opts.RateLimit), opts.RateBurst)
 	h.router = h.newRouter()
@@ -1077,6 +1090,14 @@ func (h *Handler) auditGrant(r *http.Request, msg, name string, grant grantAnswe
 	// header (for redaction).
 	later := (&http.Request{Header: http.Header{LockTokenHeader: slices.Clone(r.Header[LockTokenHeader])}}).
 		WithContext(context.WithoutCancel(r.Context()))
+	h.auditMu.Lock()
+	defer h.auditMu.Unlock()
+	if h.waited {
+		// Shutting down (or a test waiting for its lines): written now.
+		owner, ft := grant.get()
+		h.audit(r, slog.LevelInfo, msg, name, owner, ft, outcome, noTTL)
+		return
+	}
 	h.audits.Go(func() {
 		owner, ft := grant.get()
 		h.audit(later, slog.LevelInfo, msg, name, owner, ft, outcome, noTTL)

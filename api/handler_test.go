@@ -72,7 +72,7 @@ func (e *fakeEnv) do(h http.Handler, method, target, body string, hdr ...string)
 	}
 	w := httptest.NewRecorder()
 	h.ServeHTTP(w, r)
-	e.h.Wait() // an audit line written after the answer (see auditGrant)
+	e.h.audits.Wait() // an audit line written after the answer (see auditGrant)
 	return w
 }
 

@@ -509,15 +509,28 @@ func (h *Handler) grantOf(ctx context.Context, key, lockToken string) (owner str
 	return rec.Owner, rec.Token, true
 }
 
+// maxGrantLookups bounds the grant lookups in Postgres under way at once:
+// releases come faster than Postgres answers (it stalls, or a client sends
+// refused releases back to back), and the lookups share the pool that
+// issues tokens. Past it, the audit line names no owner or token.
+const maxGrantLookups = 64
+
 // lookupGrant starts looking up, in the background, the owner and fencing
 // token of the grant lockToken received for key (see grantOf), when audit
-// lines at level are logged at all (nil otherwise).
+// lines at level are logged at all and fewer than maxGrantLookups are under
+// way (nil otherwise).
 func (h *Handler) lookupGrant(r *http.Request, level slog.Level, key, lockToken string) *grantLookup {
 	if !h.log.Enabled(r.Context(), level) {
 		return nil
 	}
+	select {
+	case h.lookups <- struct{}{}:
+	default:
+		return nil
+	}
 	l := &grantLookup{done: make(chan struct{})}
 	go func() {
+		defer func() { <-h.lookups }()
 		defer close(l.done)
 		l.owner, l.token, _ = h.grantOf(r.Context(), key, lockToken)
 	}()

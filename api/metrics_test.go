@@ -186,7 +186,9 @@ func TestMetrics_Dashboard(t *testing.T) {
 	}
 
 	// The audit log: one line per grant, refusal and release, naming the
-	// lock, the owner, the fencing token and the outcome.
+	// lock, the owner, the fencing token and the outcome (a refused
+	// release's line may follow its answer: see Handler.Wait).
+	s.Handler.Wait()
 	for _, tc := range []struct {
 		msg, outcome string
 		token        bool

@@ -37,7 +37,8 @@ const evictionCheckEvery = time.Second
 type evictionReader interface {
 	// Eviction returns the node's maxmemory-policy when the node may evict
 	// keys ("" when it never does), and how many keys it evicted since its
-	// process started or its statistics were reset (-1 if it does not say).
+	// process started or its statistics were reset (-1 if it does not say,
+	// evictedFailed if it did not answer).
 	Eviction(ctx context.Context) (policy string, evicted int64, err error)
 }
 
@@ -62,12 +63,17 @@ func (n *RedisNode) Eviction(ctx context.Context) (string, int64, error) {
 		return "", -1, fmt.Errorf("info memory: %w", refusal(err))
 	}
 	policy, err := evictionPolicy(mem.Val())
-	evicted := int64(-1)
+	evicted := int64(evictedFailed)
 	if stats.Err() == nil {
 		evicted = evictedKeys(stats.Val())
 	}
 	return policy, evicted, err
 }
+
+// evictedFailed is Eviction's count of evicted keys when INFO stats failed
+// (a timeout): no reading, and nothing said about the node (-1 means it
+// answered without evicted_keys).
+const evictedFailed = -2
 
 // evictedKeys reads evicted_keys from an INFO stats answer; -1 if it has
 // none.
@@ -156,7 +162,7 @@ func (l *Locker) checkEviction(ctx context.Context) {
 			m := l.members[i]
 			m.mu.Lock()
 			fresh := m.newEvictions(evicted)
-			warn := err == nil && evicted < 0 && !m.evictedUnreported
+			warn := err == nil && evicted == -1 && !m.evictedUnreported
 			m.evictedUnreported = m.evictedUnreported || warn
 			m.mu.Unlock()
 			if warn {

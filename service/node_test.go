@@ -290,6 +290,15 @@ func TestLocker_EvictedBetweenChecks(t *testing.T) {
 	if !l3.counts(0, l3.opts.Now()) {
 		t.Error("a node without evicted_keys is counted out; want it counted (its policy says noeviction)")
 	}
+	// One whose INFO stats failed (a timeout) says nothing: no warning.
+	var logs4 testutil.Buffer
+	ns4, ms4 := nodes(3)
+	ns4[0] = &policyNode{memNode: ms4[0], evicted: evictedFailed}
+	l4 := newLocker(t, ns4, &memIssuer{}, Options{Logger: slog.New(slog.NewTextHandler(&logs4, nil))})
+	l4.checkEviction(t.Context())
+	if strings.Contains(logs4.String(), "has no evicted_keys") {
+		t.Errorf("log = %s; want no warning for a node whose INFO stats failed", logs4.String())
+	}
 }
 
 // TestLocker_EvictionPolicyUnknown: a node whose eviction policy cannot be

@@ -412,6 +412,7 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 	}
 	got := make(map[string]int64, len(batch))
 	err := retryPooled(q.pool, func() error {
+		clear(got) // rows of an attempt that failed were never committed
 		rows, err := q.pool.Query(ctx, issueBatchSQL, keys, owners, holders)
 		if err != nil {
 			return err

@@ -155,24 +155,31 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	if cfg.ConnConfig.ConnectTimeout == 0 { // the URL set none
 		cfg.ConnConfig.ConnectTimeout = cmp.Or(opts.ConnectTimeout, 10*time.Second)
 	}
-	rp := cfg.ConnConfig.RuntimeParams
-	rp["statement_timeout"] = fmt.Sprint(opts.StatementTimeout.Milliseconds())
-	// No transaction of Redfence's waits between its statements: one idle
-	// that long lost its client (a COMMIT that never came), and its locks
-	// (a document's row, a name's token row) must not outlive it for long.
-	rp["idle_in_transaction_session_timeout"] = fmt.Sprint(opts.StatementTimeout.Milliseconds())
-	rp["application_name"] = "redfence"
+	cfg.ConnConfig.RuntimeParams["application_name"] = "redfence"
 	// A token acknowledged before its commit is durable could be issued again
 	// after a crash. Force the session to wait for the WAL flush, whatever
 	// the server default is (keep a stricter remote_* setting if
 	// configured), and set it for the session even when the default is
 	// already durable: a session value outlives a reload of the server's
 	// configuration, which would otherwise turn it off under a live pool.
-	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
-		_, err := c.Exec(ctx, syncCommitSQL)
-		return err
+	//
+	// No transaction of Redfence's waits between its statements: one idle
+	// in a transaction lost its client (a COMMIT that never came), and its
+	// locks must not outlive it for long. A document's write holds a share
+	// lock on its name's token row until its COMMIT, which holds up the
+	// name's token issuance: that pool's sessions end such a transaction
+	// after docIdleInTx.
+	stmt := fmt.Sprint(opts.StatementTimeout.Milliseconds())
+	sessionSetup := func(idle time.Duration) func(context.Context, *pgx.Conn) error {
+		ms := fmt.Sprint(idle.Milliseconds())
+		return func(ctx context.Context, c *pgx.Conn) error {
+			_, err := c.Exec(ctx, sessionSQL, stmt, ms)
+			return err
+		}
 	}
+	cfg.AfterConnect = sessionSetup(opts.StatementTimeout)
 	dcfg := cfg.Copy()
+	dcfg.AfterConnect = sessionSetup(min(docIdleInTx, opts.StatementTimeout))
 	if opts.DocMaxConns > 0 {
 		dcfg.MaxConns = opts.DocMaxConns
 	}
@@ -325,10 +332,19 @@ func lastRecord(ctx context.Context, pool *pgxpool.Pool, key string) (fencing.Re
 	return r, nil
 }
 
-// syncCommitSQL sets the session's synchronous_commit to the server's
-// default, or to on where that is off (see Open).
-const syncCommitSQL = `SELECT set_config('synchronous_commit',
-  CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false)`
+// sessionSQL sets the session's synchronous_commit to the server's default,
+// or to on where that is off, its statement_timeout to $1 ms and its
+// idle_in_transaction_session_timeout to $2 ms (see Open). Set once
+// connected, not as startup parameters, which poolers such as PgBouncer
+// refuse unless told to ignore them.
+const sessionSQL = `SELECT set_config('synchronous_commit',
+  CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false),
+  set_config('statement_timeout', $1, false),
+  set_config('idle_in_transaction_session_timeout', $2, false)`
+
+// docIdleInTx bounds how long a document's write whose COMMIT did not come
+// (a stalled network, a paused process) keeps its name's token row locked.
+const docIdleInTx = 500 * time.Millisecond
 
 // Resource is one document of the reference store.
 type Resource = refstore.Resource
@@ -381,9 +397,9 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	// and delivered after this call gave up finds its connection closed
 	// behind it, and Postgres rolls it back, instead of committing a write
 	// whose holder was told 503 and may have written again since. (A
-	// COMMIT held up the same way still commits late, but its row lock
-	// made every later write wait for it; idle_in_transaction_session_timeout
-	// bounds how long.)
+	// COMMIT held up the same way can still commit late, but its row lock
+	// made every later write wait for it; after docIdleInTx Postgres rolls
+	// it back instead.)
 	err := db.retryStalePlan(func() error {
 		return pgx.BeginFunc(ctx, db.docs, func(tx pgx.Tx) error {
 			return tx.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
@@ -429,12 +445,13 @@ func retryPooled(pool *pgxpool.Pool, query func() error) error {
 	return err
 }
 
-// notRun reports whether err says the statement did not run, so that it may
-// be sent again on another connection: a statement pgx prepared on a pooled
-// connection that no longer matches the table (stalePlan), a connection
-// whose backend was terminated while it sat in the pool (pg_terminate_backend,
-// or a fast shutdown: Postgres's 57P01 was waiting on it), or one that failed
-// before anything was sent.
+// notRun reports whether err says the statement did not take effect, so
+// that it may be sent again on another connection: a statement pgx prepared
+// on a pooled connection that no longer matches the table (stalePlan); a
+// backend terminated (57P01: pg_terminate_backend, a fast shutdown) while
+// its connection sat in the pool, or while the statement ran, which rolls
+// it back (Postgres sends 57P01 only before a commit); or a failure before
+// anything was sent.
 func notRun(err error) bool {
 	var pe *pgconn.PgError
 	return stalePlan(err) || errors.As(err, &pe) && pe.Code == "57P01" || err != nil && pgconn.SafeToRetry(err)

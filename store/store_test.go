@@ -1019,6 +1019,26 @@ func TestOpen_SynchronousCommit(t *testing.T) {
 			t.Errorf("pool connection %d: synchronous_commit = %q; want on", i, sc)
 		}
 	}
+	// A transaction left idle ends: after the statement timeout on the
+	// locks' pool, after docIdleInTx on the documents' (their writes hold
+	// their name's token row).
+	for _, tc := range []struct {
+		pool *pgxpool.Pool
+		want string
+	}{{db.docs, "500ms"}, {db.pool, "5s"}} {
+		var v string
+		if tc.pool == db.pool {
+			err := held[0].QueryRow(t.Context(), "SHOW idle_in_transaction_session_timeout").Scan(&v)
+			if err != nil {
+				t.Fatal(err)
+			}
+		} else if err := tc.pool.QueryRow(t.Context(), "SHOW idle_in_transaction_session_timeout").Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		if v != tc.want {
+			t.Errorf("idle_in_transaction_session_timeout = %q; want %q", v, tc.want)
+		}
+	}
 }
 
 // TestOpen_SynchronousCommitSurvivesReload: a reload of the server's

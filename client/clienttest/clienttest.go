@@ -37,6 +37,8 @@ type Server struct {
 	URL string
 	// Redis holds a direct client per Redis node, in node order.
 	Redis []*redis.Client
+	// Handler is the API it serves (Wait for its last audit lines).
+	Handler *api.Handler
 }
 
 // Options tunes Start. The zero value is usable.
@@ -80,9 +82,10 @@ func Start(tb testing.TB, opts Options) *Server {
 	}
 	tb.Cleanup(locker.Close)
 	h := api.NewHandler(locker, db, api.Options{OpenAPI: redfence.OpenAPI, Registry: reg, Logger: opts.Logger})
+	tb.Cleanup(h.Wait) // after the server closed: audit lines still looking up their grant
 	srv := httptest.NewServer(h)
 	tb.Cleanup(srv.Close)
-	s.URL = srv.URL
+	s.URL, s.Handler = srv.URL, h
 	return s
 }
 
