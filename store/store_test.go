@@ -30,6 +30,22 @@ import (
 // waitTimeout bounds every wait for an observable condition.
 const waitTimeout = 30 * time.Second
 
+// ownPostgres starts a Postgres server for t alone (one to restart, or to
+// reconfigure), stopped when t ends.
+func ownPostgres(t *testing.T) *cluster.Postgres {
+	t.Helper()
+	pg, err := cluster.StartPostgres(t.Context(), cluster.PostgresOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := pg.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return pg
+}
+
 // open opens url with opts and closes the DB in t.Cleanup.
 func open(t testing.TB, url string, opts Options) *DB {
 	t.Helper()
@@ -807,15 +823,7 @@ func TestDB_Unfenced(t *testing.T) {
 
 func TestDB_PostgresRestart(t *testing.T) {
 	t.Parallel()
-	pg, err := cluster.StartPostgres(t.Context(), cluster.PostgresOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := pg.Close(); err != nil {
-			t.Error(err)
-		}
-	})
+	pg := ownPostgres(t)
 	url, err := pg.CreateDatabase(t.Context(), t.Name())
 	if err != nil {
 		t.Fatal(err)
@@ -1048,15 +1056,7 @@ func TestOpen_SynchronousCommit(t *testing.T) {
 func TestOpen_SynchronousCommitSurvivesReload(t *testing.T) {
 	t.Parallel()
 	// A server of its own: ALTER SYSTEM would reach every test's sessions.
-	pg, err := cluster.StartPostgres(t.Context(), cluster.PostgresOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := pg.Close(); err != nil {
-			t.Error(err)
-		}
-	})
+	pg := ownPostgres(t)
 	url := pg.URL()
 	const conns = 2
 	db := open(t, url, Options{MaxConns: conns})

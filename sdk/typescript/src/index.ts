@@ -228,6 +228,11 @@ function noAnswer(op: string, name: string, cause: unknown, outer?: AbortSignal)
   return new RedfenceError(op, name, 0, { cause });
 }
 
+/** The error of an acquire of name refused before it was sent, or of a grant refused on arrival. */
+function invalidAcquire(name: string, detail: string): RedfenceError {
+  return new RedfenceError("acquire", name, 0, { detail, kind: "invalid" });
+}
+
 /** Waits ms, or rejects with signal's reason once it aborts (as fetch does). */
 function pause(ms: number, signal?: AbortSignal): Promise<void> {
   if (signal?.aborted) return Promise.reject(signal.reason);
@@ -527,7 +532,7 @@ export class Redfence {
    * after the wait does.
    */
   async acquire(name: string, opts: LockOptions = {}): Promise<Lease> {
-    const invalid = (detail: string) => new RedfenceError("acquire", name, 0, { detail, kind: "invalid" });
+    const invalid = (detail: string) => invalidAcquire(name, detail);
     const { renewFraction: f, maxHoldMs, ttlMs, waitMs } = opts;
     if (f !== undefined && !(f >= 0 && f < 1)) throw invalid(`renewFraction ${f} is outside [0, 1)`);
     if (waitMs !== undefined && !(Number.isFinite(waitMs) && waitMs >= 0)) throw invalid(`waitMs ${waitMs} is not a finite number of ms, 0 or more`);
@@ -535,13 +540,13 @@ export class Redfence {
       throw invalid(`maxHoldMs ${maxHoldMs} is shorter than ttlMs ${ttlMs}: the first lease would outlast it`);
     }
     const owner = opts.owner ?? this.#owner;
-    const waitEnd = performance.now() + (opts.waitMs ?? 0);
+    const waitEnd = performance.now() + (waitMs ?? 0);
     let backoff = 50;
     for (let tries = 0; ; tries++) {
       // The wait asked for, then what is left of it.
-      const waitMs = opts.waitMs === undefined || tries === 0 ? opts.waitMs : Math.max(Math.floor(waitEnd - performance.now()), 0);
+      const wait = waitMs === undefined || tries === 0 ? waitMs : Math.max(Math.floor(waitEnd - performance.now()), 0);
       try {
-        return await this.#acquireOnce(name, opts, owner, waitMs);
+        return await this.#acquireOnce(name, opts, owner, wait);
       } catch (err) {
         // Not reached, or it could not decide (a restart, a majority of
         // nodes down, shutting down): try again while the wait lasts, as the
@@ -562,7 +567,6 @@ export class Redfence {
   /** One acquire request, sent with waitMs as its wait_ms. */
   async #acquireOnce(name: string, opts: LockOptions, owner: string | undefined, waitMs: number | undefined): Promise<Lease> {
     const { maxHoldMs, ttlMs } = opts;
-    const invalid = (detail: string) => new RedfenceError("acquire", name, 0, { detail, kind: "invalid" });
     const body: components["schemas"]["AcquireRequest"] = {};
     if (ttlMs !== undefined) body.ttl_ms = ttlMs;
     if (waitMs !== undefined) body.wait_ms = waitMs;
@@ -582,7 +586,7 @@ export class Redfence {
     if (maxHoldMs !== undefined && !(maxHoldMs >= lease.ttlMs)) {
       // The server's default TTL outlasts the cap: not handed out.
       await lease.release().catch(() => undefined);
-      throw invalid(`maxHoldMs ${maxHoldMs} is shorter than the server's default TTL ${lease.ttlMs} (the grant was released)`);
+      throw invalidAcquire(name, `maxHoldMs ${maxHoldMs} is shorter than the server's default TTL ${lease.ttlMs} (the grant was released)`);
     }
     if (!lease.held) {
       // Granted, but its validity ran out before the answer arrived (a
