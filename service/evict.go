@@ -198,8 +198,10 @@ func (l *Locker) noteEviction(i int, policy string) {
 	m.mu.Lock()
 	was := m.evicting
 	m.evicting = policy
-	if policy != "" || was != "" {
-		// No answer of the Registry about other news ends it.
+	if policy != "" || was != "" && was != evictedSpell {
+		// No answer of the Registry about other news ends it. (A spell
+		// seen by its evicted keys had ended when they were counted: its
+		// quarantine ran from then.)
 		m.evictEnd = later(m.evictEnd, now.Add(l.quarantineFor()))
 	}
 	until, epoch := m.end(), m.epoch
@@ -231,6 +233,8 @@ func (l *Locker) noteEviction(i int, policy string) {
 			slog.String("node", m.Addr()), slog.String("maxmemory_policy", policy))
 	case policy != "":
 		l.opts.Observer.Quarantine(m.Addr(), until)
+	case was == evictedSpell:
+		l.opts.Observer.Quarantine(m.Addr(), until) // no news: it had stopped when it was seen
 	case was != "":
 		l.opts.Observer.Quarantine(m.Addr(), until)
 		l.opts.Logger.Warn("node no longer evicts keys: its votes count again once every lease it may have evicted has expired",

@@ -1011,7 +1011,7 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 		msg := "node lost its memory, or another server recorded a loss of it (a restart without its data, an eviction spell; see quarantine_reason in /v1/nodes): its votes do not count until every lease it may have held has expired"
 		switch {
 		case req.evict:
-			msg = "node counted out, as it may evict lock keys: its votes do not count until every lease it may have held has expired"
+			msg = "node counted out for eviction, and recorded for the other servers: its votes do not count until every lease it may have held has expired"
 		case req.unseen && cur == next:
 			msg = "node restarted while no server watched it (its Redis process is not the one on record) and may have lost locks: its votes do not count until every lease it may have held has expired"
 		}
@@ -1038,13 +1038,56 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 	}
 	mctx, mcancel := context.WithTimeout(ctx, min(l.opts.NodeTimeout, until.Sub(now)))
 	defer mcancel()
-	if _, err := m.Mark(mctx, cur, cur == next); err != nil {
-		l.opts.Logger.Warn("could not mark node", slog.String("node", m.Addr()), slog.String("error", err.Error()))
-	}
+	_, err = m.Mark(mctx, cur, cur == next)
 	m.mu.Lock()
 	m.epoch = cur
 	m.mu.Unlock()
+	if err != nil {
+		l.opts.Logger.Warn("could not mark node; trying again while its quarantine lasts", slog.String("node", m.Addr()), slog.String("error", err.Error()))
+		l.remark(i, cur, cur == next, until)
+	}
 	return true
+}
+
+// remark marks node i with epoch again, every evictionCheckEvery, after a
+// mark failed (a node out of memory refuses writes during an eviction spell,
+// a timeout), until one answers, the node's epoch moves on, its quarantine
+// (until) ends or the Locker closes. Left unmarked, the node would look
+// restarted to the first acquire after the cause passed, and be quarantined
+// anew. Marking at any time within the quarantine is what the first mark
+// does: the quarantine covers every loss of the node's data until it ends.
+func (l *Locker) remark(i int, epoch string, replace bool, until time.Time) {
+	l.bgMu.Lock()
+	defer l.bgMu.Unlock()
+	if l.life.Err() != nil {
+		return
+	}
+	m := l.members[i]
+	l.bg.Go(func() {
+		t := time.NewTicker(evictionCheckEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-l.life.Done():
+				return
+			case <-t.C:
+			}
+			now := l.opts.Now()
+			m.mu.Lock()
+			moved := m.epoch != epoch
+			m.mu.Unlock()
+			if moved || !now.Before(until) {
+				return
+			}
+			ctx, cancel := context.WithTimeout(l.life, min(l.opts.NodeTimeout, until.Sub(now)))
+			_, err := m.Mark(ctx, epoch, replace)
+			cancel()
+			if err == nil {
+				l.opts.Logger.Info("node marked", slog.String("node", m.Addr()))
+				return
+			}
+		}
+	})
 }
 
 // noteLoss starts recovering node i when an acquire sent with epoch found

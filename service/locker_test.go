@@ -1416,3 +1416,51 @@ func TestLocker_HeartbeatOutageLogged(t *testing.T) {
 		t.Errorf("acquire after the recovery = %v", err)
 	}
 }
+
+// TestLocker_RemarkAfterFailedMark: a node whose mark failed at the start of
+// its quarantine (a node out of memory refuses writes during an eviction
+// spell) is marked again once it accepts writes, within the quarantine, so
+// that the first acquire after the cause passed does not find it "restarted"
+// and quarantine it anew.
+func TestLocker_RemarkAfterFailedMark(t *testing.T) {
+	ctx := context.Background()
+	clk := &clock{t: time.Unix(1000, 0)}
+	ns, ms := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: newRegistry(clk), Now: clk.Now, MaxTTL: time.Minute, IssueTimeout: time.Hour})
+	if err := l.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var refuse atomic.Bool
+	refuse.Store(true)
+	ms[0].hook = func(ctx context.Context, op string) error {
+		if op == "mark" && refuse.Load() {
+			return errors.New("OOM command not allowed when used memory > 'maxmemory'")
+		}
+		return nil
+	}
+	ms[0].restart()
+	if _, err := l.Acquire(ctx, key, Request{TTL: time.Second}); err != nil {
+		t.Fatalf("acquire with 4 of 5 nodes counted = %v", err)
+	}
+	marker := func() string {
+		ms[0].mu.Lock()
+		defer ms[0].mu.Unlock()
+		return ms[0].marker
+	}
+	testutil.WaitFor(t, 30*time.Second, "the node's quarantine to be recorded", func() (bool, error) {
+		m := l.members[0]
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.epoch != "" && !m.until.IsZero(), nil
+	})
+	refuse.Store(false) // the spell is over: the node takes writes again
+	testutil.WaitFor(t, 30*time.Second, "the node to be marked again", func() (bool, error) {
+		return marker() != "", nil
+	})
+	l.members[0].mu.Lock()
+	epoch := l.members[0].epoch
+	l.members[0].mu.Unlock()
+	if got := marker(); got != epoch {
+		t.Errorf("node 0's marker = %q; want the epoch of its quarantine, %q", got, epoch)
+	}
+}

@@ -583,7 +583,7 @@ func TestLocker_EvictingNode(t *testing.T) {
 	}
 	// The log names the cause: no restart happened.
 	testutil.WaitFor(t, 20*time.Second, "the log to say node 0 is counted out for eviction", func() (bool, error) {
-		return strings.Contains(logs.String(), `"msg":"node counted out, as it may evict lock keys`), nil
+		return strings.Contains(logs.String(), `"msg":"node counted out for eviction, and recorded for the other servers`), nil
 	})
 	if strings.Contains(logs.String(), "restarted") {
 		t.Errorf("an eviction spell logged as a restart:\n%s", logs)
@@ -660,7 +660,7 @@ func TestLocker_EvictionSpellBetweenChecks(t *testing.T) {
 	}
 	// Logged once the quarantine is on record.
 	testutil.WaitFor(t, 30*time.Second, "the log to say node 0 is counted out for eviction", func() (bool, error) {
-		return strings.Contains(logs.String(), `"msg":"node counted out, as it may evict lock keys`), nil
+		return strings.Contains(logs.String(), `"msg":"node counted out for eviction, and recorded for the other servers`), nil
 	})
 	if st := e.lockerWith(t, nil, service.Options{Registry: e.db, MaxTTL: 30 * time.Second}).Nodes(ctx); st[0].QuarantinedUntil.IsZero() {
 		t.Errorf("a second server sees node 0 as %+v; want it quarantined", st[0])

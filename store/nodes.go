@@ -155,15 +155,21 @@ func millis(ms float64) time.Duration {
 // passed since the last one; a day after that its row is deleted. It
 // implements service.Registry.
 func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
-	_, err := db.pool.Exec(ctx, `
-WITH gone AS (
-    DELETE FROM redfence_servers
-     WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) < now() - interval '1 day' AND id <> $1)
-INSERT INTO redfence_servers (id, quarantine_ms, grace_ms) VALUES ($1, $2, $3)
-ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, grace_ms = excluded.grace_ms, seen_at = now()`,
-		id, ceilMillis(quarantine), ceilMillis(grace))
+	err := retryPooled(db.pool, func() error {
+		_, err := db.pool.Exec(ctx, heartbeatSQL, id, ceilMillis(quarantine), ceilMillis(grace))
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("store: heartbeat of server %s: %w", id, classify(err))
 	}
 	return nil
 }
+
+// heartbeatSQL records server $1's heartbeat, with its quarantine ($2 ms)
+// and grace ($3 ms), and forgets servers silent for a day past theirs.
+const heartbeatSQL = `
+WITH gone AS (
+    DELETE FROM redfence_servers
+     WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) < now() - interval '1 day' AND id <> $1)
+INSERT INTO redfence_servers (id, quarantine_ms, grace_ms) VALUES ($1, $2, $3)
+ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, grace_ms = excluded.grace_ms, seen_at = now()`

@@ -1144,6 +1144,10 @@ func TestDB_TerminatedConnections(t *testing.T) {
 	if _, err := db.GetResource(ctx, "k"); err != nil {
 		t.Errorf("GetResource after the backends were terminated: %v", err)
 	}
+	terminate()
+	if err := db.Heartbeat(ctx, "server-1", time.Minute, time.Second); err != nil {
+		t.Errorf("Heartbeat after the backends were terminated: %v", err)
+	}
 }
 
 func TestDB_Nodes(t *testing.T) {
