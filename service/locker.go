@@ -762,10 +762,18 @@ func (l *Locker) admitBackground() bool {
 func (l *Locker) every(started *bool, d time.Duration, f func()) {
 	l.bgMu.Lock()
 	defer l.bgMu.Unlock()
-	if l.life.Err() != nil || *started {
+	if *started {
 		return
 	}
-	*started = true
+	*started = l.tick(d, func() bool { f(); return true })
+}
+
+// tick runs f every d in the background while it returns true, until Close;
+// false if the Locker is closed (nothing runs). l.bgMu is held.
+func (l *Locker) tick(d time.Duration, f func() bool) bool {
+	if l.life.Err() != nil {
+		return false
+	}
 	l.bg.Go(func() {
 		t := time.NewTicker(d)
 		defer t.Stop()
@@ -775,9 +783,12 @@ func (l *Locker) every(started *bool, d time.Duration, f func()) {
 				return
 			case <-t.C:
 			}
-			f()
+			if !f() {
+				return
+			}
 		}
 	})
+	return true
 }
 
 // heartbeatStale returns an error if this Locker has a Registry and has
@@ -1059,34 +1070,22 @@ func (l *Locker) recoverOnce(i int, req recoveryReq) bool {
 func (l *Locker) remark(i int, epoch string, replace bool, until time.Time) {
 	l.bgMu.Lock()
 	defer l.bgMu.Unlock()
-	if l.life.Err() != nil {
-		return
-	}
 	m := l.members[i]
-	l.bg.Go(func() {
-		t := time.NewTicker(evictionCheckEvery)
-		defer t.Stop()
-		for {
-			select {
-			case <-l.life.Done():
-				return
-			case <-t.C:
-			}
-			now := l.opts.Now()
-			m.mu.Lock()
-			moved := m.epoch != epoch
-			m.mu.Unlock()
-			if moved || !now.Before(until) {
-				return
-			}
-			ctx, cancel := context.WithTimeout(l.life, min(l.opts.NodeTimeout, until.Sub(now)))
-			_, err := m.Mark(ctx, epoch, replace)
-			cancel()
-			if err == nil {
-				l.opts.Logger.Info("node marked", slog.String("node", m.Addr()))
-				return
-			}
+	l.tick(evictionCheckEvery, func() bool {
+		now := l.opts.Now()
+		m.mu.Lock()
+		moved := m.epoch != epoch
+		m.mu.Unlock()
+		if moved || !now.Before(until) {
+			return false
 		}
+		ctx, cancel := context.WithTimeout(l.life, min(l.opts.NodeTimeout, until.Sub(now)))
+		defer cancel()
+		if _, err := m.Mark(ctx, epoch, replace); err != nil {
+			return true
+		}
+		l.opts.Logger.Info("node marked", slog.String("node", m.Addr()))
+		return false
 	})
 }
 

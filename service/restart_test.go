@@ -88,7 +88,12 @@ func (e *restartEnv) redisNodes(t *testing.T, addrs ...string) []service.Node {
 // suite's (3s, 1s) unless set.
 func (e *restartEnv) lockerWith(t *testing.T, addrs []string, opts service.Options) *service.Locker {
 	t.Helper()
-	ns := e.redisNodes(t, addrs...)
+	return e.start(t, e.redisNodes(t, addrs...), opts)
+}
+
+// start is lockerWith on the nodes ns.
+func (e *restartEnv) start(t *testing.T, ns []service.Node, opts service.Options) *service.Locker {
+	t.Helper()
 	if opts.MaxTTL == 0 {
 		opts.MaxTTL = 3 * time.Second
 	}
@@ -858,16 +863,7 @@ func (e *restartEnv) aclNodes(t *testing.T, name, rules string) []service.Node {
 // "redfence" with service.RedisACL (see aclNodes), closed when the test ends.
 func (e *restartEnv) aclLocker(t *testing.T) *service.Locker {
 	t.Helper()
-	l, err := service.New(e.aclNodes(t, "redfence", service.RedisACL), e.db,
-		service.Options{Registry: e.db, MaxTTL: 30 * time.Second, NodeTimeout: time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(l.Close)
-	if err := l.Init(t.Context()); err != nil {
-		t.Fatal(err)
-	}
-	return l
+	return e.start(t, e.aclNodes(t, "redfence", service.RedisACL), service.Options{Registry: e.db, MaxTTL: 30 * time.Second})
 }
 
 // initRefused checks that Init of a Locker on ns fails with an error
