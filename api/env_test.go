@@ -325,13 +325,8 @@ func (e *env) snapshot() string {
 // returns it with the URL of a database on it.
 func ownPostgres(t *testing.T) (*cluster.Postgres, string) {
 	t.Helper()
-	ctx := context.Background()
-	pg, err := cluster.StartPostgres(ctx, cluster.PostgresOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pg.Close() })
-	url, err := pg.CreateDatabase(ctx, t.Name())
+	pg := clustertest.Postgres(t)
+	url, err := pg.CreateDatabase(context.Background(), t.Name())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -174,13 +174,9 @@ func newEnv(t *testing.T, id, title string, o envOptions) *env {
 		}
 	}
 	if o.ownPostgres {
-		pg, err := cluster.StartPostgres(t.Context(), cluster.PostgresOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = pg.Close() })
-		e.pg = pg
-		if e.dbURL, err = pg.CreateDatabase(t.Context(), t.Name()); err != nil {
+		e.pg = clustertest.Postgres(t)
+		var err error
+		if e.dbURL, err = e.pg.CreateDatabase(t.Context(), t.Name()); err != nil {
 			t.Fatal(err)
 		}
 	} else {

@@ -20,7 +20,6 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/redfence/redfence/fencing"
-	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
 	"github.com/redfence/redfence/internal/refstore"
 	"github.com/redfence/redfence/internal/testutil"
@@ -30,20 +29,24 @@ import (
 // waitTimeout bounds every wait for an observable condition.
 const waitTimeout = 30 * time.Second
 
-// ownPostgres starts a Postgres server for t alone (one to restart, or to
-// reconfigure), stopped when t ends.
-func ownPostgres(t *testing.T) *cluster.Postgres {
+// holdConns takes n connections of pool at once (each a session of its
+// own), released when t ends.
+func holdConns(t *testing.T, pool *pgxpool.Pool, n int) []*pgxpool.Conn {
 	t.Helper()
-	pg, err := cluster.StartPostgres(t.Context(), cluster.PostgresOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	held := make([]*pgxpool.Conn, 0, n)
 	t.Cleanup(func() {
-		if err := pg.Close(); err != nil {
-			t.Error(err)
+		for _, c := range held {
+			c.Release()
 		}
 	})
-	return pg
+	for range n {
+		c, err := pool.Acquire(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, c)
+	}
+	return held
 }
 
 // open opens url with opts and closes the DB in t.Cleanup.
@@ -823,7 +826,7 @@ func TestDB_Unfenced(t *testing.T) {
 
 func TestDB_PostgresRestart(t *testing.T) {
 	t.Parallel()
-	pg := ownPostgres(t)
+	pg := clustertest.Postgres(t)
 	url, err := pg.CreateDatabase(t.Context(), t.Name())
 	if err != nil {
 		t.Fatal(err)
@@ -1008,18 +1011,8 @@ func TestOpen_SynchronousCommit(t *testing.T) {
 	const conns = 3
 	db := open(t, url, Options{MaxConns: conns})
 	// Hold every connection of the pool at once so each one is checked.
-	held := make([]*pgxpool.Conn, 0, conns)
-	defer func() {
-		for _, c := range held {
-			c.Release()
-		}
-	}()
-	for i := range conns {
-		c, err := db.pool.Acquire(t.Context())
-		if err != nil {
-			t.Fatal(err)
-		}
-		held = append(held, c)
+	held := holdConns(t, db.pool, conns)
+	for i, c := range held {
 		if err := c.QueryRow(t.Context(), "SHOW synchronous_commit").Scan(&sc); err != nil {
 			t.Fatal(err)
 		}
@@ -1056,23 +1049,11 @@ func TestOpen_SynchronousCommit(t *testing.T) {
 func TestOpen_SynchronousCommitSurvivesReload(t *testing.T) {
 	t.Parallel()
 	// A server of its own: ALTER SYSTEM would reach every test's sessions.
-	pg := ownPostgres(t)
+	pg := clustertest.Postgres(t)
 	url := pg.URL()
 	const conns = 2
 	db := open(t, url, Options{MaxConns: conns})
-	held := make([]*pgxpool.Conn, 0, conns)
-	defer func() {
-		for _, c := range held {
-			c.Release()
-		}
-	}()
-	for range conns {
-		c, err := db.pool.Acquire(t.Context())
-		if err != nil {
-			t.Fatal(err)
-		}
-		held = append(held, c)
-	}
+	held := holdConns(t, db.pool, conns)
 	control := connect(t, url) // a plain session on the server default
 	admin := connect(t, url)
 	if _, err := admin.Exec(t.Context(), "ALTER SYSTEM SET synchronous_commit = off"); err != nil {

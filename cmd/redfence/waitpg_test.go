@@ -22,11 +22,7 @@ func TestOpenWaiting(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
 	nodes := addrs(clustertest.Redis(t, 3, cluster.RedisOptions{}))
-	pg, err := cluster.StartPostgres(ctx, cluster.PostgresOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pg.Close() })
+	pg := clustertest.Postgres(t)
 	url, err := pg.CreateDatabase(ctx, "waiting")
 	if err != nil {
 		t.Fatal(err)

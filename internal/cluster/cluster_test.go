@@ -217,15 +217,7 @@ func connect(ctx context.Context, url string, timeout time.Duration) (*pgx.Conn,
 
 func TestPostgres(t *testing.T) {
 	t.Parallel()
-	pg, err := cluster.StartPostgres(t.Context(), cluster.PostgresOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := pg.Close(); err != nil {
-			t.Error(err)
-		}
-	})
+	pg := clustertest.Postgres(t)
 
 	url1, err := pg.CreateDatabase(t.Context(), t.Name())
 	if err != nil {

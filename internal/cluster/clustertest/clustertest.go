@@ -57,6 +57,23 @@ func Redis(tb testing.TB, n int, opts cluster.RedisOptions) []*cluster.Redis {
 	return nodes
 }
 
+// Postgres starts a Postgres server for tb alone (one to restart, stop or
+// reconfigure), closes it in tb.Cleanup and fails the test if it cannot
+// start.
+func Postgres(tb testing.TB) *cluster.Postgres {
+	tb.Helper()
+	pg, err := cluster.StartPostgres(tb.Context(), cluster.PostgresOptions{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		if err := pg.Close(); err != nil {
+			tb.Error(err)
+		}
+	})
+	return pg
+}
+
 // Database returns the URL of a fresh database named after tb.Name() on
 // the Postgres shared by the test binary, starting that server on first
 // use. It fails the test on error.
