@@ -123,7 +123,9 @@ type ExtendRequest struct {
 	TtlMs *int64 `json:"ttl_ms,omitempty"`
 }
 
-// Health `/healthz` sends `status` only; `/readyz` also sends `redis` and `postgres`.
+// Health `/healthz` sends `status` only; `/readyz` also sends `redis` and
+// `postgres`, except with `status` `shutting-down` (it no longer checks
+// them then).
 type Health struct {
 	Postgres *PostgresHealth `json:"postgres,omitempty"`
 	Redis    *RedisHealth    `json:"redis,omitempty"`
@@ -844,7 +846,7 @@ type ClientInterface interface {
 	//
 	// Ready when at least a quorum of Redis nodes answers a ping and Postgres
 	// answers within 2 s. Both answers carry the same `Health` body (JSON, not a
-	// problem document).
+	// problem document); a server shutting down sends `status` alone.
 	//
 	// Corresponds with GET /readyz (the `Readyz` operationId).
 	Readyz(ctx context.Context, params *ReadyzParams, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1072,7 +1074,7 @@ func (c *Client) Openapi(ctx context.Context, params *OpenapiParams, reqEditors 
 //
 // Ready when at least a quorum of Redis nodes answers a ping and Postgres
 // answers within 2 s. Both answers carry the same `Health` body (JSON, not a
-// problem document).
+// problem document); a server shutting down sends `status` alone.
 //
 // Corresponds with GET /readyz (the `Readyz` operationId).
 func (c *Client) Readyz(ctx context.Context, params *ReadyzParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -1990,7 +1992,7 @@ type ClientWithResponsesInterface interface {
 	//
 	// Ready when at least a quorum of Redis nodes answers a ping and Postgres
 	// answers within 2 s. Both answers carry the same `Health` body (JSON, not a
-	// problem document).
+	// problem document); a server shutting down sends `status` alone.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -2840,8 +2842,9 @@ type AcquireLockResponse413Headers struct {
 
 // AcquireLockResponse415Headers the declared response headers of an HTTP 415 response for AcquireLock
 type AcquireLockResponse415Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	AcceptEncoding *string
+	CacheControl   *string
+	XRequestId     *string
 }
 
 // AcquireLockResponse429Headers the declared response headers of an HTTP 429 response for AcquireLock
@@ -3044,8 +3047,9 @@ type ExtendLockResponse413Headers struct {
 
 // ExtendLockResponse415Headers the declared response headers of an HTTP 415 response for ExtendLock
 type ExtendLockResponse415Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	AcceptEncoding *string
+	CacheControl   *string
+	XRequestId     *string
 }
 
 // ExtendLockResponse429Headers the declared response headers of an HTTP 429 response for ExtendLock
@@ -3534,8 +3538,9 @@ type PutResourceResponse413Headers struct {
 
 // PutResourceResponse415Headers the declared response headers of an HTTP 415 response for PutResource
 type PutResourceResponse415Headers struct {
-	CacheControl *string
-	XRequestId   *string
+	AcceptEncoding *string
+	CacheControl   *string
+	XRequestId     *string
 }
 
 // PutResourceResponse429Headers the declared response headers of an HTTP 429 response for PutResource
@@ -3742,7 +3747,7 @@ func (c *ClientWithResponses) OpenapiWithResponse(ctx context.Context, params *O
 //
 // Ready when at least a quorum of Redis nodes answers a ping and Postgres
 // answers within 2 s. Both answers carry the same `Health` body (JSON, not a
-// problem document).
+// problem document); a server shutting down sends `status` alone.
 //
 // Returns a wrapper object for the known response body format(s).
 //
@@ -5101,6 +5106,13 @@ func ParseAcquireLockResponse(rsp *http.Response) (*AcquireLockResponse, error) 
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers AcquireLockResponse415Headers
+		if values := rsp.Header.Values("Accept-Encoding"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Accept-Encoding", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.AcceptEncoding = &value
+		}
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
 			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
@@ -5422,6 +5434,13 @@ func ParseExtendLockResponse(rsp *http.Response) (*ExtendLockResponse, error) {
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers ExtendLockResponse415Headers
+		if values := rsp.Header.Values("Accept-Encoding"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Accept-Encoding", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.AcceptEncoding = &value
+		}
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
 			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
@@ -6179,6 +6198,13 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		response.Headers413 = &headers
 	case rsp.StatusCode == 415:
 		var headers PutResourceResponse415Headers
+		if values := rsp.Header.Values("Accept-Encoding"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Accept-Encoding", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.AcceptEncoding = &value
+		}
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
 			var value string
 			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {

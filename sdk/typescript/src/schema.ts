@@ -275,7 +275,7 @@ export interface paths {
          * Readiness
          * @description Ready when at least a quorum of Redis nodes answers a ping and Postgres
          *     answers within 2 s. Both answers carry the same `Health` body (JSON, not a
-         *     problem document).
+         *     problem document); a server shutting down sends `status` alone.
          */
         get: operations["readyz"];
         put?: never;
@@ -599,7 +599,11 @@ export interface components {
             up: number;
             nodes: components["schemas"]["Node"][];
         };
-        /** @description `/healthz` sends `status` only; `/readyz` also sends `redis` and `postgres`. */
+        /**
+         * @description `/healthz` sends `status` only; `/readyz` also sends `redis` and
+         *     `postgres`, except with `status` `shutting-down` (it no longer checks
+         *     them then).
+         */
         Health: {
             /**
              * @description `ok` (healthz), `ready`, `unavailable` or `shutting-down` (readyz);
@@ -849,6 +853,7 @@ export interface components {
         /** @description `unsupported-media-type`: a non-empty body whose Content-Type is not `application/json` (or another `+json` type), names a charset other than UTF-8, or that has a `Content-Encoding` (then with `Accept-Encoding: identity`, RFC 7694). */
         UnsupportedMediaType: {
             headers: {
+                "Accept-Encoding": components["headers"]["AcceptEncodingIdentity"];
                 "X-Request-Id": components["headers"]["XRequestId"];
                 "Cache-Control": components["headers"]["CacheControl"];
                 [name: string]: unknown;
@@ -1206,6 +1211,12 @@ export interface components {
          * @example /v1/locks/orders:invoice-7
          */
         Location: string;
+        /**
+         * @description `identity` when the body was refused for its `Content-Encoding` (RFC
+         *     7694): send it again without one. Absent on the other 415 answers.
+         * @example identity
+         */
+        AcceptEncodingIdentity: string;
         /**
          * @description `no-store` (a proxy in between may add directives).
          * @example no-store
