@@ -150,32 +150,40 @@ func (l *Locker) noteCounting() {
 // new end.
 func (l *Locker) watchQuarantine(i int, until time.Time) {
 	l.noteCounting()
-	var check func()
-	check = func() {
-		if !l.admitBackground() {
-			return
-		}
-		defer l.bg.Done()
-		m := l.members[i]
-		now := l.opts.Now()
-		m.mu.Lock()
-		end := m.end()
-		running, logged := now.Before(end), m.endLogged.Equal(end)
-		if !running && !logged {
-			m.endLogged = end
-		}
-		m.mu.Unlock()
-		switch {
-		case running:
-			time.AfterFunc(end.Sub(now), check)
-			return
-		case logged:
-			return
-		}
-		if l.counts(i, now) {
-			l.opts.Logger.Info("node's quarantine is over: its votes count again", slog.String("node", m.Addr()))
-		}
-		l.noteCounting()
+	if !l.admitBackground() {
+		return
 	}
-	time.AfterFunc(until.Sub(l.opts.Now()), check) // until is on the Locker's clock
+	go func() {
+		defer l.bg.Done()
+		t := time.NewTimer(until.Sub(l.opts.Now())) // until is on the Locker's clock
+		defer t.Stop()
+		for {
+			select {
+			case <-l.life.Done():
+				return // Close does not wait out a quarantine
+			case <-t.C:
+			}
+			m := l.members[i]
+			now := l.opts.Now()
+			m.mu.Lock()
+			end := m.end()
+			running, logged := now.Before(end), m.endLogged.Equal(end)
+			if !running && !logged {
+				m.endLogged = end
+			}
+			m.mu.Unlock()
+			switch {
+			case running:
+				t.Reset(end.Sub(now))
+				continue
+			case logged:
+				return
+			}
+			if l.counts(i, now) {
+				l.opts.Logger.Info("node's quarantine is over: its votes count again", slog.String("node", m.Addr()))
+			}
+			l.noteCounting()
+			return
+		}
+	}()
 }

@@ -1919,8 +1919,10 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		return nil, fail(ErrExpired, nil)
 	}
 	// Bounded by the lease too: a claim still queued when the lease ends is
-	// dropped unissued. Committed later, its token would be newer than
-	// that of a grant made after the lease, and fence that live holder out.
+	// dropped unissued, and the store issues nothing for one whose row it
+	// reaches after that deadline. Committed later, its token would be
+	// newer than that of a grant made after the lease, and fence that live
+	// holder out.
 	ictx, cancel := context.WithTimeout(ctx, min(l.opts.IssueTimeout, expires.Sub(l.opts.Now())))
 	ft, err := l.issue(ictx, claim, spec, expires)
 	spec = nil // confirmed or not, it is over

@@ -28,9 +28,16 @@ package store
 // ascending byte order of the keys, so batches of any number of processes
 // sharing the database cannot deadlock on each other.
 //
+// A claim's deadline (its caller's context's) holds on the server too: a
+// row reached after the claim's deadline, counted from when the statement
+// arrived, is left as it is (issueSQL), so a batch held up on one key's row
+// (another server's issuance, a slow document write) never issues a claim
+// whose lease ended meanwhile, after a token another server issued since.
+//
 // Not guaranteed: that a caller who leaves (its context ends) gets no token
-// issued; once its claim is in a running batch, the token may be committed
-// and is then burned, as fencing.Issuer allows. A caller running a batch
+// issued; once the batch holds its claim's row, the token may be committed
+// and is then burned, as fencing.Issuer allows (its row stays locked until
+// that commit, so later tokens come after it). A caller running a batch
 // inline does not leave before that batch ends (others wait on it): it then
 // returns its own result even if its context ended meanwhile.
 
@@ -64,17 +71,22 @@ var ErrClosed = fmt.Errorf("%w: closed", ErrUnavailable)
 
 var _ fencing.Issuer = (*DB)(nil)
 
-// issueSQL issues the token of one claim. It serves batches of one.
+// issueSQL issues the token of one claim. It serves batches of one. $4 is
+// the claim's budget in microseconds: a row found held by another
+// transaction and reached only once the budget since the statement arrived
+// has run out is left as it is, and no row comes back (see lateUpdate).
 const issueSQL = `
 INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
 VALUES ($1, 1, $2, $3, now())
 ON CONFLICT (key) DO UPDATE
    SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
+ WHERE clock_timestamp() < statement_timestamp() + $4::bigint * interval '1 microsecond'
 RETURNING token`
 
 // issueBatchSQL issues the tokens of several claims with distinct keys. The
 // rows are inserted (and so locked) in the order of the arrays, which the
-// caller sorts by key.
+// caller sorts by key. $4 holds each claim's budget, as in issueSQL: a claim
+// whose row is reached too late gets no row back, and the others go on.
 const issueBatchSQL = `
 INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
 SELECT u.k, 1, u.o, u.h, now()
@@ -82,7 +94,16 @@ SELECT u.k, 1, u.o, u.h, now()
  ORDER BY u.i
 ON CONFLICT (key) DO UPDATE
    SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
+ WHERE clock_timestamp() < statement_timestamp()
+       + ($4::bigint[])[array_position($1::text[], excluded.key)] * interval '1 microsecond'
 RETURNING key, token`
+
+// errLate is the result of a claim whose row was reached only after its
+// budget ran out (issueSQL): nothing was issued for it. Its caller has given
+// up by then, and its lease may be over: a token committed now could come
+// after one another server issued since for a newer grant, and fence that
+// live holder out.
+var errLate = fmt.Errorf("its deadline passed while it waited for the row of its key; nothing was issued: %w", context.DeadlineExceeded)
 
 // Issue implements fencing.Issuer: it returns a new token for c.Key, larger
 // than every token issued before for it, once the commit that recorded it is
@@ -392,7 +413,10 @@ func (q *issuer) batchContext(batch []*issueReq) (context.Context, context.Cance
 
 // exec runs one statement for batch (keys distinct and sorted) and returns
 // each claim's result, unwrapped. Results are returned only after the rows
-// were read to the end, that is after the commit.
+// were read to the end, that is after the commit. ctx is the batch's (see
+// batchContext); each claim's own deadline bounds its row on the server (see
+// issueSQL), so a claim whose caller left is not issued after its row waited
+// past the caller's deadline, whatever the other claims' deadlines.
 func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 	q.statements.Add(1)
 	q.claims.Add(int64(len(batch)))
@@ -400,20 +424,42 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 	if len(batch) == 1 {
 		c := batch[0].claim
 		var t int64
-		err := retryPooled(q.pool, func() error { return q.pool.QueryRow(ctx, issueSQL, c.Key, c.Owner, c.Holder).Scan(&t) })
+		err := retryPooled(q.pool, func() error {
+			conn, err := q.pool.Acquire(ctx)
+			if err != nil {
+				return err
+			}
+			defer conn.Release()
+			// The budget counts from now, with the connection at hand: the
+			// server counts it from when the statement arrives.
+			return conn.QueryRow(ctx, issueSQL, c.Key, c.Owner, c.Holder, budget(ctx, batch[0], time.Now())).Scan(&t)
+		})
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = errLate
+		}
 		res[0] = issueResult{tok: fencing.Token(t), err: err}
 		return res
 	}
 	keys := make([]string, len(batch))
 	owners := make([]string, len(batch))
 	holders := make([]string, len(batch))
+	budgets := make([]int64, len(batch))
 	for i, r := range batch {
 		keys[i], owners[i], holders[i] = r.claim.Key, r.claim.Owner, r.claim.Holder
 	}
 	got := make(map[string]int64, len(batch))
 	err := retryPooled(q.pool, func() error {
 		clear(got) // rows of an attempt that failed were never committed
-		rows, err := q.pool.Query(ctx, issueBatchSQL, keys, owners, holders)
+		conn, err := q.pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		defer conn.Release()
+		now := time.Now() // as in the single claim's case
+		for i, r := range batch {
+			budgets[i] = budget(ctx, r, now)
+		}
+		rows, err := conn.Query(ctx, issueBatchSQL, keys, owners, holders, budgets)
 		if err != nil {
 			return err
 		}
@@ -430,10 +476,21 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 		case err != nil:
 			res[i].err = err
 		case !ok:
-			res[i].err = errors.New("statement returned no token")
+			res[i].err = errLate
 		default:
 			res[i].tok = fencing.Token(t)
 		}
 	}
 	return res
+}
+
+// budget is how long r's row may be waited for, in microseconds from now:
+// until its caller's deadline, or the batch's (ctx) for a caller without
+// one; 0 once it has passed.
+func budget(ctx context.Context, r *issueReq, now time.Time) int64 {
+	d, ok := r.ctx.Deadline()
+	if !ok {
+		d, _ = ctx.Deadline() // batchContext always sets one
+	}
+	return max(d.Sub(now).Microseconds(), 0)
 }

@@ -666,7 +666,7 @@ func TestDB_PutResource_Race(t *testing.T) {
 		}
 		defer tx.Rollback(context.Background())
 		var newest fencing.Token
-		if err := tx.QueryRow(t.Context(), issueSQL, key, "next", "h-next").Scan(&newest); err != nil {
+		if err := tx.QueryRow(t.Context(), issueSQL, key, "next", "h-next", time.Minute.Microseconds()).Scan(&newest); err != nil {
 			t.Fatal(err)
 		}
 
