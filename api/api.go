@@ -1021,10 +1021,21 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 		}
 		return err
 	}
+	h.audit(r, slog.LevelInfo, "lock granted", name, owner, g.Fencing, "granted", ttl.Milliseconds())
+	if !h.opts.Now().Before(g.Expires) {
+		// This process stalled after the grant (a pause, a stuck log
+		// destination) until the lease ended: another client may hold the
+		// name by now. The grant is not answered, and its keys are deleted
+		// in case some node still has them.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), answerTimeout)
+		defer cancel()
+		_ = h.locker.Release(rctx, key, g.Token) // nothing to tell: the lease is over anyway
+		h.audit(r, slog.LevelWarn, "lock grant withdrawn: its lease ended before the answer", name, owner, g.Fencing, "expired", ttl.Milliseconds())
+		return fmt.Errorf("acquire %q: the lease ended before the answer could be sent: %w", name, service.ErrExpired)
+	}
 	h.m.acquire("granted")
 	h.m.acquireSeconds.Observe(time.Since(start).Seconds())
 	h.remember(r, key, g)
-	h.audit(r, slog.LevelInfo, "lock granted", name, owner, g.Fencing, "granted", ttl.Milliseconds())
 	loc := r.URL.Path // "/v1/locks/"+name, without building it, when it is
 	if len(loc) != len(lockPrefix)+len(name) || loc[:len(lockPrefix)] != lockPrefix || loc[len(lockPrefix):] != name {
 		loc = lockPrefix + name
@@ -1220,6 +1231,10 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	h.m.extended("extended")
 	h.remember(r, key, g)
 	h.audit(r, slog.LevelDebug, "lock extended", name, g.Owner, g.Fencing, "extended", ttl.Milliseconds())
+	if !h.opts.Now().Before(g.Expires) {
+		// Stalled after the extension until its lease ended (see doAcquire).
+		return fmt.Errorf("extend %q: the lease ended before the answer could be sent: %w", name, service.ErrLost)
+	}
 	h.writeLock(w, http.StatusOK, name, g, false, h.arrival(r))
 	return nil
 }

@@ -145,7 +145,7 @@ func TestReleaseAudit(t *testing.T) {
 
 	// Granted by another server (another Handler on the same locks): the
 	// store answers.
-	other := NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: slog.New(slog.DiscardHandler)})
+	other := NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: slog.New(slog.DiscardHandler), Now: e.l.now})
 	g = e.acquire(t, other, "orders", `{"owner":"bob"}`)
 	if code := release("orders", g.LockToken); code != http.StatusNoContent {
 		t.Fatalf("release = %d", code)
@@ -317,7 +317,7 @@ func TestReleaseAnswersBeforeAudit(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newFakeEnv(t, false)
-			other := NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: slog.New(slog.DiscardHandler)})
+			other := NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: slog.New(slog.DiscardHandler), Now: e.l.now})
 			g := e.acquire(t, other, "orders", `{"owner":"bob"}`)
 			gate := make(chan struct{})
 			e.l.mu.Lock()
@@ -1435,5 +1435,68 @@ func TestHandlers_FailClosedWithoutPrincipal(t *testing.T) {
 	defer e.l.mu.Unlock()
 	if len(e.l.held) != 0 || e.l.fencing != 0 || e.l.lastCalls != 0 {
 		t.Errorf("the locker holds %v, issued up to %d and was asked for %d records; want nothing done", e.l.held, e.l.fencing, e.l.lastCalls)
+	}
+}
+
+// stallingLog is a log handler that runs stall when it handles a record
+// with a given message: a log destination that held the request up.
+type stallingLog struct {
+	slog.Handler
+	on    string
+	stall func()
+}
+
+func (s stallingLog) Handle(ctx context.Context, r slog.Record) error {
+	if r.Message == s.on {
+		s.stall()
+	}
+	return s.Handler.Handle(ctx, r)
+}
+
+// TestAnswer_NotAfterTheLease: a grant or an extension whose lease ended
+// while the process stalled after it (here in its audit line: a stuck log
+// destination; a pause does the same) is not answered as a success: an
+// acquire gets 503 lease-expired and its keys are deleted, an extend 409
+// lock-lost. Another client may hold the name by then.
+func TestAnswer_NotAfterTheLease(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ on, path, body, want string }{
+		{"lock granted", "/v1/locks/x", `{"ttl_ms":10000}`, "lease-expired"},
+		{"lock extended", "/v1/locks/x/extend", `{"ttl_ms":10000}`, "lock-lost"},
+	} {
+		t.Run(c.want, func(t *testing.T) {
+			t.Parallel()
+			e := newFakeEnv(t, false)
+			stalling := false
+			log := slog.New(stallingLog{Handler: slog.NewJSONHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug}), on: c.on,
+				stall: func() {
+					if stalling {
+						e.now = e.now.Add(11 * time.Second)
+					}
+				}})
+			e.h = NewHandler(e.l, benchFakeStore{e.l}, Options{Logger: log, Registry: prometheus.NewRegistry(), Now: func() time.Time { return e.now }})
+			var hdr []string
+			if c.want == "lock-lost" {
+				g := e.acquire(t, e.h, "x", `{"ttl_ms":10000}`)
+				hdr = []string{LockTokenHeader, g.LockToken}
+			}
+			stalling = true
+			w := e.do(e.h, http.MethodPost, c.path, c.body, hdr...)
+			var p Problem
+			if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || p.Type != ProblemTypePrefix+c.want {
+				t.Fatalf("%s with a stall past the lease = %d %s; want %s", c.on, w.Code, w.Body, c.want)
+			}
+			if c.want == "lease-expired" {
+				e.l.mu.Lock()
+				_, held := e.l.held["x"]
+				e.l.mu.Unlock()
+				if held {
+					t.Error("the grant not answered was not released")
+				}
+				if !strings.Contains(e.logs.String(), "lock grant withdrawn") {
+					t.Errorf("no audit line for the withdrawn grant:\n%s", e.logs)
+				}
+			}
+		})
 	}
 }

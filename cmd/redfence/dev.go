@@ -74,6 +74,7 @@ below are otherwise the same.`, stderr)
 	logw := newAsyncWriter(stderr)
 	defer logw.Close()
 	log := cfg.logger(logw)
+	logw.reportDropsTo(log)
 	quietRedis(log)
 	warnUnknownSettings(log, os.Environ())
 

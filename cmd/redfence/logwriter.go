@@ -2,14 +2,24 @@ package main
 
 import (
 	"io"
+	"log/slog"
 	"sync"
+	"time"
 )
 
 // maxPendingLog bounds the log bytes an asyncWriter holds while its
 // goroutine is writing: a Write beyond it waits, so a slow log destination
 // slows the server down (as a synchronous writer does) instead of growing
-// memory or dropping lines.
+// memory, for at most maxLogWait.
 const maxPendingLog = 1 << 20
+
+// maxLogWait is the longest a Write waits for room: a destination that took
+// nothing for that long, with maxPendingLog bytes waiting, is stuck (a
+// stopped journald, a pipe nobody reads), and lines are dropped, counted,
+// until it takes some again, rather than holding every request (and its
+// answer: a grant would go out after its lease) while health checks, which
+// log nothing, say all is well.
+const maxLogWait = 250 * time.Millisecond
 
 // asyncWriter takes the log's write(2) off the request path. Write copies
 // the line into a buffer and returns; one goroutine writes whatever has
@@ -18,43 +28,90 @@ const maxPendingLog = 1 << 20
 // under load many lines share one write(2).
 //
 // Guarantees: lines are written whole and in the order of the Writes;
-// nothing is dropped (see maxPendingLog); Close writes everything buffered
-// before it returns, and Writes after Close go straight to the destination.
-// Not guaranteed: lines buffered when the process dies without Close (a
-// crash, SIGKILL) are lost; at most the lines of the last write(2)'s
-// duration.
+// nothing is dropped unless the destination is stuck (see maxLogWait), and
+// then the count of lines dropped is reported (see onDrop) once it takes
+// lines again; Close writes everything buffered before it returns, and
+// Writes after Close go straight to the destination. Not guaranteed: lines
+// buffered when the process dies without Close (a crash, SIGKILL) are lost;
+// at most the lines of the last write(2)'s duration.
 type asyncWriter struct {
 	w     io.Writer
-	limit int // maxPendingLog; smaller in tests
+	limit int           // maxPendingLog; smaller in tests
+	wait  time.Duration // maxLogWait; shorter in tests
 	done  chan struct{}
 	wake  chan struct{} // capacity 1: the goroutine has lines to write
 
-	mu      sync.Mutex
-	room    sync.Cond // signalled when the goroutine takes the buffer
-	pending []byte    // lines not yet taken by the goroutine
-	woken   bool      // a wake is in the channel (or being taken by run)
-	closed  bool      // Close was called
-	stopped bool      // the goroutine has written everything and exited
+	mu sync.Mutex
+	// room is closed, and replaced, when the goroutine takes the buffer.
+	room    chan struct{}
+	pending []byte // lines not yet taken by the goroutine
+	woken   bool   // a wake is in the channel (or being taken by run)
+	closed  bool   // Close was called
+	stopped bool   // the goroutine has written everything and exited
+	// dropping is set when a Write waited maxLogWait in vain: until the
+	// goroutine takes the buffer, lines are dropped at once and counted in
+	// dropped.
+	dropping bool
+	dropped  int
+	// onDrop, if set, is told how many lines were dropped, on the
+	// goroutine, once the destination takes lines again; it may Write.
+	onDrop func(n int)
 }
 
 // newAsyncWriter starts an asyncWriter in front of w. Close it.
 func newAsyncWriter(w io.Writer) *asyncWriter {
-	a := &asyncWriter{w: w, limit: maxPendingLog, done: make(chan struct{}), wake: make(chan struct{}, 1)}
-	a.room.L = &a.mu
+	a := &asyncWriter{w: w, limit: maxPendingLog, wait: maxLogWait, done: make(chan struct{}),
+		wake: make(chan struct{}, 1), room: make(chan struct{})}
 	go a.run()
 	return a
 }
 
+// reportDrops sets the function told of dropped lines (see onDrop).
+func (a *asyncWriter) reportDrops(f func(n int)) {
+	a.mu.Lock()
+	a.onDrop = f
+	a.mu.Unlock()
+}
+
+// reportDropsTo reports dropped lines on log, which writes to a.
+func (a *asyncWriter) reportDropsTo(log *slog.Logger) {
+	a.reportDrops(func(n int) {
+		log.Warn("log lines dropped: the log destination took nothing for "+maxLogWait.String()+" with its buffer full (a stuck log reader); requests went on",
+			slog.Int("dropped", n))
+	})
+}
+
 // Write queues a copy of p (a log line: slog writes each record with one
-// Write) and returns at once, unless maxPendingLog bytes already wait.
+// Write) and returns at once, unless maxPendingLog bytes already wait: then
+// it waits for the goroutine to take them, at most maxLogWait, and drops p
+// if it did not (see dropping).
 func (a *asyncWriter) Write(p []byte) (int, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for len(a.pending) >= a.limit && !a.stopped {
-		a.room.Wait()
+	if len(a.pending) >= a.limit && !a.stopped && !a.dropping {
+		timer := time.NewTimer(a.wait)
+		for len(a.pending) >= a.limit && !a.stopped && !a.dropping {
+			room := a.room
+			a.mu.Unlock()
+			select {
+			case <-room:
+				a.mu.Lock()
+				continue
+			case <-timer.C:
+			}
+			a.mu.Lock()
+			if len(a.pending) >= a.limit && !a.stopped {
+				a.dropping = true
+			}
+		}
+		timer.Stop()
 	}
 	if a.stopped {
 		return a.w.Write(p)
+	}
+	if a.dropping {
+		a.dropped++
+		return len(p), nil // dropped: an error would tell slog nothing more
 	}
 	a.pending = append(a.pending, p...)
 	if !a.woken {
@@ -94,7 +151,20 @@ func (a *asyncWriter) run() {
 		// on into the one just written.
 		for {
 			out, a.pending = a.pending, out[:0]
-			a.room.Broadcast()
+			close(a.room)
+			a.room = make(chan struct{})
+			// The destination takes lines again (or there were none).
+			a.dropping = false
+			if n, report := a.dropped, a.onDrop; n > 0 {
+				a.dropped = 0
+				if report != nil {
+					// The report goes into the buffer just emptied, after
+					// the lines being written.
+					a.mu.Unlock()
+					report(n)
+					a.mu.Lock()
+				}
+			}
 			if len(out) == 0 {
 				break
 			}
@@ -112,7 +182,7 @@ func (a *asyncWriter) run() {
 		}
 		if a.closed {
 			a.stopped = true
-			a.room.Broadcast()
+			close(a.room)
 			a.mu.Unlock()
 			return
 		}

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/redfence/redfence/internal/testutil"
 )
@@ -123,5 +124,45 @@ func TestAsyncWriter_DoesNotWaitForTheDestination(t *testing.T) {
 	}
 	if err := a.Close(); err != nil {
 		t.Errorf("second Close: %v", err)
+	}
+}
+
+// TestAsyncWriter_DropsWhileStuck: with the destination stuck in a write
+// and the buffer full, a Write waits at most its bound, then it and the
+// Writes after it are dropped at once (counted), instead of holding every
+// request; once the destination takes lines again, the count is reported
+// after the lines that were waiting, and lines are kept again.
+func TestAsyncWriter_DropsWhileStuck(t *testing.T) {
+	t.Parallel()
+	dst := &gatedWriter{gate: make(chan struct{}), entered: make(chan struct{}, 1)}
+	a := newAsyncWriter(dst)
+	a.limit, a.wait = 16, 10*time.Millisecond
+	reported := make(chan int, 1)
+	a.reportDrops(func(n int) {
+		fmt.Fprintf(a, "dropped %d\n", n)
+		reported <- n
+	})
+	if _, err := a.Write([]byte("first\n")); err != nil {
+		t.Fatal(err)
+	}
+	<-dst.entered // the goroutine is stuck writing "first"
+	full := strings.Repeat("a", 16) + "\n"
+	for _, line := range []string{full, "x\n", "y\n"} { // the first fills the buffer, the others are dropped
+		if n, err := a.Write([]byte(line)); n != len(line) || err != nil {
+			t.Fatalf("Write(%q) = %d, %v; want %d, nil", line, n, err, len(line))
+		}
+	}
+	close(dst.gate)
+	if n := <-reported; n != 2 {
+		t.Errorf("reported %d lines dropped; want 2", n)
+	}
+	if _, err := a.Write([]byte("after\n")); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := dst.String(), "first\n"+full+"dropped 2\nafter\n"; got != want {
+		t.Errorf("written %q; want %q", got, want)
 	}
 }

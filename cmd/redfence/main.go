@@ -229,6 +229,7 @@ func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	logw := newAsyncWriter(stderr)
 	defer logw.Close()
 	log := cfg.logger(logw)
+	logw.reportDropsTo(log)
 	quietRedis(log)
 	warnUnknownSettings(log, os.Environ())
 	s, err := OpenWaiting(ctx, cfg, log, ServerOptions{})
