@@ -936,7 +936,9 @@ func (h *Handler) acquire(w http.ResponseWriter, r *http.Request) {
 		if keyspace.ValidName(name) != "" {
 			name = ""
 		}
-		h.audit(r, slog.LevelInfo, "lock refused", name, owner, 0, outcome, noTTL)
+		if !errors.Is(err, errAnswerLate) { // that one has its own line
+			h.audit(r, slog.LevelInfo, "lock refused", name, owner, 0, outcome, noTTL)
+		}
 		h.writeErrorTree(w, r, err, tree)
 	}
 }
@@ -1022,16 +1024,12 @@ func (h *Handler) doAcquire(w http.ResponseWriter, r *http.Request, name, key st
 		return err
 	}
 	h.audit(r, slog.LevelInfo, "lock granted", name, owner, g.Fencing, "granted", ttl.Milliseconds())
-	if !h.opts.Now().Before(g.Expires) {
+	if h.answeredLate(r, key, g) {
 		// This process stalled after the grant (a pause, a stuck log
 		// destination) until the lease ended: another client may hold the
-		// name by now. The grant is not answered, and its keys are deleted
-		// in case some node still has them.
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), answerTimeout)
-		defer cancel()
-		_ = h.locker.Release(rctx, key, g.Token) // nothing to tell: the lease is over anyway
-		h.audit(r, slog.LevelWarn, "lock grant withdrawn: its lease ended before the answer", name, owner, g.Fencing, "expired", ttl.Milliseconds())
-		return fmt.Errorf("acquire %q: the lease ended before the answer could be sent: %w", name, service.ErrExpired)
+		// name by now. The grant is not answered.
+		h.audit(r, slog.LevelWarn, "lock grant withdrawn: its lease ended before the answer", name, owner, g.Fencing, "lease-expired", ttl.Milliseconds())
+		return fmt.Errorf("acquire %q: %w: %w", name, errAnswerLate, service.ErrExpired)
 	}
 	h.m.acquire("granted")
 	h.m.acquireSeconds.Observe(time.Since(start).Seconds())
@@ -1220,6 +1218,14 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	g, err := h.locker.Extend(r.Context(), key, token, ttl)
+	if err == nil {
+		h.audit(r, slog.LevelDebug, "lock extended", name, g.Owner, g.Fencing, "extended", ttl.Milliseconds())
+		if h.answeredLate(r, key, g) {
+			// Stalled after the extension until its lease ended (see
+			// doAcquire): the lock is lost.
+			err = fmt.Errorf("extend %q: %w: %w", name, errAnswerLate, service.ErrLost)
+		}
+	}
 	if err != nil {
 		grant := h.grantFor(r, slog.LevelInfo, key, token)
 		answer := serviceBounds(err)
@@ -1230,13 +1236,26 @@ func (h *Handler) doExtend(w http.ResponseWriter, r *http.Request) error {
 	}
 	h.m.extended("extended")
 	h.remember(r, key, g)
-	h.audit(r, slog.LevelDebug, "lock extended", name, g.Owner, g.Fencing, "extended", ttl.Milliseconds())
-	if !h.opts.Now().Before(g.Expires) {
-		// Stalled after the extension until its lease ended (see doAcquire).
-		return fmt.Errorf("extend %q: the lease ended before the answer could be sent: %w", name, service.ErrLost)
-	}
 	h.writeLock(w, http.StatusOK, name, g, false, h.arrival(r))
 	return nil
+}
+
+// errAnswerLate is a grant or extension whose lease ended before its answer
+// could be written (see answeredLate).
+var errAnswerLate = errors.New("the lease ended before the answer could be sent")
+
+// answeredLate reports whether g's lease has ended already, just before its
+// answer is written: this process stalled since the grant (a pause, a log
+// line held up by a stuck destination), and another client may hold the
+// name by now. Its keys are then deleted, in case some node still has them.
+func (h *Handler) answeredLate(r *http.Request, key string, g *service.Grant) bool {
+	if h.opts.Now().Before(g.Expires) {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), answerTimeout)
+	defer cancel()
+	_ = h.locker.Release(ctx, key, g.Token) // nothing to tell: the lease is over anyway
+	return true
 }
 
 func (h *Handler) release(w http.ResponseWriter, r *http.Request) {

@@ -1486,16 +1486,22 @@ func TestAnswer_NotAfterTheLease(t *testing.T) {
 			if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || p.Type != ProblemTypePrefix+c.want {
 				t.Fatalf("%s with a stall past the lease = %d %s; want %s", c.on, w.Code, w.Body, c.want)
 			}
-			if c.want == "lease-expired" {
-				e.l.mu.Lock()
-				_, held := e.l.held["x"]
-				e.l.mu.Unlock()
-				if held {
-					t.Error("the grant not answered was not released")
-				}
-				if !strings.Contains(e.logs.String(), "lock grant withdrawn") {
-					t.Errorf("no audit line for the withdrawn grant:\n%s", e.logs)
-				}
+			e.l.mu.Lock()
+			_, held := e.l.held["x"]
+			e.l.mu.Unlock()
+			if held {
+				t.Error("the lease not answered was not released")
+			}
+			// One audit line says why, and one metric counts the request.
+			line, vec, ok := "lock grant withdrawn", e.h.m.acquisitions, "granted"
+			if c.want == "lock-lost" {
+				line, vec, ok = "lock extend refused", e.h.m.extensions, "extended"
+			}
+			if n := strings.Count(e.logs.String(), line); n != 1 || strings.Contains(e.logs.String(), "lock refused") {
+				t.Errorf("%d audit lines %q (want 1), and no \"lock refused\":\n%s", n, line, e.logs)
+			}
+			if got, late := promtest.ToFloat64(vec.WithLabelValues(c.want)), promtest.ToFloat64(vec.WithLabelValues(ok)); got != 1 || late != 0 {
+				t.Errorf("counted %v times as %s and %v as %s; want the late one as %s only", got, c.want, late, ok, c.want)
 			}
 		})
 	}

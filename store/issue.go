@@ -19,9 +19,9 @@ package store
 // a slot is free and its key is not in flight: whoever frees a slot or a
 // key takes the queue or wakes a committer.
 //
-// Guarantees: a token is delivered only after the statement that issued it
-// committed with synchronous_commit on (rows are read to the end, which waits
-// for the server's ReadyForQuery after the commit). A key appears at most
+// Guarantees: a token is delivered only after the transaction that issued
+// it committed with synchronous_commit on (its COMMIT answered; see
+// issueTx). A key appears at most
 // once per statement, and claims for one key are issued in the order Issue
 // queued them: a batch skips a key that another batch of this DB has in
 // flight, leaving later claims queued in order. Each batch locks its rows in
@@ -29,10 +29,13 @@ package store
 // sharing the database cannot deadlock on each other.
 //
 // A claim's deadline (its caller's context's) holds on the server too: a
-// row reached after the claim's deadline, counted from when the statement
-// arrived, is left as it is (issueSQL), so a batch held up on one key's row
-// (another server's issuance, a slow document write) never issues a claim
-// whose lease ended meanwhile, after a token another server issued since.
+// row reached after the claim's deadline, counted on Postgres' clock from
+// the start of the transaction, which began before the time left was
+// measured, is left as it is (issueSQL, issueTx). So a batch held up (on
+// one key's row: another server's issuance, a slow document write; or on
+// its way: a table lock, the network) never issues a claim whose lease
+// ended meanwhile, after a token another server issued since. That holds
+// while the two clocks run at about the same rate, as Redlock assumes.
 //
 // Not guaranteed: that a caller who leaves (its context ends) gets no token
 // issued; once the batch holds its claim's row, the token may be committed
@@ -72,15 +75,16 @@ var ErrClosed = fmt.Errorf("%w: closed", ErrUnavailable)
 var _ fencing.Issuer = (*DB)(nil)
 
 // issueSQL issues the token of one claim. It serves batches of one. $4 is
-// the claim's budget in microseconds: a row found held by another
-// transaction and reached only once the budget since the statement arrived
-// has run out is left as it is, and no row comes back (see lateUpdate).
+// the claim's budget in microseconds, counted from the start of the
+// transaction (see issueTx): a row reached only once it has run out (held
+// by another transaction meanwhile, or the statement held up on its way) is
+// left as it is, and no row comes back (errLate).
 const issueSQL = `
 INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
 VALUES ($1, 1, $2, $3, now())
 ON CONFLICT (key) DO UPDATE
    SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
- WHERE clock_timestamp() < statement_timestamp() + $4::bigint * interval '1 microsecond'
+ WHERE clock_timestamp() < transaction_timestamp() + $4::bigint * interval '1 microsecond'
 RETURNING token`
 
 // issueBatchSQL issues the tokens of several claims with distinct keys. The
@@ -94,7 +98,7 @@ SELECT u.k, 1, u.o, u.h, now()
  ORDER BY u.i
 ON CONFLICT (key) DO UPDATE
    SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
- WHERE clock_timestamp() < statement_timestamp()
+ WHERE clock_timestamp() < transaction_timestamp()
        + ($4::bigint[])[array_position($1::text[], excluded.key)] * interval '1 microsecond'
 RETURNING key, token`
 
@@ -424,17 +428,20 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 	if len(batch) == 1 {
 		c := batch[0].claim
 		var t int64
+		found := false
 		err := retryPooled(q.pool, func() error {
-			conn, err := q.pool.Acquire(ctx)
-			if err != nil {
+			found = false
+			return issueTx(ctx, q.pool, issueSQL, func(now time.Time) []any {
+				return []any{c.Key, c.Owner, c.Holder, budget(ctx, batch[0], now)}
+			}, func(rows pgx.Rows) error {
+				_, err := pgx.ForEachRow(rows, []any{&t}, func() error {
+					found = true
+					return nil
+				})
 				return err
-			}
-			defer conn.Release()
-			// The budget counts from now, with the connection at hand: the
-			// server counts it from when the statement arrives.
-			return conn.QueryRow(ctx, issueSQL, c.Key, c.Owner, c.Holder, budget(ctx, batch[0], time.Now())).Scan(&t)
+			})
 		})
-		if errors.Is(err, pgx.ErrNoRows) {
+		if err == nil && !found {
 			err = errLate
 		}
 		res[0] = issueResult{tok: fencing.Token(t), err: err}
@@ -450,26 +457,20 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 	got := make(map[string]int64, len(batch))
 	err := retryPooled(q.pool, func() error {
 		clear(got) // rows of an attempt that failed were never committed
-		conn, err := q.pool.Acquire(ctx)
-		if err != nil {
+		return issueTx(ctx, q.pool, issueBatchSQL, func(now time.Time) []any {
+			for i, r := range batch {
+				budgets[i] = budget(ctx, r, now)
+			}
+			return []any{keys, owners, holders, budgets}
+		}, func(rows pgx.Rows) error {
+			var k string
+			var t int64
+			_, err := pgx.ForEachRow(rows, []any{&k, &t}, func() error {
+				got[k] = t
+				return nil
+			})
 			return err
-		}
-		defer conn.Release()
-		now := time.Now() // as in the single claim's case
-		for i, r := range batch {
-			budgets[i] = budget(ctx, r, now)
-		}
-		rows, err := conn.Query(ctx, issueBatchSQL, keys, owners, holders, budgets)
-		if err != nil {
-			return err
-		}
-		var k string
-		var t int64
-		_, err = pgx.ForEachRow(rows, []any{&k, &t}, func() error {
-			got[k] = t
-			return nil
 		})
-		return err
 	})
 	for i, k := range keys {
 		switch t, ok := got[k]; {
@@ -482,6 +483,40 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 		}
 	}
 	return res
+}
+
+// issueTx runs one issuance statement in a transaction of its own, on a
+// connection of pool: BEGIN, answered before args reads the time the
+// budgets count from, so that the transaction's timestamp, from which
+// Postgres counts them, comes before it, however long the statement then
+// takes to arrive, be parsed (a table lock) or get its rows; then the
+// statement, whose rows scan reads, and the COMMIT, sent together. The
+// results count only once it returns nil: the COMMIT was durable. A
+// connection left in a failed transaction is closed by the pool.
+func issueTx(ctx context.Context, pool *pgxpool.Pool, sql string, args func(now time.Time) []any, scan func(pgx.Rows) error) error {
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
+		return err
+	}
+	b := &pgx.Batch{}
+	b.Queue(sql, args(time.Now())...)
+	b.Queue("COMMIT")
+	br := conn.SendBatch(ctx, b)
+	rows, err := br.Query()
+	if err == nil {
+		err = scan(rows)
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // budget is how long r's row may be waited for, in microseconds from now:
