@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"io"
 	"log/slog"
 	"sync"
@@ -21,6 +22,10 @@ const maxPendingLog = 1 << 20
 // log nothing, say all is well.
 const maxLogWait = 250 * time.Millisecond
 
+// maxLogClose bounds how long Close waits for the buffered lines to be
+// written.
+const maxLogClose = 5 * time.Second
+
 // asyncWriter takes the log's write(2) off the request path. Write copies
 // the line into a buffer and returns; one goroutine writes whatever has
 // accumulated, as soon as it can, so a request no longer waits for the
@@ -38,8 +43,10 @@ type asyncWriter struct {
 	w     io.Writer
 	limit int           // maxPendingLog; smaller in tests
 	wait  time.Duration // maxLogWait; shorter in tests
-	done  chan struct{}
-	wake  chan struct{} // capacity 1: the goroutine has lines to write
+	// closeWait is maxLogClose; shorter in tests.
+	closeWait time.Duration
+	done      chan struct{}
+	wake      chan struct{} // capacity 1: the goroutine has lines to write
 
 	mu sync.Mutex
 	// room is closed, and replaced, when the goroutine takes the buffer.
@@ -60,7 +67,7 @@ type asyncWriter struct {
 
 // newAsyncWriter starts an asyncWriter in front of w. Close it.
 func newAsyncWriter(w io.Writer) *asyncWriter {
-	a := &asyncWriter{w: w, limit: maxPendingLog, wait: maxLogWait, done: make(chan struct{}),
+	a := &asyncWriter{w: w, limit: maxPendingLog, wait: maxLogWait, closeWait: maxLogClose, done: make(chan struct{}),
 		wake: make(chan struct{}, 1), room: make(chan struct{})}
 	go a.run()
 	return a
@@ -121,23 +128,29 @@ func (a *asyncWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// Close writes what is buffered, stops the goroutine and waits for it.
-// Writes after Close go straight to the destination.
+// Close writes what is buffered, stops the goroutine and waits for it, for
+// at most maxLogClose: a destination stuck for good (a stopped log reader)
+// must not keep the process from exiting; what it did not take is lost.
+// Writes after Close go straight to the destination once the goroutine has
+// stopped.
 func (a *asyncWriter) Close() error {
 	a.mu.Lock()
-	if a.closed {
-		a.mu.Unlock()
-		<-a.done
-		return nil
-	}
-	a.closed = true
-	if !a.woken {
-		a.woken = true
-		a.wake <- struct{}{}
+	if !a.closed {
+		a.closed = true
+		if !a.woken {
+			a.woken = true
+			a.wake <- struct{}{}
+		}
 	}
 	a.mu.Unlock()
-	<-a.done
-	return nil
+	timer := time.NewTimer(a.closeWait)
+	defer timer.Stop()
+	select {
+	case <-a.done:
+		return nil
+	case <-timer.C:
+		return fmt.Errorf("log: the destination took nothing for %v; lines still buffered are lost", a.closeWait)
+	}
 }
 
 func (a *asyncWriter) run() {

@@ -166,3 +166,24 @@ func TestAsyncWriter_DropsWhileStuck(t *testing.T) {
 		t.Errorf("written %q; want %q", got, want)
 	}
 }
+
+// TestAsyncWriter_CloseDoesNotWaitForever: a destination stuck for good
+// does not keep Close, and so the process, from ending; Close says what
+// was lost.
+func TestAsyncWriter_CloseDoesNotWaitForever(t *testing.T) {
+	t.Parallel()
+	dst := &gatedWriter{gate: make(chan struct{}), entered: make(chan struct{}, 1)}
+	a := newAsyncWriter(dst)
+	a.closeWait = 10 * time.Millisecond
+	defer close(dst.gate) // lets the goroutine end with the test
+	if _, err := a.Write([]byte("first\n")); err != nil {
+		t.Fatal(err)
+	}
+	<-dst.entered // stuck for good
+	if _, err := a.Write([]byte("second\n")); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Close(); err == nil {
+		t.Error("Close with the destination stuck = nil; want an error saying lines are lost")
+	}
+}
