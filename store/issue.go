@@ -416,8 +416,8 @@ func (q *issuer) batchContext(batch []*issueReq) (context.Context, context.Cance
 }
 
 // exec runs one statement for batch (keys distinct and sorted) and returns
-// each claim's result, unwrapped. Results are returned only after the rows
-// were read to the end, that is after the commit. ctx is the batch's (see
+// each claim's result, unwrapped. Results are returned only after the
+// COMMIT answered (see issueTx). ctx is the batch's (see
 // batchContext); each claim's own deadline bounds its row on the server (see
 // issueSQL), so a claim whose caller left is not issued after its row waited
 // past the caller's deadline, whatever the other claims' deadlines.
