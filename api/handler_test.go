@@ -1483,7 +1483,7 @@ func TestAnswer_NotAfterTheLease(t *testing.T) {
 			stalling = true
 			w := e.do(e.h, http.MethodPost, c.path, c.body, hdr...)
 			var p Problem
-			if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || p.Type != ProblemTypePrefix+c.want {
+			if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || p.Type != ProblemTypePrefix+c.want || !strings.Contains(p.Detail, "stalled") {
 				t.Fatalf("%s with a stall past the lease = %d %s; want %s", c.on, w.Code, w.Body, c.want)
 			}
 			e.l.mu.Lock()

@@ -442,6 +442,10 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		p.Detail = "Postgres did not answer in time (or no connection of the documents' pool was free); the write may or may not have been applied (its commit may still land): read the document before writing again"
 	case tree.is(service.ErrInvalid):
 		p.Detail = err.Error()
+	case tree.is(errAnswerLate) && k == kExpired:
+		p.Detail = "the lock was granted, but this server stalled until its lease ran out before the answer could be sent; the grant is withdrawn: acquire again"
+	case tree.is(errAnswerLate) && k == kLost:
+		p.Detail = "the lease was extended, but this server stalled until it ran out before the answer could be sent; acquire again to get a new fencing token"
 	}
 	if se, ok := asErr[*service.Error](tree); ok {
 		if len(se.Nodes) > 0 {

@@ -186,3 +186,45 @@ func TestDB_Issue_LateClaimAfterParseLag(t *testing.T) {
 		t.Errorf("newest token of b = %+v, %v; want %d (holder \"new\"): the claim whose lease ended was issued after it", last, err, newer)
 	}
 }
+
+// TestDB_Issue_IdleInTransactionRetried: an issuance whose statement came
+// so long after its BEGIN (a pause of the process) that Postgres ended the
+// idle session (25P03) ran nothing, and is sent again on another
+// connection rather than failing.
+func TestDB_Issue_IdleInTransactionRetried(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{MaxConns: 2, StatementTimeout: 300 * time.Millisecond})
+	issue(t, db, "k")
+	obs := connect(t, url)
+	idle := func() (int, error) {
+		var n int
+		err := obs.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND state = 'idle in transaction'`).Scan(&n)
+		return n, err
+	}
+	attempts := 0
+	var tok int64
+	err := retryPooled(db.pool, func() error {
+		attempts++
+		return issueTx(t.Context(), db.pool, issueSQL, func(time.Time) []any {
+			if attempts == 1 {
+				// Paused after BEGIN until Postgres ends the session.
+				testutil.WaitFor(t, waitTimeout, "the session idle in its transaction", func() (bool, error) {
+					n, err := idle()
+					return n == 1, err
+				})
+				testutil.WaitFor(t, waitTimeout, "Postgres to end the idle session", func() (bool, error) {
+					n, err := idle()
+					return n == 0, err
+				})
+			}
+			return []any{"k", "", "h", time.Minute.Microseconds()}
+		}, func(rows pgx.Rows) error {
+			_, err := pgx.ForEachRow(rows, []any{&tok}, func() error { return nil })
+			return err
+		})
+	})
+	if err != nil || attempts != 2 || tok != 2 {
+		t.Fatalf("issuance after the idle session was ended = token %d, %v, in %d attempts; want 2, nil, in 2", tok, err, attempts)
+	}
+}

@@ -35,8 +35,9 @@ const maxLogClose = 5 * time.Second
 // Guarantees: lines are written whole and in the order of the Writes;
 // nothing is dropped unless the destination is stuck (see maxLogWait), and
 // then the count of lines dropped is reported (see onDrop) once it takes
-// lines again; Close writes everything buffered before it returns, and
-// Writes after Close go straight to the destination. Not guaranteed: lines
+// lines again; Close writes everything buffered before it returns, unless
+// the destination takes nothing for maxLogClose, and Writes after Close go
+// straight to the destination. Not guaranteed: lines
 // buffered when the process dies without Close (a crash, SIGKILL) are lost;
 // at most the lines of the last write(2)'s duration.
 type asyncWriter struct {

@@ -187,3 +187,17 @@ func TestAsyncWriter_CloseDoesNotWaitForever(t *testing.T) {
 		t.Error("Close with the destination stuck = nil; want an error saying lines are lost")
 	}
 }
+
+// TestWriteBounded: the last error line of a process whose stderr nobody
+// reads does not keep it from exiting.
+func TestWriteBounded(t *testing.T) {
+	t.Parallel()
+	stuck := &gatedWriter{gate: make(chan struct{})}
+	defer close(stuck.gate)
+	writeBounded(stuck, "redfence: failed\n", 10*time.Millisecond) // returns
+	free := &gatedWriter{}
+	writeBounded(free, "redfence: failed\n", time.Minute)
+	if got := free.String(); got != "redfence: failed\n" {
+		t.Errorf("written %q", got)
+	}
+}

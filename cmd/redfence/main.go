@@ -41,9 +41,26 @@ func main() {
 	if err != nil {
 		var ee *exitError
 		if !errors.Is(err, errUsage) && !errors.As(err, &ee) {
-			fmt.Fprintln(os.Stderr, "redfence:", err)
+			writeBounded(os.Stderr, "redfence: "+err.Error()+"\n", time.Second)
 		}
 		os.Exit(exitCode(err))
+	}
+}
+
+// writeBounded writes s to w, waiting at most d: stderr may be a pipe that
+// nobody reads any more (a stuck log reader), which must not keep the
+// process from exiting.
+func writeBounded(w io.Writer, s string, d time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		_, _ = io.WriteString(w, s)
+		close(done)
+	}()
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-done:
+	case <-timer.C:
 	}
 }
 
