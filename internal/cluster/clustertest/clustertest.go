@@ -28,6 +28,13 @@ import (
 func Start(tb testing.TB, opts cluster.Options) *cluster.Cluster {
 	tb.Helper()
 	c, err := cluster.Start(tb.Context(), opts)
+	return closedAfter(tb, c, err)
+}
+
+// closedAfter fails tb on err, or else closes c in tb.Cleanup (failing tb
+// if that fails) and returns it.
+func closedAfter[T interface{ Close() error }](tb testing.TB, c T, err error) T {
+	tb.Helper()
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -63,15 +70,7 @@ func Redis(tb testing.TB, n int, opts cluster.RedisOptions) []*cluster.Redis {
 func Postgres(tb testing.TB) *cluster.Postgres {
 	tb.Helper()
 	pg, err := cluster.StartPostgres(tb.Context(), cluster.PostgresOptions{})
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() {
-		if err := pg.Close(); err != nil {
-			tb.Error(err)
-		}
-	})
-	return pg
+	return closedAfter(tb, pg, err)
 }
 
 // Database returns the URL of a fresh database named after tb.Name() on
