@@ -37,9 +37,9 @@ const maxLogClose = 5 * time.Second
 // then the count of lines dropped is reported (see onDrop) once it takes
 // lines again; Close writes everything buffered before it returns, unless
 // the destination takes nothing for maxLogClose, and Writes after Close go
-// straight to the destination. Not guaranteed: lines
-// buffered when the process dies without Close (a crash, SIGKILL) are lost;
-// at most the lines of the last write(2)'s duration.
+// straight to the destination. Not guaranteed: lines buffered when the
+// process dies without Close (a crash, SIGKILL) are lost; at most the lines
+// of the last write(2)'s duration.
 type asyncWriter struct {
 	w     io.Writer
 	limit int           // maxPendingLog; smaller in tests
@@ -96,23 +96,21 @@ func (a *asyncWriter) reportDropsTo(log *slog.Logger) {
 func (a *asyncWriter) Write(p []byte) (int, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if len(a.pending) >= a.limit && !a.stopped && !a.dropping {
-		timer := time.NewTimer(a.wait)
-		for len(a.pending) >= a.limit && !a.stopped && !a.dropping {
-			room := a.room
-			a.mu.Unlock()
-			select {
-			case <-room:
-				a.mu.Lock()
-				continue
-			case <-timer.C:
-			}
-			a.mu.Lock()
-			if len(a.pending) >= a.limit && !a.stopped {
-				a.dropping = true
-			}
+	var timer *time.Timer
+	for len(a.pending) >= a.limit && !a.stopped && !a.dropping {
+		if timer == nil {
+			timer = time.NewTimer(a.wait)
+			defer timer.Stop()
 		}
-		timer.Stop()
+		room := a.room
+		a.mu.Unlock()
+		select {
+		case <-room:
+			a.mu.Lock()
+		case <-timer.C:
+			a.mu.Lock()
+			a.dropping = len(a.pending) >= a.limit && !a.stopped
+		}
 	}
 	if a.stopped {
 		return a.w.Write(p)
