@@ -396,8 +396,9 @@ func (h *Handler) key(r *http.Request) (name, key string, err error) {
 		// them (as owners).
 		reason = "must not hold an API key, whole or cut short (rf_, a key id, _ and part of the secret: every reader of the lock is shown its name)"
 	}
-	if r.URL.RawQuery != "" {
-		// Closed, as the bodies are: a ttl_ms or a lock_token put in the
+	if r.URL.RawQuery != "" || r.URL.ForceQuery {
+		// Closed, as the bodies are (a bare "?" too: a client that
+		// meant to send a query and sent none): a ttl_ms or a lock_token put in the
 		// query would be ignored, and the request served as if it were
 		// not there. Its text is not echoed (it may hold a secret).
 		var bad badRequest
@@ -646,8 +647,17 @@ func decodeJSON(body []byte, v any) error {
 		}
 		name, _ := tok.(string)
 		var raw json.RawMessage
+		start := dec.InputOffset()
 		if err := dec.Decode(&raw); err != nil {
-			return malformedJSON(err)
+			if !tooDeep(err) {
+				return malformedJSON(err)
+			}
+			// encoding/json stops at 10,000 levels of nesting, inside this
+			// member's value: the member is at fault, and what follows it
+			// cannot be read.
+			bad.add(deepMember(t, name, body[start:]))
+			bad.unreadable = true
+			return bad.err()
 		}
 		i, known := jsonField(t, name)
 		if !known {
@@ -677,6 +687,35 @@ func decodeJSON(body []byte, v any) error {
 		bad.add("the body has data after the JSON object", InvalidParam{Name: "body", Reason: "trailing data"})
 	}
 	return bad.err()
+}
+
+// tooDeep reports whether err is encoding/json's refusal of a value nested
+// deeper than it reads.
+func tooDeep(err error) bool {
+	var se *json.SyntaxError
+	return errors.As(err, &se) && strings.Contains(se.Error(), "exceeded max depth")
+}
+
+// deepMember is the problem of member name of a body decoded into struct t,
+// whose value (the rest of the body, from just after the name) nests
+// arrays and objects deeper than encoding/json reads: free-form JSON (data)
+// is told its own limit, as a value past that limit but within
+// encoding/json's is.
+func deepMember(t reflect.Type, name string, rest []byte) (string, InvalidParam) {
+	i, known := jsonField(t, name)
+	if !known {
+		return unknownField(t, name)
+	}
+	reason := "must not nest arrays and objects 10000 levels deep or more"
+	if ft := t.Field(i).Type; ft != rawMessageType {
+		if ft.Kind() == reflect.Pointer {
+			ft = ft.Elem()
+		}
+		reason = fmt.Sprintf("must be %s, got an array or object nested 10000 levels deep or more", jsonType(ft.Kind().String()))
+	} else if de := (*refstore.DataError)(nil); errors.As(refstore.CheckJSON(rest), &de) {
+		reason = de.Reason
+	}
+	return fmt.Sprintf("field %q %s", name, reason), InvalidParam{Name: name, Reason: reason}
 }
 
 // malformedJSON is the answer to a body that is not one JSON text.

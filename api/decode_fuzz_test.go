@@ -188,3 +188,33 @@ func TestDecode_Charset(t *testing.T) {
 		}
 	}
 }
+
+// TestDecodeJSON_TooDeep: a member nested deeper than encoding/json reads
+// (10,000 levels) is named itself, not the body: free-form data with its
+// own limit's reason, a typed field with the type it must have, an unknown
+// member as unknown.
+func TestDecodeJSON_TooDeep(t *testing.T) {
+	deep := strings.Repeat("[", 10001) + strings.Repeat("]", 10001)
+	for _, tc := range []struct {
+		body string
+		v    any
+		name string
+		in   string
+	}{
+		{`{"fencing_token":1,"data":` + deep + `}`, &PutResourceRequest{}, "data", "levels deep"},
+		{`{"data":` + deep + `,"fencing_token":1}`, &PutResourceRequest{}, "data", "levels deep"},
+		{`{"ttl_ms":` + deep + `}`, &AcquireRequest{}, "ttl_ms", "must be an integer"},
+		{`{"owner":"a","bogus":` + deep + `}`, &AcquireRequest{}, "bogus", "unknown field"},
+	} {
+		var re *requestError
+		if err := decodeJSON([]byte(tc.body), tc.v); !errors.As(err, &re) || re.kind != kInvalid || len(re.params) != 1 ||
+			re.params[0].Name != tc.name || !strings.Contains(re.params[0].Reason, tc.in) {
+			t.Errorf("decode %.40q… = %v; want invalid naming %s (%q)", tc.body, err, tc.name, tc.in)
+		}
+	}
+	// Within encoding/json's limit the member is read, and judged by its
+	// own rules (data by the API's depth check).
+	if err := decodeJSON([]byte(`{"ttl_ms":`+strings.Repeat("[", 9000)+strings.Repeat("]", 9000)+`}`), &AcquireRequest{}); err == nil || !strings.Contains(err.Error(), "ttl_ms") {
+		t.Errorf("ttl_ms 9,000 levels deep: %v; want refused naming ttl_ms", err)
+	}
+}

@@ -791,7 +791,7 @@ func TestFastRoute(t *testing.T) {
 	paths := []string{
 		"/v1/locks/x", "/v1/locks/orders:invoice-7", "/v1/locks/", "/v1/locks", "/v1/locks/x/", "/v1/locks/x/extend",
 		"/v1/locks//x", "/v1/locks/a%2Fb", "/v1/locks/100%25", "/v1/locks/%C3%A9t%C3%A9", "/v1/locks/a%20b", "/v1/locks/%41", "/v1/locks/a%2541",
-		"/v1/locks/..", "/v1/locks/.", "/v1/lockss/x", "/V1/locks/x", "/v1/locks/x?ttl=1", "/v1/locks/" + strings.Repeat("n", 201),
+		"/v1/locks/..", "/v1/locks/.", "/v1/lockss/x", "/V1/locks/x", "/v1/locks/x?ttl=1", "/v1/locks/x?", "/v1/locks/" + strings.Repeat("n", 201),
 		"/v1/locks/bad!name", "/v1/resources/x", "/healthz", "/nope", "/v1/locks/x#f",
 	}
 	methods := []string{http.MethodPost, http.MethodDelete, http.MethodGet, http.MethodPut, http.MethodPatch, "post", "delete", "FOO"}
