@@ -10,8 +10,9 @@
 //	})
 //
 // Guarantees: a Lease's deadline is computed from the client's own send time
-// plus the server's validity_ms, on the monotonic clock, so it never lies
-// later than the server's view of the lease; Done() closes (and Context() is
+// plus the server's validity_ms, and has passed once the monotonic clock or
+// the wall clock says so (the monotonic one stops while the machine is
+// suspended), so it never lies later than the server's view of the lease; Done() closes (and Context() is
 // cancelled) as soon as a renewal learns the lease is lost, and at the latest
 // when the deadline (less LockOptions.Margin) passes without a renewal.
 // Errors match ErrHeld, ErrLost, ErrStale, ErrUnavailable, ... with errors.Is.
@@ -45,7 +46,9 @@ type Options struct {
 	// of http.DefaultTransport. A copy of it is used that follows no
 	// redirects: the API never redirects, and a redirect would carry the
 	// lock token (a secret) to wherever it points. A request that times
-	// out closes its transport's idle connections (one may be dead).
+	// out closes its transport's idle connections (one may be dead), so
+	// one without a Transport gets a clone of http.DefaultTransport, not
+	// the process-wide one.
 	HTTPClient *http.Client
 	// RequestTimeout bounds each request (an acquire's gets its wait on
 	// top, and no more than its TTL after the wait: an answer later than
@@ -71,6 +74,18 @@ type Options struct {
 type Client struct {
 	api  *rest.Client
 	opts Options
+	// wall reads the wall clock (tests move it as a suspend would); nil
+	// is time.Now.
+	wall func() time.Time
+}
+
+// wallNow is the wall-clock time, without a monotonic reading (so that
+// comparisons with it use the wall clock).
+func (c *Client) wallNow() time.Time {
+	if c.wall != nil {
+		return c.wall().Round(0)
+	}
+	return time.Now().Round(0)
 }
 
 // New returns a client for the Redfence server at baseURL
@@ -82,9 +97,12 @@ func New(baseURL string, opts Options) (*Client, error) {
 	// A transport of its own by default: a request that times out closes
 	// the idle connections of its client's transport (see exchange), which
 	// must not be every idle connection of the process.
-	hc := &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()}
+	hc := &http.Client{}
 	if opts.HTTPClient != nil {
 		*hc = *opts.HTTPClient
+	}
+	if hc.Transport == nil { // not http.DefaultTransport, the process's
+		hc.Transport = http.DefaultTransport.(*http.Transport).Clone()
 	}
 	hc.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 	opts.HTTPClient = hc

@@ -518,3 +518,47 @@ func TestAcquire_RetryAfterBeyondWait(t *testing.T) {
 		t.Errorf("%d acquires sent; want 1", n)
 	}
 }
+
+// TestClient_TimeoutKeepsOtherIdleConns: with Options.HTTPClient set to a
+// client without a Transport (&http.Client{Timeout: ...}, the usual way), a
+// request that times out closes the idle connections of the client's own
+// transport, not http.DefaultTransport's: every idle keep-alive connection
+// of the process, unrelated to Redfence.
+func TestClient_TimeoutKeepsOtherIdleConns(t *testing.T) {
+	var conns atomic.Int32
+	other := httptest.NewUnstartedServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {}))
+	other.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	other.Start()
+	defer other.Close()
+	get := func() {
+		t.Helper()
+		resp, err := http.Get(other.URL) // http.DefaultTransport
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	get()
+	get()
+	if n := conns.Load(); n != 1 {
+		t.Fatalf("%d connections before; want 1 reused", n)
+	}
+	hang := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() }))
+	defer hang.Close()
+	c, err := client.New(hang.URL, client.Options{HTTPClient: &http.Client{}, RequestTimeout: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.GetResource(t.Context(), "x"); err == nil {
+		t.Fatal("GetResource from a server that never answers = nil; want a timeout")
+	}
+	get()
+	if n := conns.Load(); n != 1 {
+		t.Errorf("a Redfence request timeout closed an idle connection of http.DefaultTransport (%d connections); want it kept", n)
+	}
+}

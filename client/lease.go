@@ -213,7 +213,7 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 		// the lease, or the lease outlasts MaxHold.
 		return refuse(err)
 	}
-	if !time.Now().Before(l.endAt()) {
+	if !l.live() {
 		// Granted, but its validity ran out before the answer arrived (a
 		// pause, a slow network): never handed out as held.
 		return refuse(fmt.Errorf("client: acquire %q: %w: the grant's validity ran out before its answer arrived (it was released)", name, ErrLost))
@@ -258,7 +258,8 @@ func (l *Lease) FencingToken() fencing.Token { return l.fencing }
 func (l *Lease) TTL() time.Duration { return l.ttl }
 
 // Deadline returns when the lease ends unless renewed: the send time of the
-// request that (re)granted it plus its validity_ms, on the monotonic clock.
+// request that (re)granted it plus its validity_ms. The lease has ended once
+// the monotonic clock or the wall clock says it passed (see live).
 func (l *Lease) Deadline() time.Time {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -279,7 +280,7 @@ func (l *Lease) Context() context.Context { return l.life }
 // the process, say).
 func (l *Lease) Err() error {
 	if l.life.Err() == nil {
-		if time.Now().Before(l.endAt()) {
+		if l.live() {
 			return nil
 		}
 		l.lose(fmt.Errorf("%w: the deadline passed", ErrLost))
@@ -304,6 +305,27 @@ func (l *Lease) interval() time.Duration {
 // endAt is when Done closes unless the lease is renewed first.
 func (l *Lease) endAt() time.Time { return l.Deadline().Add(-l.opts.Margin) }
 
+// live reports whether endAt is still ahead by both clocks. The monotonic
+// one is immune to clock steps but stops while the machine is suspended
+// (CLOCK_MONOTONIC on Linux), and the Redis nodes' expiry does not: after
+// an hour asleep only the wall clock knows the lease is long gone. A wall
+// clock stepped forward can only end a lease early.
+func (l *Lease) live() bool {
+	end := l.endAt()
+	return time.Now().Before(end) && l.c.wallNow().Before(end.Round(0))
+}
+
+// wallCheck bounds the time between two checks of a lease's deadline by the
+// watchdog, so that a lease that ran out during a suspend (see live) ends
+// within it of the resume, however long its deadline is by the monotonic
+// clock.
+const wallCheck = time.Second
+
+// untilCheck is when the watchdog looks at the deadline next.
+func (l *Lease) untilCheck() time.Duration {
+	return max(min(time.Until(l.endAt()), wallCheck), 0)
+}
+
 // lose ends the lease with err (matching ErrLost) unless it already ended.
 func (l *Lease) lose(err error) { l.end(err) }
 
@@ -327,7 +349,7 @@ func (l *Lease) Extend(ctx context.Context, ttl time.Duration) error {
 // watch renews the lease and ends it when it is lost or runs out.
 func (l *Lease) watch() {
 	defer close(l.watchdogRet)
-	expiry := time.NewTimer(time.Until(l.endAt()))
+	expiry := time.NewTimer(l.untilCheck())
 	defer expiry.Stop()
 	renew := time.NewTimer(l.untilRenewal())
 	defer renew.Stop()
@@ -344,8 +366,8 @@ func (l *Lease) watch() {
 		case <-l.life.Done():
 			return
 		case <-expiry.C:
-			if d := time.Until(l.endAt()); d > 0 { // Extend moved the deadline
-				expiry.Reset(d)
+			if l.live() { // not yet, or Extend moved the deadline
+				expiry.Reset(l.untilCheck())
 				continue
 			}
 			if lastErr != nil {
@@ -364,7 +386,7 @@ func (l *Lease) watch() {
 			switch {
 			case err == nil:
 				lastErr = nil
-				expiry.Reset(time.Until(l.endAt()))
+				expiry.Reset(l.untilCheck())
 				renew.Reset(l.untilRenewal())
 				if l.opts.OnRenew != nil {
 					l.opts.OnRenew(l.Deadline())

@@ -38,8 +38,9 @@ func (t Token) String() string { return strconv.FormatInt(int64(t), 10) }
 
 // MaxToken is the largest token Redfence's service issues, 2^53-1: every
 // JSON parser holds it exactly, JavaScript's (which reads numbers as
-// doubles) included. (Valid accepts any positive token: an Issuer may
-// have a larger range.)
+// doubles) included. Check, Guard and Require refuse larger tokens unless
+// given a larger maximum (CheckMax, Guard.Max, RequireOptions.Max): an
+// Issuer may have a larger range. Valid accepts any positive token.
 const MaxToken Token = 1<<53 - 1
 
 // Valid reports whether t could have been issued (t >= 1).
@@ -174,11 +175,19 @@ func SetHeader(h http.Header, t Token) { h.Set(Header, t.String()) }
 // Check applies the monotonic rule: it returns nil when got is valid and at
 // least as new as last (the newest token already applied; 0 for none), a
 // *StaleError (matching ErrStale) when it is older, and an error matching
-// ErrInvalid when it is not a token. Equal tokens are accepted so
-// one holder may write several times under one grant.
-func Check(last, got Token) error {
+// ErrInvalid when it is not a token Redfence issues (below 1 or above
+// MaxToken: once applied, such a token would refuse every real one after
+// it). Equal tokens are accepted so one holder may write several times
+// under one grant. CheckMax is Check for an Issuer with a wider range.
+func Check(last, got Token) error { return CheckMax(last, got, MaxToken) }
+
+// CheckMax is Check with max, not MaxToken, as the largest valid token.
+func CheckMax(last, got, max Token) error {
 	if !got.Valid() {
 		return fmt.Errorf("%w: %d", ErrInvalid, got)
+	}
+	if got > max {
+		return fmt.Errorf("%w: %d is above the largest token issued (%d)", ErrInvalid, got, max)
 	}
 	if got < last {
 		return &StaleError{Got: got, Current: last}
@@ -190,7 +199,11 @@ func Check(last, got Token) error {
 // atomically with recording it. It is safe for concurrent use. It is a building
 // block for single-process storage layers; a durable store must keep the last
 // token next to the data and compare in the same transaction as the write.
+// Its zero value is ready to use.
 type Guard struct {
+	// Max is the largest valid token; 0 means MaxToken. Set it before
+	// the first Apply.
+	Max  Token
 	mu   sync.Mutex
 	last map[string]Token
 }
@@ -205,7 +218,11 @@ func (g *Guard) Apply(key string, got Token, write func() error) error {
 	if g.last == nil {
 		g.last = make(map[string]Token)
 	}
-	if err := Check(g.last[key], got); err != nil {
+	limit := g.Max
+	if limit <= 0 {
+		limit = MaxToken
+	}
+	if err := CheckMax(g.last[key], got, limit); err != nil {
 		if se, ok := err.(*StaleError); ok {
 			se.Key = key
 			return se

@@ -92,7 +92,11 @@ func TestCheck(t *testing.T) {
 	}{
 		{"FirstEver", 0, 1, nil},
 		{"Newer", 5, 6, nil},
-		{"MuchNewer", 5, math.MaxInt64, nil},
+		{"MuchNewer", 5, MaxToken, nil},
+		// Above what Redfence issues: applied, it would refuse every real
+		// token after it.
+		{"AboveMaxToken", 5, MaxToken + 1, ErrInvalid},
+		{"Int64Max", 0, math.MaxInt64, ErrInvalid},
 		{"Equal", 5, 5, nil},
 		{"Older", 5, 4, ErrStale},
 		{"OlderByMuch", math.MaxInt64, 1, ErrStale},
@@ -214,6 +218,20 @@ func TestSetHeader(t *testing.T) {
 func TestGuard_Apply(t *testing.T) {
 	t.Parallel()
 
+	t.Run("WiderRange", func(t *testing.T) {
+		t.Parallel()
+		g := Guard{Max: math.MaxInt64} // an Issuer with a wider range
+		if err := g.Apply("k", MaxToken+1, nil); err != nil {
+			t.Errorf("Apply(MaxToken+1) with Max int64 = %v; want nil", err)
+		}
+		if err := g.Apply("k", MaxToken, nil); !errors.Is(err, ErrStale) {
+			t.Errorf("Apply(MaxToken) after MaxToken+1 = %v; want ErrStale", err)
+		}
+		if err := CheckMax(0, math.MaxInt64, math.MaxInt64); err != nil {
+			t.Errorf("CheckMax(0, max, max) = %v; want nil", err)
+		}
+	})
+
 	t.Run("Sequence", func(t *testing.T) {
 		t.Parallel()
 		var g Guard // the zero Guard is ready to use
@@ -228,12 +246,13 @@ func TestGuard_Apply(t *testing.T) {
 			last  Token
 		}{
 			{"a", 3, ok, nil, 3},
-			{"a", 3, ok, nil, 3},        // same holder writes again
-			{"a", 2, ok, ErrStale, 3},   // older
-			{"a", 0, ok, ErrInvalid, 3}, // invalid
-			{"a", 9, fail, writeErr, 3}, // failed write is not recorded
-			{"a", 4, nil, nil, 4},       // nil write only records
-			{"b", 1, ok, nil, 1},        // keys are independent
+			{"a", 3, ok, nil, 3},                   // same holder writes again
+			{"a", 2, ok, ErrStale, 3},              // older
+			{"a", 0, ok, ErrInvalid, 3},            // invalid
+			{"a", MaxToken + 1, ok, ErrInvalid, 3}, // never issued
+			{"a", 9, fail, writeErr, 3},            // failed write is not recorded
+			{"a", 4, nil, nil, 4},                  // nil write only records
+			{"b", 1, ok, nil, 1},                   // keys are independent
 			{"a", 1, ok, ErrStale, 4},
 		} {
 			called := false

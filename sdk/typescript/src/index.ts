@@ -184,6 +184,16 @@ const releasedReason = (name: string) =>
 /** Reasons that mean "released by its holder", not lost. */
 const released = new WeakSet<object>();
 
+/** A moment by both clocks: monotonic (performance.now()) and wall (Date.now()), in ms. */
+interface Instant {
+  mono: number;
+  wall: number;
+}
+
+function instant(): Instant {
+  return { mono: performance.now(), wall: Date.now() };
+}
+
 /**
  * Runs a request with a timeout and an optional caller's signal: the
  * signal is given to fetch, and the promise also settles when it aborts,
@@ -266,6 +276,7 @@ export class Lease {
   #rf: Redfence;
   #lockToken: string;
   #deadline: number; // performance.now() ms
+  #wallDeadline: number; // Date.now() ms
   #acquired: number;
   #opts: LockOptions;
   #abort = new AbortController();
@@ -277,23 +288,30 @@ export class Lease {
   #release: Promise<void> | undefined;
 
   /** @internal */
-  constructor(rf: Redfence, name: string, lockToken: string, g: Grant, sent: number, opts: LockOptions) {
+  constructor(rf: Redfence, name: string, lockToken: string, g: Grant, sent: Instant, opts: LockOptions) {
     this.#rf = rf;
     this.name = name;
     this.#lockToken = lockToken;
     this.fencingToken = g.fencing_token;
     this.owner = g.owner;
     this.ttlMs = g.ttl_ms;
-    this.#deadline = sent + g.validity_ms;
-    this.#acquired = sent;
+    this.#deadline = sent.mono + g.validity_ms;
+    this.#wallDeadline = sent.wall + g.validity_ms;
+    this.#acquired = sent.mono;
     this.#opts = opts;
     this.signal = this.#abort.signal;
     if (this.remainingMs > 0) this.#schedule();
   }
 
-  /** Milliseconds left until the deadline (send time + validity_ms); negative once passed. */
+  /**
+   * Milliseconds left until the deadline (send time + validity_ms); negative
+   * once passed by either clock: the monotonic one (performance.now()) stops
+   * while the machine is suspended, and the Redis nodes' expiry does not, so
+   * after a suspend only the wall clock (Date.now()) knows the lease ran out.
+   * A wall clock stepped forward can only end a lease early.
+   */
   get remainingMs(): number {
-    return this.#deadline - performance.now();
+    return Math.min(this.#deadline - performance.now(), this.#wallDeadline - Date.now());
   }
 
   /** The deadline as a wall-clock Date, for display. */
@@ -311,10 +329,19 @@ export class Lease {
     return !this.signal.aborted;
   }
 
-  #schedule(): void {
+  /**
+   * Arms the expiry timer: at the deadline, or in a second if that is
+   * later, so that a lease that ran out during a suspend (timers stop with
+   * the monotonic clock) ends within a second of the resume.
+   */
+  #armExpiry(): void {
     clearTimeout(this.#expiryTimer);
-    this.#expiryTimer = setTimeout(() => this.#expire(), Math.max(this.remainingMs, 0));
+    this.#expiryTimer = setTimeout(() => this.#expire(), Math.min(Math.max(this.remainingMs, 0), 1000));
     this.#expiryTimer.unref?.();
+  }
+
+  #schedule(): void {
+    this.#armExpiry();
     const fraction = this.#opts.renewFraction ?? 1 / 3;
     if (fraction <= 0) return;
     const renewIn = this.remainingMs - this.ttlMs * (1 - fraction);
@@ -328,7 +355,7 @@ export class Lease {
   #expire(): void {
     if (this.signal.aborted) return;
     if (this.remainingMs > 0) {
-      this.#schedule();
+      this.#armExpiry();
       return;
     }
     const last = this.#lastRenewError;
@@ -388,7 +415,7 @@ export class Lease {
   /** extend, its request bounded by limitMs (and by the lease's end). */
   async #extend(ttlMs: number, limitMs: number): Promise<void> {
     if (!this.held) throw this.signal.reason;
-    const sent = performance.now();
+    const sent = instant();
     const { data, error, response } = await bounded(
       (signal) => this.#rf.api.POST("/v1/locks/{name}/extend", {
         params: { path: { name: this.name }, header: { "Lock-Token": this.#lockToken } },
@@ -414,7 +441,8 @@ export class Lease {
     // It may have ended while the renewal was on its way (released, or
     // its deadline passed): the server's new lease is then nobody's.
     if (this.signal.aborted) throw this.signal.reason;
-    this.#deadline = sent + data.validity_ms;
+    this.#deadline = sent.mono + data.validity_ms;
+    this.#wallDeadline = sent.wall + data.validity_ms;
     this.#schedule();
   }
 
@@ -571,7 +599,7 @@ export class Redfence {
     if (ttlMs !== undefined) body.ttl_ms = ttlMs;
     if (waitMs !== undefined) body.wait_ms = waitMs;
     if (owner) body.owner = owner;
-    const sent = performance.now();
+    const sent = instant();
     const { data, error, response } = await bounded(
       (signal) => this.api.POST("/v1/locks/{name}", { params: { path: { name } }, body, signal }),
       // An answer later than the wait plus the TTL grants nothing that lasts.

@@ -100,6 +100,39 @@ test("lease.held turns false when the deadline passes, before the expiry timer r
   await lease.release().catch(() => undefined);
 });
 
+test("a lease whose deadline passed while the machine slept has ended: the wall clock knows, the monotonic one does not", async () => {
+  // A suspend stops performance.now() and the timers; the Redis nodes'
+  // expiry runs on. Here Date.now() jumps an hour and performance.now()
+  // does not: held is false at once, and a lease nobody asks ends within
+  // a second (the expiry timer looks at least that often), not at its
+  // monotonic deadline a minute away.
+  const { rf } = scripted((kind) => (kind === "acquire" ? grant(60_000) : noContent()));
+  const asked = await rf.acquire("n", { renewFraction: 0 });
+  const unasked = await rf.acquire("m", { renewFraction: 0 });
+  assert.equal(asked.held, true);
+  const realNow = Date.now;
+  Date.now = () => realNow() + 3_600_000;
+  try {
+    assert.equal(asked.held, false);
+    assert.equal(asked.signal.reason.kind, "lost");
+    assert.ok(asked.remainingMs < 0);
+    // The lease's timers do not hold the event loop open; this one does
+    // (and bounds a hang: the monotonic deadline is a minute away).
+    let hang;
+    const ended = await Promise.race([
+      new Promise((resolve) => unasked.signal.addEventListener("abort", () => resolve(true), { once: true })),
+      new Promise((resolve) => (hang = setTimeout(() => resolve(false), 30_000))),
+    ]);
+    clearTimeout(hang);
+    assert.ok(ended, "the unasked lease was still held 30 s after the resume");
+    assert.equal(unasked.signal.reason.kind, "lost");
+  } finally {
+    Date.now = realNow;
+  }
+  await asked.release().catch(() => undefined);
+  await unasked.release().catch(() => undefined);
+});
+
 test("withLock reports a lease whose deadline passed while fn ran as lost", async () => {
   const { rf } = scripted((kind) => (kind === "acquire" ? grant(150) : noContent()));
   await assert.rejects(
