@@ -58,4 +58,3 @@ func TestLease_EndsAfterSuspend(t *testing.T) {
 		t.Fatal("Done still open 30 s after the resume; want closed within wallCheck")
 	}
 }
-
