@@ -21,7 +21,8 @@ import (
 type CheckOptions struct {
 	// Exclusive states that the run's faults keep Redlock's timing
 	// assumptions, so no two grants of one name may overlap at all. Without
-	// it only overlaps outside every fault window are violations.
+	// it only overlaps outside every fault window of their name are
+	// violations.
 	Exclusive bool
 	// Windows are the fault windows of the run.
 	Windows []Window
@@ -49,15 +50,20 @@ type Result struct {
 	// granted or applied when they were sent; StaleAccepted those of them
 	// the store accepted.
 	StaleAttempted, StaleAccepted int
+	// BadRefusals counts stale-token refusals that name no newer token:
+	// current_fencing_token absent, equal to the write's token, or below a
+	// token granted before the write was sent.
+	BadRefusals int
 	// Tokens counts distinct tokens granted; Regressions the grants whose
 	// token was not above every token granted before it was asked for
 	// (including reuse).
 	Tokens, Regressions int
 	// ElemsAcked counts elements whose write was acknowledged; ElemsLost
-	// those missing from the final document.
-	ElemsAcked, ElemsLost int
+	// those missing from the final document. ElemsStray counts elements of
+	// final documents that no write appended, or only writes refused.
+	ElemsAcked, ElemsLost, ElemsStray int
 	// Overlaps counts pairs of grants of one name that were live at once;
-	// FaultFreeOverlaps those of them outside every fault window.
+	// FaultFreeOverlaps those of them outside every fault window of the name.
 	Overlaps, FaultFreeOverlaps int
 	// Linearizable is porcupine's verdict.
 	Linearizable porcupine.CheckResult
@@ -71,7 +77,8 @@ type Result struct {
 
 // OK reports whether the history kept every promise checked.
 func (r *Result) OK() bool {
-	return r.StaleAccepted == 0 && r.Regressions == 0 && r.ElemsLost == 0 &&
+	return r.StaleAccepted == 0 && r.BadRefusals == 0 && r.Regressions == 0 &&
+		r.ElemsLost == 0 && r.ElemsStray == 0 &&
 		r.FaultFreeOverlaps == 0 && (!r.exclusive || r.Overlaps == 0) &&
 		r.Linearizable == porcupine.Ok
 }
@@ -85,11 +92,17 @@ func (r *Result) Verdict() string {
 	if r.StaleAccepted > 0 {
 		what = append(what, "stale write")
 	}
+	if r.BadRefusals > 0 {
+		what = append(what, "wrong refusal")
+	}
 	if r.Regressions > 0 {
 		what = append(what, "token regression")
 	}
 	if r.ElemsLost > 0 {
 		what = append(what, "lost element")
+	}
+	if r.ElemsStray > 0 {
+		what = append(what, "stray element")
 	}
 	if r.FaultFreeOverlaps > 0 || (r.exclusive && r.Overlaps > 0) {
 		what = append(what, "overlap")
@@ -258,6 +271,9 @@ func (r *Result) checkName(name string, ops []Op, finals map[string][]string, o 
 		if op.Kind != Write {
 			continue
 		}
+		if op.Status == 409 && op.Problem == "stale-token" {
+			r.checkRefusal(name, op, granted.at(op.Call), v)
+		}
 		newest := max(granted.at(op.Call), written.at(op.Call))
 		if op.Token >= newest {
 			continue
@@ -280,7 +296,43 @@ func (r *Result) checkName(name string, ops []Op, finals map[string][]string, o 
 			v.add("element lost", "%q element %s written by %s with token %d (acknowledged) is not in the final document", name, w.Elem, w.Client, w.Token)
 		}
 	}
+	// Each element of the final document was appended by a write that was
+	// applied or may have been, never only by refused ones.
+	appendedBy := make(map[string]bool) // element: a write of it was not refused
+	for _, op := range ops {
+		if op.Kind == Write {
+			appendedBy[op.Elem] = appendedBy[op.Elem] || writeOutcome(op) != "refused"
+		}
+	}
+	for _, e := range finals[name] {
+		ok, sent := appendedBy[e]
+		switch {
+		case !sent:
+			r.ElemsStray++
+			v.add("stray element", "%q final document holds %s, which no write appended", name, e)
+		case !ok:
+			r.ElemsStray++
+			v.add("stray element", "%q final document holds %s, whose every write was refused", name, e)
+		}
+	}
 	r.overlaps(name, ops, grants, o, v)
+}
+
+// checkRefusal checks a write refused stale-token. Its current token is the
+// newest issued, so it is not the write's own (a write carrying the newest
+// token is applied) nor below floor, the newest token granted before the
+// write was sent (granted tokens are never withdrawn). It may be below the
+// write's token only when that token was never issued (a probe's).
+func (r *Result) checkRefusal(name string, op Op, floor int64, v *violations) {
+	switch {
+	case op.Current == nil:
+		r.BadRefusals++
+		v.add("wrong refusal", "%q write by %s with token %d refused stale-token without current_fencing_token", name, op.Client, op.Token)
+	case *op.Current == op.Token || *op.Current < floor:
+		r.BadRefusals++
+		v.add("wrong refusal", "%q write by %s with token %d refused stale-token naming %d as the newest token (newest granted before it was sent: %d)",
+			name, op.Client, op.Token, *op.Current, floor)
+	}
 }
 
 type lease struct {
@@ -289,8 +341,9 @@ type lease struct {
 }
 
 // overlaps counts pairs of grants of name live at once. A grant is live from
-// its response until the first of: its release was sent, an extend of it
-// that was refused as lost (409) was sent, its deadline (acquire or last
+// its response until the first of: its release was sent (the holder gave
+// it up), the answer to an extend of it refused as lost (409) arrived (the
+// holder learned of the loss no earlier), its deadline (acquire or last
 // successful extend sent + validity).
 func (r *Result) overlaps(name string, ops, grants []Op, o CheckOptions, v *violations) {
 	type key struct {
@@ -319,8 +372,11 @@ func (r *Result) overlaps(name string, ops, grants []Op, o CheckOptions, v *viol
 		if l == nil {
 			continue
 		}
-		if op.Kind == Release || (op.Kind == Extend && op.Status == 409) {
+		switch {
+		case op.Kind == Release:
 			l.end = min(l.end, op.Call)
+		case op.Kind == Extend && op.Status == 409:
+			l.end = min(l.end, op.Return)
 		}
 	}
 	slices.SortFunc(order, func(a, b *lease) int { return cmp64(a.start, b.start) })
@@ -336,7 +392,7 @@ func (r *Result) overlaps(name string, ops, grants []Op, o CheckOptions, v *viol
 				continue
 			}
 			r.Overlaps++
-			free := !inWindow(o.Windows, a.start, a.end) && !inWindow(o.Windows, b.start, b.end)
+			free := !inWindow(o.Windows, name, a.start, a.end) && !inWindow(o.Windows, name, b.start, b.end)
 			if free {
 				r.FaultFreeOverlaps++
 			}
@@ -348,9 +404,11 @@ func (r *Result) overlaps(name string, ops, grants []Op, o CheckOptions, v *viol
 	}
 }
 
-func inWindow(ws []Window, from, to int64) bool {
+// inWindow reports whether [from, to] meets a window of a fault that hit
+// name.
+func inWindow(ws []Window, name string, from, to int64) bool {
 	for _, w := range ws {
-		if from <= w.To && w.From <= to {
+		if (w.Name == "" || w.Name == name) && from <= w.To && w.From <= to {
 			return true
 		}
 	}

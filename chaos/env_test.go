@@ -617,11 +617,72 @@ func (e *env) check(l chaos.Link, exclusive bool) *chaos.Result {
 	return res
 }
 
-// requireOK fails the test with the checker's violations unless res is OK.
-func requireOK(t *testing.T, res *chaos.Result) {
+// requireOK fails the test with the checker's violations unless res is OK,
+// and unless the history holds a grant and at least minWrites acknowledged
+// writes: a history without them passes every check of the checker, as one
+// would whose store refused every write.
+func requireOK(t testing.TB, res *chaos.Result, minWrites int) {
 	t.Helper()
 	if !res.OK() {
 		t.Errorf("checker: %s\n  %s", res.Verdict(), strings.Join(res.Violations, "\n  "))
+	}
+	if res.Grants == 0 || res.ElemsAcked < minWrites {
+		t.Errorf("checker: %d grants, %d acknowledged writes (refusals: %v); want at least 1 and %d: the checks passed vacuously",
+			res.Grants, res.ElemsAcked, res.Refusals, minWrites)
+	}
+}
+
+// errorsTB records Errorf calls instead of failing the test.
+type errorsTB struct {
+	testing.TB
+	errs []string
+}
+
+func (r *errorsTB) Helper() {}
+
+func (r *errorsTB) Errorf(format string, args ...any) {
+	r.errs = append(r.errs, fmt.Sprintf(format, args...))
+}
+
+func TestRequireOK(t *testing.T) {
+	op := func(client string, kind chaos.Kind, call, status int, token int64) chaos.Op {
+		return chaos.Op{Client: client, Kind: kind, Name: "n", Call: int64(call), Return: int64(call + 5), Status: status, Token: token, ValidityMS: 1000}
+	}
+	refused := func(client string, call int, token, current int64, elem string) chaos.Op {
+		w := op(client, chaos.Write, call, http.StatusConflict, token)
+		w.Problem, w.Current, w.Elems, w.Elem = "stale-token", &current, []string{elem}, elem
+		return w
+	}
+	// A store that refuses every write, naming a newer token each time (a
+	// token burned meanwhile, as far as the checker can tell): every check
+	// passes.
+	refusing := []chaos.Op{
+		op("a", chaos.Acquire, 0, http.StatusCreated, 1), op("a", chaos.Read, 10, http.StatusNotFound, 0),
+		refused("a", 20, 1, 2, "a-1"), op("a", chaos.Release, 30, http.StatusNoContent, 1),
+		op("b", chaos.Acquire, 40, http.StatusCreated, 3), op("b", chaos.Read, 50, http.StatusNotFound, 0),
+		refused("b", 60, 3, 4, "b-1"), op("b", chaos.Release, 70, http.StatusNoContent, 3),
+	}
+	for _, c := range []struct {
+		name      string
+		ops       []chaos.Op
+		minWrites int
+		fail      bool
+	}{
+		{"EveryWriteRefused", refusing, 1, true},
+		{"NothingGranted", []chaos.Op{op("a", chaos.Acquire, 0, http.StatusConflict, 0)}, 0, true},
+		{"NoWritesByDesign", refusing[:1], 0, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			res := chaos.Check(c.ops, map[string][]string{"n": nil}, chaos.CheckOptions{Exclusive: true})
+			if !res.OK() {
+				t.Fatalf("Check = %s %v; want OK (the history is vacuous, not wrong)", res.Verdict(), res.Violations)
+			}
+			tb := &errorsTB{TB: t}
+			requireOK(tb, res, c.minWrites)
+			if failed := len(tb.errs) > 0; failed != c.fail {
+				t.Errorf("requireOK(%d grants, %d acknowledged writes, min %d) failed = %v %q; want %v", res.Grants, res.ElemsAcked, c.minWrites, failed, tb.errs, c.fail)
+			}
+		})
 	}
 }
 

@@ -10,9 +10,11 @@
 // granted before it; a write is applied only with the newest token; a read
 // sees the last applied write); and directly, that tokens are unique and
 // increasing per name, that no stale write (a token below one already
-// granted or applied) was accepted, that no acknowledged element is missing
-// from the final documents, and that no two grants of one name overlap in
-// time outside fault windows (or at all, when the faults keep Redlock's
+// granted or applied) was accepted, that every stale-token refusal names a
+// newer token than the write's, that no acknowledged element is missing
+// from the final documents and every element in them was appended by a write
+// not refused, and that no two grants of one name overlap in time outside
+// the fault windows of that name (or at all, when the faults keep Redlock's
 // timing assumptions).
 //
 // Not covered: the checker sees only what clients saw. A token burned by a
@@ -72,6 +74,9 @@ type Op struct {
 	Elem string `json:"elem,omitempty"`
 	// Found reports that a read found the document.
 	Found bool `json:"found,omitempty"`
+	// Current is the current_fencing_token of a stale-token refusal: the
+	// newest token issued for the name, as the store saw it (nil: absent).
+	Current *int64 `json:"current,omitempty"`
 	// Nodes is each node's outcome in a problem's nodes member
 	// ("yes,no,timeout,..."), in node order.
 	Nodes string `json:"nodes,omitempty"`
@@ -118,7 +123,9 @@ func (h *History) Ops() []Op {
 // Window is a time span [From, To] in Unix nanoseconds during which a fault
 // was active (or its effects could last).
 type Window struct {
-	Kind     string
+	Kind string
+	// Name is the only name the fault hit; "" means every name.
+	Name     string
 	From, To int64
 }
 
@@ -133,6 +140,11 @@ type Faults struct {
 // Begin records the start of a fault of kind; the returned func records its
 // end, extended by linger (how long its effects may outlast it).
 func (f *Faults) Begin(kind string, linger time.Duration) (end func()) {
+	return f.BeginOn(kind, "", linger)
+}
+
+// BeginOn is Begin for a fault that hits only name.
+func (f *Faults) BeginOn(kind, name string, linger time.Duration) (end func()) {
 	from := Now()
 	f.mu.Lock()
 	if f.counts == nil {
@@ -144,7 +156,7 @@ func (f *Faults) Begin(kind string, linger time.Duration) (end func()) {
 	return func() {
 		once.Do(func() {
 			f.mu.Lock()
-			f.windows = append(f.windows, Window{Kind: kind, From: from, To: Now() + int64(linger)})
+			f.windows = append(f.windows, Window{Kind: kind, Name: name, From: from, To: Now() + int64(linger)})
 			f.mu.Unlock()
 		})
 	}

@@ -66,6 +66,7 @@ type response struct {
 	problem    string
 	nodes      string
 	retryAfter string
+	current    *int64
 	body       []byte
 	err        error
 }
@@ -105,13 +106,14 @@ func (c *Client) do(ctx context.Context, l Link, method, path string, hdr http.H
 	r := response{status: resp.StatusCode, body: data, retryAfter: resp.Header.Get("Retry-After")}
 	if resp.StatusCode >= 300 {
 		var p struct {
-			Type  string `json:"type"`
-			Nodes []struct {
+			Type    string `json:"type"`
+			Current *int64 `json:"current_fencing_token"`
+			Nodes   []struct {
 				Outcome string `json:"outcome"`
 			} `json:"nodes"`
 		}
 		if json.Unmarshal(data, &p) == nil {
-			r.problem = strings.TrimPrefix(p.Type, problemPrefix)
+			r.problem, r.current = strings.TrimPrefix(p.Type, problemPrefix), p.Current
 			outcomes := make([]string, len(p.Nodes))
 			for i, n := range p.Nodes {
 				outcomes[i] = n.Outcome
@@ -124,7 +126,7 @@ func (c *Client) do(ctx context.Context, l Link, method, path string, hdr http.H
 
 func (c *Client) finish(op Op, r response) Op {
 	op.Return = Now()
-	op.Status, op.Problem, op.Nodes, op.RetryAfter = r.status, r.problem, r.nodes, r.retryAfter
+	op.Status, op.Problem, op.Nodes, op.RetryAfter, op.Current = r.status, r.problem, r.nodes, r.retryAfter, r.current
 	if r.err != nil {
 		op.Err = r.err.Error()
 	}
