@@ -33,9 +33,11 @@ build:
 dev: deps build
 	./$(BIN) dev $(ARGS)
 
-## test:      full suite: go vet + go test -race (extra flags via TESTFLAGS=...), then test-ts
+## test:      full suite: go vet (also for macOS; Windows builds of the libraries) + go test -race (extra flags via TESTFLAGS=...), then test-ts
 test: deps
 	go vet ./...
+	GOOS=darwin GOARCH=arm64 go vet ./...
+	GOOS=windows go build ./client/ ./client/rest/ ./fencing/ ./service/ ./api/ ./store/
 	go test -race -count=1 -timeout 20m $(TESTFLAGS) ./...
 	$(MAKE) --no-print-directory test-ts
 

@@ -436,7 +436,7 @@ func (e *env) startProc(cfg serverConfig) *proc {
 func (s *proc) start() error {
 	cmd := exec.Command(s.bin, "serve")
 	cmd.Env = append(append(os.Environ(), s.env...), "REDFENCE_LISTEN_ADDR="+s.Addr())
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = testutil.KillWithParent(&syscall.SysProcAttr{Setpgid: true})
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		return err

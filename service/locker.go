@@ -136,7 +136,8 @@ type Options struct {
 	DriftFactor float64
 	// MinTTL is the shortest TTL accepted. The default is 100ms.
 	MinTTL time.Duration
-	// MaxTTL bounds every TTL and extension. The default is 60s.
+	// MaxTTL bounds every TTL and extension: at most 24h. The default is
+	// 60s.
 	MaxTTL time.Duration
 	// MaxWait bounds how long Acquire may wait for a held lock. The default is 60s.
 	MaxWait time.Duration
@@ -394,6 +395,9 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 	}
 	if opts.MinTTL > opts.MaxTTL {
 		return nil, fmt.Errorf("service: min TTL %v above max TTL %v", opts.MinTTL, opts.MaxTTL)
+	}
+	if opts.MaxTTL > maxMaxTTL {
+		return nil, fmt.Errorf("service: max TTL %v above %v", opts.MaxTTL, maxMaxTTL)
 	}
 	members := make([]*member, len(nodes))
 	for i, n := range nodes {
@@ -819,6 +823,10 @@ func newEpoch() (string, error) {
 	}
 	return base64.RawURLEncoding.EncodeToString(b[:]), nil
 }
+
+// maxMaxTTL bounds MaxTTL: the extend script packs two leases into one
+// integer (see extendScript).
+const maxMaxTTL = 24 * time.Hour
 
 // quarantineFor is how long a node that lost its memory is not counted: every
 // lease it may have held ends within MaxTTL (TTLs and extensions are bounded
@@ -2056,13 +2064,14 @@ func (l *Locker) quarantineRetryAfter(t *tally) time.Duration {
 // ttl from now (a renewal never shortens a lease). It succeeds only if the
 // grant's token was the newest issued for key when Extend began, and a
 // majority renewed within the new validity (which no newer grant can follow
-// on: see below); the fencing token stays the same. On ErrLost the client
-// must acquire anew: after a round that a majority refused, the partial
-// renewals are deleted again (the lock is gone); when a newer token exists
-// (the grant is fenced out), nothing is deleted and the lease runs until its
-// old deadline or its release, so no other client wins the name while this
-// one may still be at work. On any other error the lease runs at least until
-// its old deadline.
+// on: see below); the fencing token stays the same. A node that lost its
+// memory (its marker) does not count. On ErrLost the client must acquire
+// anew: after a round that a majority refused, the nodes that renewed get
+// their earlier lease back (see undoRenewals); when a newer token exists
+// (the grant is fenced out), nothing is touched. Either way the lease runs
+// on those nodes until its old deadline or its release, so no other client
+// wins the name there while this one may still be at work. On any other
+// error the lease runs at least until its old deadline.
 func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duration) (*Grant, error) {
 	if err := l.CheckTTL(ttl); err != nil {
 		return nil, err
@@ -2099,14 +2108,19 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Cause: err}
 	}
 	start := l.opts.Now()
-	votes, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, _ int, n Node) (bool, time.Duration, error) {
-		lease, err := n.Extend(ctx, rkey, token, ttl)
+	// prev[i]: the lease node i had before it renewed (when it did).
+	prev := make([]time.Duration, len(l.nodes))
+	votes, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {
+		epoch, _ := l.members[i].state()
+		lease, before, err := n.Extend(ctx, rkey, token, ttl, epoch)
+		l.noteLoss(i, epoch, err)
+		prev[i] = before
 		return lease > 0, lease, err
 	}}, nil, l.decided)
 	t := l.collect(votes)
 	lost := func(cause error) (*Grant, error) {
 		l.drain(t, votes)
-		l.releaseAll(ctx, rkey, token, true)
+		l.undoRenewals(ctx, rkey, token, t, prev)
 		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Nodes: t.results, Cause: cause}
 	}
 	if t.yes < l.quorum {
@@ -2125,6 +2139,31 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		return lost(errors.New("renewal took longer than the lease"))
 	}
 	return &Grant{Key: key, Token: token, Fencing: rec.Token, TTL: ttl, Start: start, Expires: expires, Owner: rec.Owner, DriftFactor: l.opts.DriftFactor}, nil
+}
+
+// undoRenewals puts back, on every node that renewed key for token in a
+// failed extend (t, every answer in), the lease it had before (prev):
+// deleting the key instead would free the name on those nodes before the
+// deadline the lease's client was given, and the majority that refused may
+// be wrong (a node that evicted the key, or lost it and is not known to
+// have yet). A node whose answer did not come keeps what it may have
+// renewed, which only keeps the name from others longer. It waits for
+// every answer, each within NodeTimeout.
+func (l *Locker) undoRenewals(ctx context.Context, rkey, token string, t *tally, prev []time.Duration) {
+	var wg sync.WaitGroup
+	for i, r := range t.results {
+		if r.Err != nil || r.Remaining <= prev[i] {
+			continue // no answer, or not renewed (a quarantined node's counts)
+		}
+		wg.Go(func() {
+			cctx, cancel := l.cleanupContext(ctx)
+			defer cancel()
+			if _, err := l.nodes[i].Restore(cctx, rkey, token, prev[i]); err != nil {
+				l.opts.Logger.Warn("restoring a lease after a failed extend", slog.String("node", l.nodes[i].Addr()), slog.String("error", err.Error()))
+			}
+		})
+	}
+	wg.Wait()
 }
 
 // keyToken is a Redis key and a lock token.

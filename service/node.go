@@ -33,8 +33,15 @@ type Node interface {
 	Mark(ctx context.Context, epoch string, replace bool) (bool, error)
 	// Extend renews key to at least ttl from now (never shorter than it
 	// is) if key holds token. It returns the lease the key has from now on
-	// (at least ttl), or 0 if key does not hold token.
-	Extend(ctx context.Context, key, token string, ttl time.Duration) (time.Duration, error)
+	// (at least ttl) and the one it had before, or 0 and 0 if key does not
+	// hold token. If epoch is not empty, it first checks, atomically with
+	// the renewal, that the node still holds epoch as its marker, and
+	// returns ErrMemoryLost if not.
+	Extend(ctx context.Context, key, token string, ttl time.Duration, epoch string) (lease, prev time.Duration, err error)
+	// Restore shortens key's lease to at most lease from now if key holds
+	// token (it undoes a renewal that failed elsewhere), and reports
+	// whether key held token.
+	Restore(ctx context.Context, key, token string, lease time.Duration) (bool, error)
 	// Release deletes key if it holds token, and reports whether it did.
 	Release(ctx context.Context, key, token string) (bool, error)
 	// TTL returns key's remaining TTL, or 0 if key does not exist.
@@ -104,15 +111,28 @@ if t < 1 then return 1 end
 return t`)
 	// extendScript: compare-and-pexpire; never creates the key and never
 	// shortens its lease (a renewal that failed elsewhere must not cut short
-	// the deadline its client still relies on). It returns the lease in
-	// milliseconds from now (at least ARGV[2]), or 0 if the key does not
-	// hold the token.
+	// the deadline its client still relies on). With an epoch (ARGV[3]),
+	// first check the node's marker (KEYS[2]): -1 means the node lost its
+	// memory. It returns the lease in milliseconds from now (at least
+	// ARGV[2]) and the one before in units of 4 ms rounded up, as
+	// lease * 2^25 + before (exact in a Lua number, a double: leases are at
+	// most a day, under 2^27 ms), or 0 if the key does not hold the token.
 	extendScript = newLuaScript(`
+if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[3] then return -1 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local ttl = tonumber(ARGV[2])
 local t = redis.call('PTTL', KEYS[1])
-if t < ttl then redis.call('PEXPIRE', KEYS[1], ttl) return ttl end
-return t`)
+if t < 0 then t = 0 end
+local lease = t
+if t < ttl then redis.call('PEXPIRE', KEYS[1], ttl) lease = ttl end
+return lease * 33554432 + math.ceil(t / 4)`)
+	// restoreScript: compare-and-shorten: if the key holds the token and
+	// its lease is longer than ARGV[2] ms, set it to ARGV[2] (a positive
+	// number); 1 if the key held the token.
+	restoreScript = newLuaScript(`
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.call('PTTL', KEYS[1]) > tonumber(ARGV[2]) then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 1`)
 	// adoptScript: carry a node's marker over from the legacy key (KEYS[1])
 	// to its per-address key (KEYS[2]) if it has none there and the legacy
 	// one holds the epoch ARGV[1]: 1 if it did.
@@ -231,9 +251,7 @@ func dialer(opts RedisOptions) func(ctx context.Context, network, addr string) (
 		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 30 * time.Second, Interval: 5 * time.Second, Count: 3},
 		Control: func(_, _ string, c syscall.RawConn) error {
 			var serr error
-			if err := c.Control(func(fd uintptr) {
-				serr = syscall.SetsockoptLinger(int(fd), syscall.SOL_SOCKET, syscall.SO_LINGER, &syscall.Linger{Onoff: 1, Linger: 0})
-			}); err != nil {
+			if err := c.Control(func(fd uintptr) { serr = lingerZero(fd) }); err != nil {
 				return err
 			}
 			return serr
@@ -524,12 +542,33 @@ func (n *RedisNode) Mark(ctx context.Context, epoch string, replace bool) (bool,
 }
 
 // Extend implements Node.
-func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Duration) (time.Duration, error) {
-	v, err := n.eval(ctx, extendScript, &scriptArgs{keys: []any{key}, argv: []any{token, ttl.Milliseconds()}}, nil)
+func (n *RedisNode) Extend(ctx context.Context, key, token string, ttl time.Duration, epoch string) (lease, prev time.Duration, err error) {
+	v, err := n.eval(ctx, extendScript, &scriptArgs{keys: []any{key}, marker: true, argv: []any{token, ttl.Milliseconds()}}, epoch)
+	return extendResult(v, err)
+}
+
+// extendPack is the factor that packs the extend script's two leases into
+// one integer (see extendScript).
+const extendPack = 1 << 25
+
+// extendResult interprets the extend script's answer.
+func extendResult(v int64, err error) (lease, prev time.Duration, _ error) {
 	if err != nil {
-		return 0, fmt.Errorf("extend: %w", err)
+		return 0, 0, fmt.Errorf("extend: %w", err)
 	}
-	return time.Duration(v) * time.Millisecond, nil
+	if v < 0 {
+		return 0, 0, ErrMemoryLost
+	}
+	return time.Duration(v/extendPack) * time.Millisecond, time.Duration(v%extendPack) * 4 * time.Millisecond, nil
+}
+
+// Restore implements Node.
+func (n *RedisNode) Restore(ctx context.Context, key, token string, lease time.Duration) (bool, error) {
+	v, err := n.eval(ctx, restoreScript, &scriptArgs{keys: []any{key}, argv: []any{token, max(lease.Milliseconds(), 1)}}, nil)
+	if err != nil {
+		return false, fmt.Errorf("restore: %w", err)
+	}
+	return v == 1, nil
 }
 
 // Release implements Node.

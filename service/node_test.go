@@ -34,29 +34,59 @@ func TestRedisNode_ExtendNeverShortens(t *testing.T) {
 		}
 		return d
 	}
-	if lease, err := n.Extend(ctx, "k", "tok", time.Second); err != nil || lease < 30*time.Second || lease > time.Minute {
-		t.Fatalf("Extend to 1s = %v, %v; want the lease kept, about a minute (the key holds the token)", lease, err)
+	if lease, prev, err := n.Extend(ctx, "k", "tok", time.Second, ""); err != nil || lease < 30*time.Second || lease > time.Minute || prev < lease || prev >= lease+4*time.Millisecond {
+		t.Fatalf("Extend to 1s = %v (before: %v), %v; want the lease kept, about a minute, and the same before (rounded up to 4 ms)", lease, prev, err)
 	}
 	if d := pttl(); d < 30*time.Second {
 		t.Errorf("after a shorter renewal the lease has %v left; want about a minute", d)
 	}
-	if lease, err := n.Extend(ctx, "k", "tok", 10*time.Minute); err != nil || lease != 10*time.Minute {
-		t.Fatalf("Extend to 10m = %v, %v; want 10m", lease, err)
+	if lease, prev, err := n.Extend(ctx, "k", "tok", 10*time.Minute, ""); err != nil || lease != 10*time.Minute || prev < 30*time.Second || prev > time.Minute {
+		t.Fatalf("Extend to 10m = %v (before: %v), %v; want 10m, about a minute before", lease, prev, err)
 	}
 	if d := pttl(); d < 5*time.Minute {
 		t.Errorf("after a longer renewal the lease has %v left; want about 10 minutes", d)
 	}
-	if lease, err := n.Extend(ctx, "k", "other", time.Hour); err != nil || lease != 0 {
-		t.Errorf("Extend with another token = %v, %v; want 0", lease, err)
+	if lease, prev, err := n.Extend(ctx, "k", "other", time.Hour, ""); err != nil || lease != 0 || prev != 0 {
+		t.Errorf("Extend with another token = %v, %v, %v; want 0", lease, prev, err)
 	}
 	if d := pttl(); d > 11*time.Minute {
 		t.Errorf("another token's renewal changed the lease to %v", d)
 	}
-	if lease, err := n.Extend(ctx, "absent", "tok", time.Hour); err != nil || lease != 0 {
+	if lease, _, err := n.Extend(ctx, "absent", "tok", time.Hour, ""); err != nil || lease != 0 {
 		t.Errorf("Extend of a missing key = %v, %v; want 0", lease, err)
 	}
 	if n, err := admin.Exists(ctx, "absent").Result(); err != nil || n != 0 {
 		t.Errorf("Extend created a key: EXISTS = %d, %v", n, err)
+	}
+	// Restore shortens, never lengthens, and only the token's key.
+	if ok, err := n.Restore(ctx, "k", "other", time.Second); err != nil || ok {
+		t.Errorf("Restore with another token = %v, %v; want false", ok, err)
+	}
+	if ok, err := n.Restore(ctx, "k", "tok", time.Hour); err != nil || !ok {
+		t.Errorf("Restore to an hour = %v, %v; want true", ok, err)
+	}
+	if d := pttl(); d > 10*time.Minute {
+		t.Errorf("Restore lengthened the lease to %v", d)
+	}
+	if ok, err := n.Restore(ctx, "k", "tok", 30*time.Second); err != nil || !ok {
+		t.Errorf("Restore to 30s = %v, %v; want true", ok, err)
+	}
+	if d := pttl(); d > 30*time.Second || d < 20*time.Second {
+		t.Errorf("after Restore to 30s the lease has %v left", d)
+	}
+	// A node without the marker it was given (it lost its memory): the
+	// renewal is refused as such, and changes nothing.
+	if ok, err := n.Mark(ctx, "e1", true); err != nil || !ok {
+		t.Fatalf("Mark = %v, %v", ok, err)
+	}
+	if lease, _, err := n.Extend(ctx, "k", "tok", 5*time.Minute, "e1"); err != nil || lease != 5*time.Minute {
+		t.Errorf("Extend with the node's epoch = %v, %v; want 5m", lease, err)
+	}
+	if lease, _, err := n.Extend(ctx, "k", "tok", 8*time.Minute, "e2"); !errors.Is(err, ErrMemoryLost) || lease != 0 {
+		t.Errorf("Extend with another epoch = %v, %v; want ErrMemoryLost", lease, err)
+	}
+	if d := pttl(); d > 5*time.Minute {
+		t.Errorf("a refused renewal changed the lease to %v", d)
 	}
 }
 

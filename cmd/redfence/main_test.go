@@ -543,7 +543,7 @@ func startServe(t *testing.T, env ...string) *serveProc {
 	)
 	cmd.Env = append(cmd.Env, env...)
 	// The kernel kills the server if the test binary dies.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = testutil.KillWithParent(nil)
 	var stdout bytes.Buffer
 	cmd.Stdout = &stdout
 	stderrPipe, err := cmd.StderrPipe()

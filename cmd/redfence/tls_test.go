@@ -20,7 +20,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -334,7 +333,7 @@ func startTLSRedis(t testing.TB, dir string, ca *testCA) string {
 		"--tls-auth-clients", "yes", "--save", "", "--appendonly", "no", "--dir", dir)
 	var out testutil.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = testutil.KillWithParent(nil)
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("redis-server: %v", err)
 	}

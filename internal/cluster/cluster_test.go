@@ -13,7 +13,6 @@ import (
 
 	"github.com/redfence/redfence/internal/cluster"
 	"github.com/redfence/redfence/internal/cluster/clustertest"
-	"github.com/redfence/redfence/internal/testutil"
 )
 
 func newClient(t *testing.T, addr string) *redis.Client {
@@ -77,33 +76,6 @@ func TestRedis_PauseResume(t *testing.T) {
 	}
 	if err := ping(t, c1, time.Second); err != nil {
 		t.Fatalf("PING after Resume: %v", err)
-	}
-}
-
-// The kernel sends a server its death signal when the thread that started
-// it ends, and the Go runtime ends the thread of a goroutine that exits
-// locked to it (as `redfence lock` does). A server started from such a
-// goroutine must live on.
-// A server started from a goroutine that then exits locked to its thread
-// (ending the thread, as the runtime does) must live on.
-func TestRedis_OutlivesStartingThread(t *testing.T) {
-	t.Parallel()
-	var r *cluster.Redis
-	var err error
-	testutil.OnEndingThread(t, func() { r, err = cluster.StartRedis(t.Context(), cluster.RedisOptions{}) })
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := r.Close(); err != nil {
-			t.Error(err)
-		}
-	})
-	if err := ping(t, newClient(t, r.Addr()), 5*time.Second); err != nil {
-		t.Errorf("PING after the starting thread ended: %v; want PONG", err)
-	}
-	if !r.Running() {
-		t.Error("Running() = false after the starting thread ended; want true")
 	}
 }
 

@@ -1,0 +1,8 @@
+package service
+
+import "syscall"
+
+// lingerZero sets SO_LINGER 0 on the socket fd (see dialer).
+func lingerZero(fd uintptr) error {
+	return syscall.SetsockoptLinger(syscall.Handle(fd), syscall.SOL_SOCKET, syscall.SO_LINGER, &syscall.Linger{Onoff: 1, Linger: 0})
+}
