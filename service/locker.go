@@ -2118,15 +2118,11 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 		return lease > 0, lease, err
 	}}, nil, l.decided)
 	t := l.collect(votes)
-	lost := func(cause error) (*Grant, error) {
-		l.drain(t, votes)
-		l.undoRenewals(ctx, rkey, token, t, prev)
-		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Nodes: t.results, Cause: cause}
-	}
 	if t.yes < l.quorum {
 		l.drain(t, votes) // decide on every node's answer, each within NodeTimeout
 		if l.refused(t) {
-			return lost(nil)
+			l.undoRenewals(ctx, rkey, token, t, prev)
+			return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Nodes: t.results}
 		}
 		return nil, &Error{Op: "extend", Key: key, Err: ErrQuorum, Nodes: t.results, Cause: nodeErrors(t.results)}
 	}
@@ -2136,14 +2132,21 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	lease := l.majorityLease(t)
 	expires := start.Add(lease - l.drift(lease))
 	if !l.opts.Now().Before(expires) {
-		return lost(errors.New("renewal took longer than the lease"))
+		// The renewed keys run out about now (within the drift allowance):
+		// they are left as they are. Shortening them back could cut short
+		// the lease of a renewal of the same token that succeeded meanwhile
+		// (through another server, while this one stalled).
+		l.drain(t, votes)
+		return nil, &Error{Op: "extend", Key: key, Err: ErrLost, Nodes: t.results, Cause: errors.New("renewal took longer than the lease")}
 	}
 	return &Grant{Key: key, Token: token, Fencing: rec.Token, TTL: ttl, Start: start, Expires: expires, Owner: rec.Owner, DriftFactor: l.opts.DriftFactor}, nil
 }
 
-// undoRenewals puts back, on every node that renewed key for token in a
-// failed extend (t, every answer in), the lease it had before (prev):
-// deleting the key instead would free the name on those nodes before the
+// undoRenewals puts back, on every node that renewed key for token in an
+// extend a majority refused (t, every answer in), the lease it had before
+// (prev). No renewal of the same token can have succeeded meanwhile: it
+// would have needed the key on a majority, and keys are never recreated.
+// Deleting the key instead would free the name on those nodes before the
 // deadline the lease's client was given, and the majority that refused may
 // be wrong (a node that evicted the key, or lost it and is not known to
 // have yet). A node whose answer did not come keeps what it may have

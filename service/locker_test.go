@@ -1559,3 +1559,38 @@ func TestLocker_ExtendAfterOneNodeLostTheKey(t *testing.T) {
 		}
 	})
 }
+
+// TestLocker_ExtendSlowerThanTheLease: a renewal whose round took longer
+// than the lease it got answers ErrLost, and leaves the renewed keys as they
+// are (they run out about now): shortening them back could cut short a
+// renewal of the same token that succeeded meanwhile through another server.
+func TestLocker_ExtendSlowerThanTheLease(t *testing.T) {
+	ctx := context.Background()
+	clk := &clock{t: time.Unix(1000, 0)}
+	ns, ms := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{Now: clk.Now, NodeTimeout: time.Minute})
+	g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	settle(ms)
+	for _, m := range ms {
+		m.hook = func(_ context.Context, op string) error {
+			if op == "extend" {
+				clk.Advance(time.Second) // each answer takes the whole lease
+			}
+			return nil
+		}
+	}
+	if _, err := l.Extend(ctx, key, g.Token, 2*time.Second); !errors.Is(err, ErrLost) {
+		t.Fatalf("extend = %v; want ErrLost (the round took longer than the lease)", err)
+	}
+	for i, m := range ms {
+		m.mu.Lock()
+		v, ttl := m.vals[rkey], m.ttl[rkey]
+		m.mu.Unlock()
+		if v != g.Token || ttl != 2*time.Second {
+			t.Errorf("node%d after the slow extend: %q for %v; want the key as renewed (2s)", i, v, ttl)
+		}
+	}
+}
