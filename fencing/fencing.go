@@ -181,8 +181,12 @@ func SetHeader(h http.Header, t Token) { h.Set(Header, t.String()) }
 // under one grant. CheckMax is Check for an Issuer with a wider range.
 func Check(last, got Token) error { return CheckMax(last, got, MaxToken) }
 
-// CheckMax is Check with max, not MaxToken, as the largest valid token.
+// CheckMax is Check with max, not MaxToken, as the largest valid token (0
+// or less means MaxToken, as in Guard.Max and RequireOptions.Max).
 func CheckMax(last, got, max Token) error {
+	if max <= 0 {
+		max = MaxToken
+	}
 	if !got.Valid() {
 		return fmt.Errorf("%w: %d", ErrInvalid, got)
 	}

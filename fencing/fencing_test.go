@@ -230,6 +230,12 @@ func TestGuard_Apply(t *testing.T) {
 		if err := CheckMax(0, math.MaxInt64, math.MaxInt64); err != nil {
 			t.Errorf("CheckMax(0, max, max) = %v; want nil", err)
 		}
+		if err := CheckMax(0, 5, 0); err != nil {
+			t.Errorf("CheckMax(0, 5, 0) = %v; want nil (0 is MaxToken)", err)
+		}
+		if err := CheckMax(0, MaxToken+1, 0); !errors.Is(err, ErrInvalid) {
+			t.Errorf("CheckMax(0, MaxToken+1, 0) = %v; want ErrInvalid", err)
+		}
 	})
 
 	t.Run("Sequence", func(t *testing.T) {

@@ -2022,13 +2022,10 @@ func (l *Locker) retryAfter(t *tally) time.Duration {
 
 // quarantineRetryAfter is, for a round that missed the quorum only because
 // quarantined nodes do not count (every other node said yes), when enough
-// of their quarantines end for a majority to count, at the earliest; 0
-// otherwise: a node that failed may answer again at any moment, and one that
-// may evict keys is counted out for as long as it may. A node this round
-// found without its data starts a quarantine not recorded yet: it lasts at
-// least quarantineFor from now (and past the one it may be in), which is
-// the end counted for it, so the first round to find a loss says what the
-// next ones will.
+// of their quarantines end for a majority to count; 0 otherwise: a node
+// that failed may answer again at any moment, one that may evict keys is
+// counted out for as long as it may, and one whose loss is being recorded
+// gets a quarantine of its own, not known yet.
 func (l *Locker) quarantineRetryAfter(t *tally) time.Duration {
 	now := l.opts.Now()
 	var ends []time.Time
@@ -2036,14 +2033,13 @@ func (l *Locker) quarantineRetryAfter(t *tally) time.Duration {
 		switch r.Outcome {
 		case Yes:
 		case Quarantined:
+			if r.Err != nil {
+				return 0 // found without its data: a new quarantine, not yet recorded
+			}
 			m := l.members[i]
 			m.mu.Lock()
 			end, known := m.end(), m.evicting == "" && !m.unrecorded && m.recovery == nil
 			m.mu.Unlock()
-			if r.Err != nil {
-				// Found without its data: a new quarantine, from now.
-				end, known = later(end, now.Add(l.quarantineFor())), true
-			}
 			if !known {
 				return 0
 			}

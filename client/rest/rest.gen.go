@@ -375,7 +375,8 @@ type Problem struct {
 	// may send again (`rate-limited`), or after which enough quarantines
 	// end for a majority of nodes to count (an acquire's
 	// `quorum-unavailable` when only quarantined nodes kept it from a
-	// majority; absent otherwise). 0 when unknown.
+	// majority, unless the round found a node without its data, whose
+	// quarantine is not known yet; absent otherwise). 0 when unknown.
 	//
 	//
 	// Example: 2417

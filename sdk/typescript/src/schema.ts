@@ -731,7 +731,8 @@ export interface components {
              *     may send again (`rate-limited`), or after which enough quarantines
              *     end for a majority of nodes to count (an acquire's
              *     `quorum-unavailable` when only quarantined nodes kept it from a
-             *     majority; absent otherwise). 0 when unknown.
+             *     majority, unless the round found a node without its data, whose
+             *     quarantine is not known yet; absent otherwise). 0 when unknown.
              * @example 2417
              */
             retry_after_ms?: number;
@@ -792,7 +793,8 @@ export interface components {
         /**
          * @description `invalid-request`: the name, a header or the body is invalid;
          *     `invalid_params` lists every problem found, and `detail` names them
-         *     all. Nothing changed.
+         *     all, up to 16 (beyond that `detail` counts the rest: "and 19984
+         *     more"). Nothing changed.
          */
         InvalidRequest: {
             headers: {
@@ -1253,7 +1255,9 @@ export interface components {
          * @description Seconds after which trying again may succeed: 1, except for an
          *     acquire's `quorum-unavailable` that only quarantined nodes kept from a
          *     majority (every other node said yes), where it is when enough of their
-         *     quarantines end (`retry_after_ms` in seconds, rounded up).
+         *     quarantines end (`retry_after_ms` in seconds, rounded up); 1 again
+         *     when the round found a node without its data (its quarantine is not
+         *     known yet).
          * @example 1
          */
         RetryAfter503: number;
