@@ -2152,7 +2152,7 @@ func (l *Locker) undoRenewals(ctx context.Context, rkey, token string, t *tally,
 	var wg sync.WaitGroup
 	for i, r := range t.results {
 		if r.Err != nil || r.Remaining <= prev[i] {
-			continue // no answer, or not renewed (a quarantined node's counts)
+			continue // no answer, or not lengthened (a quarantined node's yes is restored too)
 		}
 		wg.Go(func() {
 			cctx, cancel := l.cleanupContext(ctx)
