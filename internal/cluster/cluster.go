@@ -14,8 +14,11 @@
 // dies (Linux parent-death signal), so none outlives a crashed test. Their
 // temporary directories are removed by Close; those a killed process left
 // behind are removed by the next start of a server of the same kind, once
-// their creator is gone. Containers are not covered by either guarantee: they are
-// removed by Close only.
+// their creator is gone. Containers are removed by Close, or, when their
+// creator is gone (a killed test binary; the shared test Postgres of
+// clustertest, never closed), by the next use of Docker on the same host:
+// they are labelled with the creator's host and PID. Elsewhere than Linux a
+// local server whose creator was killed outlives it.
 //
 // Not guaranteed: that a port stays free while a server is stopped; Start
 // then fails. The harness is for tests and development, not production.

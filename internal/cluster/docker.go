@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,8 +15,18 @@ import (
 	dc "github.com/ory/dockertest/v3/docker"
 )
 
+// Labels of every container this package creates: the host and PID of the
+// process that created it, so that the next start on that host removes the
+// containers of a process that is gone (killed before it could remove them,
+// as its local servers would have died with it: see the package doc).
+const (
+	ownerPIDLabel  = "io.redfence.owner-pid"
+	ownerHostLabel = "io.redfence.owner-host"
+)
+
 // dockerPool connects to the Docker engine named by the environment (or the
-// default socket) and checks that it answers.
+// default socket), checks that it answers, and removes, best effort, the
+// containers left by processes of this host that are gone.
 func dockerPool() (*dockertest.Pool, error) {
 	pool, err := dockertest.NewPool("")
 	if err != nil {
@@ -24,7 +35,46 @@ func dockerPool() (*dockertest.Pool, error) {
 	if err := pool.Client.Ping(); err != nil {
 		return nil, fmt.Errorf("cluster: docker engine does not answer: %w", err)
 	}
+	removeOrphanContainers(pool.Client)
 	return pool, nil
+}
+
+// removeOrphanContainers removes, best effort, the containers labelled as
+// created on this host by a process that no longer exists.
+func removeOrphanContainers(client *dc.Client) {
+	host, err := os.Hostname()
+	if err != nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	list, err := client.ListContainers(dc.ListContainersOptions{All: true, Filters: map[string][]string{"label": {ownerPIDLabel}}, Context: ctx})
+	if err != nil {
+		return
+	}
+	for _, id := range orphanContainers(list, host, gone) {
+		_ = client.RemoveContainer(dc.RemoveContainerOptions{ID: id, Force: true, RemoveVolumes: true, Context: ctx})
+	}
+}
+
+// orphanContainers returns the IDs of the containers in list that were
+// created on host by a process that is gone.
+func orphanContainers(list []dc.APIContainers, host string, gone func(pid int) bool) []string {
+	var ids []string
+	for _, c := range list {
+		pid, err := strconv.Atoi(c.Labels[ownerPIDLabel])
+		if err != nil || c.Labels[ownerHostLabel] != host || !gone(pid) {
+			continue
+		}
+		ids = append(ids, c.ID)
+	}
+	return ids
+}
+
+// ownerLabels are the labels of a container this process creates.
+func ownerLabels() map[string]string {
+	host, _ := os.Hostname()
+	return map[string]string{ownerPIDLabel: strconv.Itoa(os.Getpid()), ownerHostLabel: host}
 }
 
 // containerSpec describes a container to run with one published port.
@@ -65,6 +115,7 @@ func runContainer(ctx context.Context, pool *dockertest.Pool, spec containerSpec
 			Env:          spec.env,
 			Cmd:          spec.cmd,
 			ExposedPorts: map[dc.Port]struct{}{port: {}},
+			Labels:       ownerLabels(),
 		},
 		HostConfig: &dc.HostConfig{
 			PortBindings: map[dc.Port][]dc.PortBinding{

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"testing"
+
+	dc "github.com/ory/dockertest/v3/docker"
 )
 
 // TestRemoveOrphanDirs: only the directories whose creator has exited, and
@@ -53,5 +55,25 @@ func TestRemoveOrphanDirs(t *testing.T) {
 		if kept := err == nil; kept != d.kept {
 			t.Errorf("%s: kept = %v; want %v", name, kept, d.kept)
 		}
+	}
+}
+
+// TestOrphanContainers: a container is an orphan when it was created on
+// this host by a process that is gone; one of another host (a shared Docker
+// engine), of a live process, or not labelled by this package is kept.
+func TestOrphanContainers(t *testing.T) {
+	gone := func(pid int) bool { return pid == 41 }
+	list := []dc.APIContainers{
+		{ID: "orphan", Labels: map[string]string{ownerPIDLabel: "41", ownerHostLabel: "h1"}},
+		{ID: "live", Labels: map[string]string{ownerPIDLabel: "42", ownerHostLabel: "h1"}},
+		{ID: "other-host", Labels: map[string]string{ownerPIDLabel: "41", ownerHostLabel: "h2"}},
+		{ID: "unlabelled", Labels: map[string]string{"x": "y"}},
+		{ID: "bad-pid", Labels: map[string]string{ownerPIDLabel: "x", ownerHostLabel: "h1"}},
+	}
+	if got := orphanContainers(list, "h1", gone); len(got) != 1 || got[0] != "orphan" {
+		t.Errorf("orphanContainers = %v; want [orphan]", got)
+	}
+	if l := ownerLabels(); l[ownerPIDLabel] != strconv.Itoa(os.Getpid()) || l[ownerHostLabel] == "" {
+		t.Errorf("ownerLabels = %v; want this process's PID and host", l)
 	}
 }

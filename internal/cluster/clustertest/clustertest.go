@@ -5,7 +5,9 @@
 // Database shares one Postgres between all tests of a test binary. That
 // server is never closed explicitly: it dies with the test process (the
 // kernel kills it when its parent exits), and its temporary directory is
-// removed by the next test binary that uses Database. Tests must not stop
+// removed by the next test binary that uses Database (a container instead,
+// when Docker stands in for a missing binary, is removed by the next one
+// that uses Docker). Tests must not stop
 // or pause it; use cluster.StartPostgres for fault tests.
 package clustertest
 
