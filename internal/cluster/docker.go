@@ -15,14 +15,29 @@ import (
 	dc "github.com/ory/dockertest/v3/docker"
 )
 
-// Labels of every container this package creates: the host and PID of the
-// process that created it, so that the next start on that host removes the
-// containers of a process that is gone (killed before it could remove them,
-// as its local servers would have died with it: see the package doc).
+// Labels of every container this package creates: the host, PID namespace
+// and PID of the process that created it, so that the next start there
+// removes the containers of a process that is gone (killed before it could
+// remove them, as its local servers would have died with it: see the
+// package doc). The namespace keeps a job in another container of the same
+// host name from taking a live PID it cannot see for a dead one.
 const (
 	ownerPIDLabel  = "io.redfence.owner-pid"
 	ownerHostLabel = "io.redfence.owner-host"
 )
+
+// ownerHost names where this process's PIDs mean something: the host name
+// and, on Linux, the PID namespace.
+func ownerHost() (string, error) {
+	host, err := os.Hostname()
+	if err != nil {
+		return "", err
+	}
+	if ns, err := os.Readlink("/proc/self/ns/pid"); err == nil {
+		host += " " + ns
+	}
+	return host, nil
+}
 
 // dockerPool connects to the Docker engine named by the environment (or the
 // default socket), checks that it answers, and removes, best effort, the
@@ -42,7 +57,7 @@ func dockerPool() (*dockertest.Pool, error) {
 // removeOrphanContainers removes, best effort, the containers labelled as
 // created on this host by a process that no longer exists.
 func removeOrphanContainers(client *dc.Client) {
-	host, err := os.Hostname()
+	host, err := ownerHost()
 	if err != nil {
 		return
 	}
@@ -73,7 +88,7 @@ func orphanContainers(list []dc.APIContainers, host string, gone func(pid int) b
 
 // ownerLabels are the labels of a container this process creates.
 func ownerLabels() map[string]string {
-	host, _ := os.Hostname()
+	host, _ := ownerHost()
 	return map[string]string{ownerPIDLabel: strconv.Itoa(os.Getpid()), ownerHostLabel: host}
 }
 
