@@ -150,11 +150,14 @@ func (c *Client) timeout(ctx context.Context, extra time.Duration) (context.Cont
 
 // exchange reads a response whole and returns its body, or the error for a
 // status other than want. ctx is the request's context: a caller's
-// cancellation is returned as such; its own timeout (see Client.timeout) as
-// ErrUnavailable, after which idle connections are closed (a connection
+// cancellation is returned as such; the end of the lease a renewal was for
+// as ErrLost; its own timeout (see Client.timeout) as ErrUnavailable, after which idle connections are closed (a connection
 // that went dead without a word is one of the ways a request times out).
 func (c *Client) exchange(ctx context.Context, op, name string, resp *http.Response, err error, want int) ([]byte, error) {
 	failed := func(status int, err error) error {
+		if cause := context.Cause(ctx); errors.Is(cause, errLeaseEnded) {
+			return &Error{Op: op, Name: name, Status: status, sentinel: ErrLost, cause: cause}
+		}
 		if errors.Is(context.Cause(ctx), errRequestTimeout) {
 			c.opts.HTTPClient.CloseIdleConnections()
 			return &Error{Op: op, Name: name, Status: status, sentinel: ErrUnavailable, cause: errRequestTimeout}

@@ -315,6 +315,11 @@ func (l *Lease) live() bool {
 	return time.Now().Before(end) && l.c.wallNow().Before(end.Round(0))
 }
 
+// errLeaseEnded is the cause of an Extend cut short by the lease's end: the
+// lease is gone (it matches ErrLost). (The watchdog's renewals keep their
+// own account of why the lease ran out: see watch.)
+var errLeaseEnded = fmt.Errorf("%w: the lease's deadline passed before the renewal was answered", ErrLost)
+
 // wallCheck bounds the time between two checks of a lease's deadline by the
 // watchdog, so that a lease that ran out during a suspend (see live) ends
 // within it of the resume, however long its deadline is by the monotonic
@@ -341,7 +346,7 @@ func (l *Lease) Extend(ctx context.Context, ttl time.Duration) error {
 	if ttl <= 0 {
 		ttl = l.ttl
 	}
-	ctx, cancel := context.WithDeadline(ctx, l.endAt())
+	ctx, cancel := context.WithDeadlineCause(ctx, l.endAt(), errLeaseEnded)
 	defer cancel()
 	return l.extendWith(ctx, ttl, false)
 }
@@ -472,9 +477,11 @@ func (l *Lease) extendWith(ctx context.Context, ttl time.Duration, watchdog bool
 	return nil
 }
 
-// Release stops the watchdog and deletes the lock on every node, then ends
-// the lease (Done closes, with ErrReleased as the cause unless it was lost
-// before). It returns nil when the server deleted the lock; an error matching
+// Release stops the watchdog and ends the lease (Done closes, with
+// ErrReleased as the cause unless it was lost before), then deletes the lock
+// on every node: the lease ends before the delete is sent, since once the
+// delete lands another client may be granted the name. It returns nil when
+// the server deleted the lock; an error matching
 // ErrLost when the lease had been lost already (nothing was held); other
 // errors (ErrUnavailable) when the server could not be asked, in which case
 // the lock runs out at its deadline unless a later Release, which asks
@@ -488,8 +495,8 @@ func (l *Lease) Release(ctx context.Context) error {
 	}
 	l.stop()
 	<-l.watchdogRet
-	err := l.c.release(ctx, l.name, l.token)
 	l.end(ErrReleased)
+	err := l.c.release(ctx, l.name, l.token)
 	if err == nil || errors.Is(err, ErrLost) {
 		l.relDone, l.relErr = true, err
 	}

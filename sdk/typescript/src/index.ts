@@ -425,7 +425,9 @@ export class Lease {
       limitMs,
       this.signal,
     ).catch((cause: unknown) => {
-      // Released or lost meanwhile: the lease's reason (kind "lost").
+      // Released or lost meanwhile, or cut short by the lease's end
+      // (whichever timer ran first): the lease's reason (kind "lost").
+      if (!this.held) throw this.signal.reason;
       throw noAnswer("extend", this.name, cause, this.signal);
     });
     if (!data) {

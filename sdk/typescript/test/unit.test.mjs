@@ -252,6 +252,14 @@ test("extend while a release is under way rejects with the lease's reason (lost)
   await rel;
 });
 
+test("an extend still unanswered when the lease ends rejects as lost, not unavailable", async () => {
+  const { rf } = scripted((kind) => (kind === "acquire" ? grant(300) : new Promise(() => {})), { timeoutMs: 60_000 });
+  const lease = await rf.acquire("n", { renewFraction: 0 });
+  await assert.rejects(lease.extend(1000), (e) => e instanceof RedfenceError && e.kind === "lost");
+  assert.equal(lease.held, false);
+  await lease.release().catch(() => undefined);
+});
+
 test("bad options are refused before anything is sent", async () => {
   const { rf, calls } = scripted(() => grant(60_000));
   for (const opts of [

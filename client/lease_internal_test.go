@@ -1,0 +1,81 @@
+package client
+
+import (
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"testing"
+	"time"
+)
+
+// hangingLease is a lease (NoRenew) from a server whose every request
+// waits until release is closed, or the request's end.
+func hangingLease(t *testing.T, validity time.Duration) (l *Lease, arrived <-chan string, release chan<- struct{}) {
+	t.Helper()
+	in, out := make(chan string, 8), make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		in <- r.Method + " " + r.URL.Path
+		select {
+		case <-out:
+			w.WriteHeader(http.StatusNoContent)
+		case <-r.Context().Done():
+		}
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(out) })
+	c, err := New(srv.URL, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o, err := (&LockOptions{NoRenew: true}).withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err = c.newLease("n", &grant{fencing: 1, lock: "tok", ttl: validity, validity: validity, sent: time.Now()}, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l, in, out
+}
+
+// TestLease_ReleaseEndsFirst: Release ends the lease before its delete is
+// sent. Once the delete lands another client may be granted the name, so a
+// lease still open while the answer is on its way would be held twice.
+func TestLease_ReleaseEndsFirst(t *testing.T) {
+	l, arrived, release := hangingLease(t, time.Minute)
+	done := make(chan error, 1)
+	go func() { done <- l.Release(t.Context()) }()
+	if got := <-arrived; got != "DELETE /v1/locks/n" {
+		t.Fatalf("request %q; want the release", got)
+	}
+	// The delete has reached the server, which has not answered.
+	if err := l.Err(); !errors.Is(err, ErrReleased) {
+		t.Errorf("Err while the release is on its way = %v; want ErrReleased", err)
+	}
+	select {
+	case <-l.Done():
+	default:
+		t.Error("Done still open while the release is on its way")
+	}
+	release <- struct{}{}
+	if err := <-done; err != nil {
+		t.Errorf("Release = %v", err)
+	}
+}
+
+// TestLease_ExtendCutShortByTheEnd: an Extend still unanswered when the
+// lease ends is bounded by that end and says the lease is gone (ErrLost),
+// as the lease itself does, not a bare context error.
+func TestLease_ExtendCutShortByTheEnd(t *testing.T) {
+	l, arrived, _ := hangingLease(t, 300*time.Millisecond)
+	err := l.Extend(t.Context(), time.Second)
+	if got := <-arrived; got != "POST /v1/locks/n/extend" {
+		t.Fatalf("request %q; want the extend", got)
+	}
+	if !errors.Is(err, ErrLost) || errors.Is(err, ErrUnavailable) {
+		t.Errorf("Extend cut short by the lease's end = %v; want ErrLost", err)
+	}
+	if !errors.Is(l.Err(), ErrLost) {
+		t.Errorf("Err after = %v; want ErrLost", l.Err())
+	}
+}
