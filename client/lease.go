@@ -381,6 +381,10 @@ func (l *Lease) watch() {
 			l.lose(fmt.Errorf("%w: %s", ErrLost, why))
 			return
 		case <-renewC:
+			if !l.live() { // a renewal due before a suspend: too late now
+				l.lose(fmt.Errorf("%w: %s", ErrLost, why))
+				return
+			}
 			if reason := l.capped(); reason != "" {
 				l.c.opts.Logger.Debug("redfence lease: renewals stop", slog.String("name", l.name), slog.String("reason", reason))
 				renewC = nil // the lease runs out at its deadline

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -77,5 +78,50 @@ func TestLease_ExtendCutShortByTheEnd(t *testing.T) {
 	}
 	if !errors.Is(l.Err(), ErrLost) {
 		t.Errorf("Err after = %v; want ErrLost", l.Err())
+	}
+}
+
+// TestLease_NoRenewalAfterSuspend: a renewal that comes due after the
+// lease ran out by the wall clock (the machine slept through both) is not
+// sent: the lease ends, as the TypeScript SDK's does. (The renewal is due
+// 600 ms after the grant, before the watchdog's first look at the deadline,
+// a second after it.)
+func TestLease_NoRenewalAfterSuspend(t *testing.T) {
+	in := make(chan string, 8)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		in <- r.Method + " " + r.URL.Path
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	t.Cleanup(srv.Close)
+	c, err := New(srv.URL, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var slept atomic.Bool
+	c.wall = func() time.Time {
+		if slept.Load() {
+			return time.Now().Add(time.Hour)
+		}
+		return time.Now()
+	}
+	o, err := (&LockOptions{RenewFraction: 0.01}).withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.newLease("n", &grant{fencing: 1, lock: "tok", ttl: time.Minute, validity: time.Minute, sent: time.Now()}, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slept.Store(true) // an hour asleep, long before the renewal is due
+	<-l.Done()
+	l.stop()
+	<-l.watchdogRet
+	if !errors.Is(l.ended(), ErrLost) {
+		t.Errorf("lease ended with %v; want ErrLost", l.ended())
+	}
+	select {
+	case got := <-in:
+		t.Errorf("request %q sent for a lease the wall clock says ran out; want none", got)
+	default:
 	}
 }

@@ -2140,8 +2140,11 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 
 // undoRenewals puts back, on every node that renewed key for token in an
 // extend a majority refused (t, every answer in), the lease it had before
-// (prev). No renewal of the same token can have succeeded meanwhile: it
-// would have needed the key on a majority, and keys are never recreated.
+// (prev). That cuts short no lease a client may still rely on: a renewal
+// of the same token that succeeded had a majority, which shares a node with
+// the majority that refused this one; that node no longer had the key, so
+// the successful renewal's deadline had passed (short of a fault, an
+// eviction or a clock jump, that breaks the lease anyway).
 // Deleting the key instead would free the name on those nodes before the
 // deadline the lease's client was given, and the majority that refused may
 // be wrong (a node that evicted the key, or lost it and is not known to

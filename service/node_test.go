@@ -74,6 +74,21 @@ func TestRedisNode_ExtendNeverShortens(t *testing.T) {
 	if d := pttl(); d > 30*time.Second || d < 20*time.Second {
 		t.Errorf("after Restore to 30s the lease has %v left", d)
 	}
+	// A key with more left than the reply can carry (a server with a
+	// longer MaxTTL set it): reported short, and its lease before as more
+	// than any renewal gives, so a failed extend never restores it.
+	if err := admin.PExpire(ctx, "k", 40*time.Hour).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if lease, prev, err := n.Extend(ctx, "k", "tok", time.Minute, ""); err != nil || lease != (1<<27-1)*time.Millisecond || prev != (1<<27-4)*time.Millisecond {
+		t.Errorf("Extend of a 40h lease = %v (before: %v), %v; want 2^27-1 ms and 2^27-4 ms", lease, prev, err)
+	}
+	if d := pttl(); d < 39*time.Hour {
+		t.Errorf("Extend shortened a 40h lease to %v", d)
+	}
+	if err := admin.PExpire(ctx, "k", 4*time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
 	// A node without the marker it was given (it lost its memory): the
 	// renewal is refused as such, and changes nothing.
 	if ok, err := n.Mark(ctx, "e1", true); err != nil || !ok {

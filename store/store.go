@@ -354,15 +354,24 @@ type Resource = refstore.Resource
 // the new token and is refused. So a write either lands before the next
 // token is issued (and its holder's successor reads it) or not at all. The
 // document's own token never goes back either, whatever the token row says.
+// putSQL writes the document if $2 is the newest token on record. Its one
+// row names, besides what was written (NULLs when nothing was), the token
+// on record it was compared with and the document's own token, read in the
+// same statement: a refusal names the token that refused it, not one a
+// withdrawal queued behind the statement's share lock has put back since.
 const putSQL = `
-WITH cur AS (SELECT token FROM redfence_fencing WHERE key = $1 FOR SHARE)
+WITH cur AS (SELECT token FROM redfence_fencing WHERE key = $1 FOR SHARE),
+ins AS (
 INSERT INTO redfence_resources AS r (key, data, fencing_token, version, updated_at)
 SELECT $1, $3, $2, 1, now() FROM cur WHERE cur.token = $2
 ON CONFLICT (key) DO UPDATE
    SET data = excluded.data, fencing_token = excluded.fencing_token,
        version = r.version + 1, updated_at = excluded.updated_at
  WHERE r.fencing_token <= excluded.fencing_token
-RETURNING data, fencing_token, version, updated_at`
+RETURNING data, fencing_token, version, updated_at)
+SELECT (SELECT token FROM cur), (SELECT fencing_token FROM redfence_resources WHERE key = $1),
+       ins.data, ins.fencing_token, ins.version, ins.updated_at
+  FROM (SELECT) AS one LEFT JOIN ins ON true`
 
 const putUnfencedSQL = `
 INSERT INTO redfence_resources AS r (key, data, fencing_token, version, updated_at)
@@ -386,12 +395,13 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 		return nil, fmt.Errorf("store: put %q: %w", key, &refstore.DataError{Reason: "must be valid JSON"})
 	}
 	data = compact.Bytes()
-	q := putSQL
-	if db.opts.Unfenced {
-		q = putUnfencedSQL
-	}
 	r := &Resource{Key: key}
-	var t int64
+	var (
+		t        *int64
+		version  *int64
+		updated  *time.Time
+		cur, doc *int64 // the token on record, the document's (refusals)
+	)
 	// In a transaction of its own, committed only once the statement's
 	// answer is back: a statement held up on its way (a stalled network)
 	// and delivered after this call gave up finds its connection closed
@@ -402,29 +412,32 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	// it back instead.)
 	err := db.retryStalePlan(func() error {
 		return pgx.BeginFunc(ctx, db.docs, func(tx pgx.Tx) error {
-			return tx.QueryRow(ctx, q, key, int64(token), []byte(data)).Scan(&r.Data, &t, &r.Version, &r.UpdatedAt)
+			if db.opts.Unfenced {
+				var tt, v int64
+				var u time.Time
+				err := tx.QueryRow(ctx, putUnfencedSQL, key, int64(token), []byte(data)).Scan(&r.Data, &tt, &v, &u)
+				t, version, updated = &tt, &v, &u
+				return err
+			}
+			return tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data)).Scan(&cur, &doc, &r.Data, &t, &version, &updated)
 		})
 	})
-	if errors.Is(err, pgx.ErrNoRows) {
-		last, lerr := lastRecord(ctx, db.docs, key)
-		if lerr != nil {
-			return nil, fmt.Errorf("store: put %q: refused, and %w", key, classify(lerr))
+	if err == nil && t == nil {
+		// Refused: the token on record is another, or the document's own
+		// token is newer (written before a withdrawal lowered the record).
+		var current fencing.Token
+		if cur != nil {
+			current = fencing.Token(*cur)
 		}
-		cur := last.Token
-		if cur <= token {
-			// Refused for the document's own token, newer than the
-			// newest on record (written before a withdrawal lowered it).
-			var doc int64
-			if err := db.docs.QueryRow(ctx, `SELECT fencing_token FROM redfence_resources WHERE key = $1`, key).Scan(&doc); err == nil {
-				cur = max(cur, fencing.Token(doc))
-			}
+		if current <= token && doc != nil {
+			current = max(current, fencing.Token(*doc))
 		}
-		return nil, &fencing.StaleError{Key: key, Got: token, Current: cur}
+		return nil, &fencing.StaleError{Key: key, Got: token, Current: current}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("store: put %q: %w", key, classify(err))
 	}
-	r.FencingToken = fencing.Token(t)
+	r.FencingToken, r.Version, r.UpdatedAt = fencing.Token(*t), *version, *updated
 	return r, nil
 }
 

@@ -940,11 +940,15 @@ type ClientInterface interface {
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
 	// A lease fenced out by a newer token is not ended before its deadline
 	// (no other client is granted the name meanwhile): release it to free the
-	// name at once.
+	// name at once. After a 409 that a majority of nodes decided, the nodes
+	// that renewed the lease get back the lease they had (not deleted); a
+	// renewal whose round took longer than the lease it got also answers 409,
+	// and leaves the renewed keys to run out, about then.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
 	// (`fencing-unavailable`) answered; your old deadline still holds
 	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
-	// only lengthened their lease).
+	// only lengthened their lease). A node found without its data (its
+	// marker) does not count: the extend answers 503, not 409.
 	//
 	// Takes any type of body and a specified content type.
 	//
@@ -964,11 +968,15 @@ type ClientInterface interface {
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
 	// A lease fenced out by a newer token is not ended before its deadline
 	// (no other client is granted the name meanwhile): release it to free the
-	// name at once.
+	// name at once. After a 409 that a majority of nodes decided, the nodes
+	// that renewed the lease get back the lease they had (not deleted); a
+	// renewal whose round took longer than the lease it got also answers 409,
+	// and leaves the renewed keys to run out, about then.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
 	// (`fencing-unavailable`) answered; your old deadline still holds
 	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
-	// only lengthened their lease).
+	// only lengthened their lease). A node found without its data (its
+	// marker) does not count: the extend answers 503, not 409.
 	//
 	// Takes a body of the `application/json` content type.
 	//
@@ -1218,11 +1226,15 @@ func (c *Client) AcquireLock(ctx context.Context, name Name, params *AcquireLock
 // lock is gone, stop writing, and acquire again to get a new fencing token.
 // A lease fenced out by a newer token is not ended before its deadline
 // (no other client is granted the name meanwhile): release it to free the
-// name at once.
+// name at once. After a 409 that a majority of nodes decided, the nodes
+// that renewed the lease get back the lease they had (not deleted); a
+// renewal whose round took longer than the lease it got also answers 409,
+// and leaves the renewed keys to run out, about then.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
 // (`fencing-unavailable`) answered; your old deadline still holds
 // (`fencing-unavailable` changed no node; a renewal that reached some nodes
-// only lengthened their lease).
+// only lengthened their lease). A node found without its data (its
+// marker) does not count: the extend answers 503, not 409.
 //
 // Takes any type of body and a specified content type.
 //
@@ -1252,11 +1264,15 @@ func (c *Client) ExtendLockWithBody(ctx context.Context, name Name, params *Exte
 // lock is gone, stop writing, and acquire again to get a new fencing token.
 // A lease fenced out by a newer token is not ended before its deadline
 // (no other client is granted the name meanwhile): release it to free the
-// name at once.
+// name at once. After a 409 that a majority of nodes decided, the nodes
+// that renewed the lease get back the lease they had (not deleted); a
+// renewal whose round took longer than the lease it got also answers 409,
+// and leaves the renewed keys to run out, about then.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
 // (`fencing-unavailable`) answered; your old deadline still holds
 // (`fencing-unavailable` changed no node; a renewal that reached some nodes
-// only lengthened their lease).
+// only lengthened their lease). A node found without its data (its
+// marker) does not count: the extend answers 503, not 409.
 //
 // Takes a body of the `application/json` content type.
 //
@@ -2092,11 +2108,15 @@ type ClientWithResponsesInterface interface {
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
 	// A lease fenced out by a newer token is not ended before its deadline
 	// (no other client is granted the name meanwhile): release it to free the
-	// name at once.
+	// name at once. After a 409 that a majority of nodes decided, the nodes
+	// that renewed the lease get back the lease they had (not deleted); a
+	// renewal whose round took longer than the lease it got also answers 409,
+	// and leaves the renewed keys to run out, about then.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
 	// (`fencing-unavailable`) answered; your old deadline still holds
 	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
-	// only lengthened their lease).
+	// only lengthened their lease). A node found without its data (its
+	// marker) does not count: the extend answers 503, not 409.
 	//
 	// Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -2116,11 +2136,15 @@ type ClientWithResponsesInterface interface {
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
 	// A lease fenced out by a newer token is not ended before its deadline
 	// (no other client is granted the name meanwhile): release it to free the
-	// name at once.
+	// name at once. After a 409 that a majority of nodes decided, the nodes
+	// that renewed the lease get back the lease they had (not deleted); a
+	// renewal whose round took longer than the lease it got also answers 409,
+	// and leaves the renewed keys to run out, about then.
 	// A 503 means too few nodes (`quorum-unavailable`) or Postgres
 	// (`fencing-unavailable`) answered; your old deadline still holds
 	// (`fencing-unavailable` changed no node; a renewal that reached some nodes
-	// only lengthened their lease).
+	// only lengthened their lease). A node found without its data (its
+	// marker) does not count: the extend answers 503, not 409.
 	//
 	// Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -3877,11 +3901,15 @@ func (c *ClientWithResponses) AcquireLockWithResponse(ctx context.Context, name 
 // lock is gone, stop writing, and acquire again to get a new fencing token.
 // A lease fenced out by a newer token is not ended before its deadline
 // (no other client is granted the name meanwhile): release it to free the
-// name at once.
+// name at once. After a 409 that a majority of nodes decided, the nodes
+// that renewed the lease get back the lease they had (not deleted); a
+// renewal whose round took longer than the lease it got also answers 409,
+// and leaves the renewed keys to run out, about then.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
 // (`fencing-unavailable`) answered; your old deadline still holds
 // (`fencing-unavailable` changed no node; a renewal that reached some nodes
-// only lengthened their lease).
+// only lengthened their lease). A node found without its data (its
+// marker) does not count: the extend answers 503, not 409.
 //
 // Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 //
@@ -3907,11 +3935,15 @@ func (c *ClientWithResponses) ExtendLockWithBodyWithResponse(ctx context.Context
 // lock is gone, stop writing, and acquire again to get a new fencing token.
 // A lease fenced out by a newer token is not ended before its deadline
 // (no other client is granted the name meanwhile): release it to free the
-// name at once.
+// name at once. After a 409 that a majority of nodes decided, the nodes
+// that renewed the lease get back the lease they had (not deleted); a
+// renewal whose round took longer than the lease it got also answers 409,
+// and leaves the renewed keys to run out, about then.
 // A 503 means too few nodes (`quorum-unavailable`) or Postgres
 // (`fencing-unavailable`) answered; your old deadline still holds
 // (`fencing-unavailable` changed no node; a renewal that reached some nodes
-// only lengthened their lease).
+// only lengthened their lease). A node found without its data (its
+// marker) does not count: the extend answers 503, not 409.
 //
 // Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 //

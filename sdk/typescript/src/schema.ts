@@ -123,11 +123,15 @@ export interface paths {
          *     lock is gone, stop writing, and acquire again to get a new fencing token.
          *     A lease fenced out by a newer token is not ended before its deadline
          *     (no other client is granted the name meanwhile): release it to free the
-         *     name at once.
+         *     name at once. After a 409 that a majority of nodes decided, the nodes
+         *     that renewed the lease get back the lease they had (not deleted); a
+         *     renewal whose round took longer than the lease it got also answers 409,
+         *     and leaves the renewed keys to run out, about then.
          *     A 503 means too few nodes (`quorum-unavailable`) or Postgres
          *     (`fencing-unavailable`) answered; your old deadline still holds
          *     (`fencing-unavailable` changed no node; a renewal that reached some nodes
-         *     only lengthened their lease).
+         *     only lengthened their lease). A node found without its data (its
+         *     marker) does not count: the extend answers 503, not 409.
          */
         post: operations["extendLock"];
         delete?: never;
