@@ -4,7 +4,6 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
-	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -97,13 +96,7 @@ func TestLease_NoRenewalAfterSuspend(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var slept atomic.Bool
-	c.wall = func() time.Time {
-		if slept.Load() {
-			return time.Now().Add(time.Hour)
-		}
-		return time.Now()
-	}
+	slept := sleepAfter(c)
 	o, err := (&LockOptions{RenewFraction: 0.01}).withDefaults()
 	if err != nil {
 		t.Fatal(err)

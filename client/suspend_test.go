@@ -18,13 +18,7 @@ func TestLease_EndsAfterSuspend(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var slept atomic.Bool
-	c.wall = func() time.Time {
-		if slept.Load() {
-			return time.Now().Add(time.Hour)
-		}
-		return time.Now()
-	}
+	slept := sleepAfter(c)
 	o, err := (&LockOptions{NoRenew: true}).withDefaults()
 	if err != nil {
 		t.Fatal(err)
@@ -57,4 +51,18 @@ func TestLease_EndsAfterSuspend(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("Done still open 30 s after the resume; want closed within wallCheck")
 	}
+}
+
+// sleepAfter moves c's wall clock an hour on, and leaves its monotonic
+// clock, once the flag it returns is set: what a machine suspended for an
+// hour then sees.
+func sleepAfter(c *Client) *atomic.Bool {
+	var slept atomic.Bool
+	c.wall = func() time.Time {
+		if slept.Load() {
+			return time.Now().Add(time.Hour)
+		}
+		return time.Now()
+	}
+	return &slept
 }
