@@ -1101,19 +1101,31 @@ func TestChaos_PoolExhaustion(t *testing.T) {
 	var probeLat, putLat []time.Duration
 	for r := range size(1, 5) {
 		var readAll, writers sync.WaitGroup
+		var ungranted atomic.Int32
 		readAll.Add(pool)
 		locked := make(chan struct{})
 		for i, name := range hot {
 			c := e.client(fmt.Sprintf("writer%d-%d", r, i), hc)
 			writers.Go(func() {
+				paused := false
 				c.Cycle(ctx, link(s), name, chaos.CycleOptions{TTL: 10 * time.Second, Pause: func(context.Context, *chaos.Grant) (*chaos.Link, bool) {
+					paused = true
 					readAll.Done()
 					<-locked
 					return nil, false
 				}})
+				if !paused { // not granted: no writer holds its row
+					ungranted.Add(1)
+					readAll.Done()
+				}
 			})
 		}
 		readAll.Wait()
+		if n := ungranted.Load(); n > 0 {
+			close(locked)
+			writers.Wait()
+			t.Fatalf("round %d: %d of %d writers were not granted their name, so the pool is not held", r, n, pool)
+		}
 		tx, err := admin.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
