@@ -1,3 +1,5 @@
+//go:build unix
+
 // Package clienttest starts a real Redfence for tests of code that uses it
 // (this module's client, CLI and examples): the API handler over five real
 // redis-server nodes and a real Postgres (started by internal/cluster from

@@ -12,8 +12,6 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/redfence/redfence/internal/cluster"
 )
 
 // devDefaultAddr is where dev listens when neither --addr nor
@@ -81,17 +79,16 @@ below are otherwise the same.`, stderr)
 	sharedDB := cfg.DatabaseURL != "" // one this command did not start: it outlives it
 	if len(cfg.RedisAddrs) == 0 || cfg.DatabaseURL == "" {
 		// Only what is not configured: the rest is the user's.
-		opts := cluster.Options{Nodes: *n, DurablePostgres: true,
-			WithoutRedis: len(cfg.RedisAddrs) > 0, WithoutPostgres: cfg.DatabaseURL != ""}
+		opts := localOptions{nodes: *n, withoutRedis: len(cfg.RedisAddrs) > 0, withoutPostgres: cfg.DatabaseURL != ""}
 		switch {
-		case opts.WithoutRedis:
+		case opts.withoutRedis:
 			fmt.Fprintln(stdout, "Starting Postgres on loopback...")
-		case opts.WithoutPostgres:
+		case opts.withoutPostgres:
 			fmt.Fprintf(stdout, "Starting %d redis-server nodes on loopback...\n", *n)
 		default:
 			fmt.Fprintf(stdout, "Starting %d redis-server nodes and Postgres on loopback...\n", *n)
 		}
-		c, err := cluster.Start(ctx, opts)
+		c, err := startLocal(ctx, opts)
 		if err != nil {
 			if ctx.Err() != nil { // Ctrl-C while starting: not a failure to report
 				fmt.Fprintln(stderr, "redfence dev: interrupted while starting; stopped what had started")
@@ -109,7 +106,7 @@ below are otherwise the same.`, stderr)
 			cfg.RedisAddrs = c.Addrs()
 		}
 		if cfg.DatabaseURL == "" {
-			cfg.DatabaseURL = c.Postgres.URL()
+			cfg.DatabaseURL = c.PostgresURL()
 		}
 	}
 	s, err := Open(ctx, cfg, log, ServerOptions{})

@@ -1,3 +1,5 @@
+//go:build unix
+
 // Package cluster starts real servers for tests, benchmarks and the
 // redfence dev command: N redis-server processes and one Postgres, each on
 // its own free port on 127.0.0.1, with fault injection (stop, kill -9,

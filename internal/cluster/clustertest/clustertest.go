@@ -1,3 +1,5 @@
+//go:build unix
+
 // Package clustertest adapts package cluster to tests: it starts servers
 // for a testing.TB, fails the test when they cannot start and closes them
 // in tb.Cleanup.
