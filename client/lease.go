@@ -348,7 +348,15 @@ func (l *Lease) Extend(ctx context.Context, ttl time.Duration) error {
 	}
 	ctx, cancel := context.WithDeadlineCause(ctx, l.endAt(), errLeaseEnded)
 	defer cancel()
-	return l.extendWith(ctx, ttl, false)
+	err := l.extendWith(ctx, ttl, false)
+	if err != nil && !errors.Is(err, ErrLost) {
+		if why := l.ended(); errors.Is(why, ErrLost) {
+			// The lease ended meanwhile (its watchdog, or the end of a
+			// context derived from it, came first): that is the answer.
+			return why
+		}
+	}
+	return err
 }
 
 // watch renews the lease and ends it when it is lost or runs out.

@@ -1,7 +1,9 @@
 package client
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"testing"
@@ -116,5 +118,26 @@ func TestLease_NoRenewalAfterSuspend(t *testing.T) {
 	case got := <-in:
 		t.Errorf("request %q sent for a lease the wall clock says ran out; want none", got)
 	default:
+	}
+}
+
+// TestLease_ExtendUnderLeaseContext: an Extend made with the lease's own
+// context (as Do's fn gets, derived from it) that the lease's end cuts short
+// answers ErrLost, whichever of the lease's timers ends it.
+func TestLease_ExtendUnderLeaseContext(t *testing.T) {
+	l, arrived, _ := hangingLease(t, time.Minute)
+	fctx, cancel := context.WithCancelCause(t.Context())
+	defer cancel(nil)
+	stop := context.AfterFunc(l.Context(), func() { cancel(context.Cause(l.Context())) })
+	defer stop()
+	res := make(chan error, 1)
+	go func() { res <- l.Extend(fctx, time.Second) }()
+	<-arrived
+	// The watchdog ends the lease (its expiry check ran first, or a renewal
+	// was answered 409) while the Extend is on its way.
+	l.lose(fmt.Errorf("%w: the deadline passed without a renewal", ErrLost))
+	err := <-res
+	if !errors.Is(err, ErrLost) {
+		t.Errorf("Extend cut short by the lease's end (lease context) = %v; want ErrLost", err)
 	}
 }

@@ -118,8 +118,8 @@ return t`)
 	// lease * 2^25 + before (exact in a Lua number, a double: leases are at
 	// most a day, under 2^27 ms), or 0 if the key does not hold the token.
 	// A longer lease (a key left by a server with a longer MaxTTL) is
-	// reported as 2^27-1 ms, less than it has, and the one before as
-	// 2^27-4 ms, which no renewal exceeds, so it is never restored.
+	// reported as 2^27-4 ms, less than it has, and so is the one before:
+	// the renewal did not lengthen it, so it is never restored.
 	extendScript = newLuaScript(`
 if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[3] then return -1 end
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -128,7 +128,7 @@ local t = redis.call('PTTL', KEYS[1])
 if t < 0 then t = 0 end
 local lease = t
 if t < ttl then redis.call('PEXPIRE', KEYS[1], ttl) lease = ttl end
-if lease > 134217727 then lease = 134217727 end
+if lease > 134217724 then lease = 134217724 end
 local before = math.ceil(t / 4)
 if before > 33554431 then before = 33554431 end
 return lease * 33554432 + before`)

@@ -432,6 +432,14 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 		if current <= token && doc != nil {
 			current = max(current, fencing.Token(*doc))
 		}
+		if current <= token {
+			// Refused for a document newer than the statement's snapshot
+			// (committed meanwhile): read it as it is now.
+			var now int64
+			if err := db.docs.QueryRow(ctx, `SELECT fencing_token FROM redfence_resources WHERE key = $1`, key).Scan(&now); err == nil {
+				current = max(current, fencing.Token(now))
+			}
+		}
 		return nil, &fencing.StaleError{Key: key, Got: token, Current: current}
 	}
 	if err != nil {

@@ -57,8 +57,13 @@ func dockerPool() (*dockertest.Pool, error) {
 }
 
 // removeOrphanContainers removes, best effort, the containers labelled as
-// created on this host by a process that no longer exists.
+// created on this host by a process that no longer exists. Only on an engine
+// reached through a local socket: a remote one may serve other machines of
+// the same host name, whose PIDs mean nothing here.
 func removeOrphanContainers(client *dc.Client) {
+	if !strings.HasPrefix(client.Endpoint(), "unix://") {
+		return
+	}
 	host, err := ownerHost()
 	if err != nil {
 		return
