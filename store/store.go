@@ -356,9 +356,9 @@ type Resource = refstore.Resource
 // document's own token never goes back either, whatever the token row says.
 // putSQL writes the document if $2 is the newest token on record. Its one
 // row names, besides what was written (NULLs when nothing was), the token
-// on record it was compared with and the document's own token, read in the
-// same statement: a refusal names the token that refused it, not one a
-// withdrawal queued behind the statement's share lock has put back since.
+// on record it was compared with, read in the same statement: a refusal
+// names the token that refused it, not one a withdrawal queued behind the
+// statement's share lock has put back since.
 const putSQL = `
 WITH cur AS (SELECT token FROM redfence_fencing WHERE key = $1 FOR SHARE),
 ins AS (
@@ -369,8 +369,7 @@ ON CONFLICT (key) DO UPDATE
        version = r.version + 1, updated_at = excluded.updated_at
  WHERE r.fencing_token <= excluded.fencing_token
 RETURNING data, fencing_token, version, updated_at)
-SELECT (SELECT token FROM cur), (SELECT fencing_token FROM redfence_resources WHERE key = $1),
-       ins.data, ins.fencing_token, ins.version, ins.updated_at
+SELECT (SELECT token FROM cur), ins.data, ins.fencing_token, ins.version, ins.updated_at
   FROM (SELECT) AS one LEFT JOIN ins ON true`
 
 const putUnfencedSQL = `
@@ -397,10 +396,10 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	data = compact.Bytes()
 	r := &Resource{Key: key}
 	var (
-		t        *int64
-		version  *int64
-		updated  *time.Time
-		cur, doc *int64 // the token on record, the document's (refusals)
+		t       *int64
+		version *int64
+		updated *time.Time
+		cur     *int64 // the token on record it was compared with
 	)
 	// In a transaction of its own, committed only once the statement's
 	// answer is back: a statement held up on its way (a stalled network)
@@ -419,22 +418,19 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 				t, version, updated = &tt, &v, &u
 				return err
 			}
-			return tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data)).Scan(&cur, &doc, &r.Data, &t, &version, &updated)
+			return tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data)).Scan(&cur, &r.Data, &t, &version, &updated)
 		})
 	})
 	if err == nil && t == nil {
 		// Refused: the token on record is another, or the document's own
-		// token is newer (written before a withdrawal lowered the record).
+		// is newer.
 		var current fencing.Token
 		if cur != nil {
 			current = fencing.Token(*cur)
 		}
-		if current <= token && doc != nil {
-			current = max(current, fencing.Token(*doc))
-		}
 		if current <= token {
-			// Refused for a document newer than the statement's snapshot
-			// (committed meanwhile): read it as it is now.
+			// Refused for the document's own token, newer than the one on
+			// record (written before a withdrawal lowered it).
 			var now int64
 			if err := db.docs.QueryRow(ctx, `SELECT fencing_token FROM redfence_resources WHERE key = $1`, key).Scan(&now); err == nil {
 				current = max(current, fencing.Token(now))
