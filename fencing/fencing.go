@@ -222,11 +222,7 @@ func (g *Guard) Apply(key string, got Token, write func() error) error {
 	if g.last == nil {
 		g.last = make(map[string]Token)
 	}
-	limit := g.Max
-	if limit <= 0 {
-		limit = MaxToken
-	}
-	if err := CheckMax(g.last[key], got, limit); err != nil {
+	if err := CheckMax(g.last[key], got, g.Max); err != nil {
 		if se, ok := err.(*StaleError); ok {
 			se.Key = key
 			return se
