@@ -1334,6 +1334,11 @@ func TestChaos_ServerKill(t *testing.T) {
 			res <- op
 		}()
 		waitFor(t, 10*time.Second, "the victim's quorum", func() bool {
+			select {
+			case op := <-res: // it cannot answer while its token row is locked
+				t.Fatalf("round %d: the victim's acquire answered %d %q %s (nodes %s) before its quorum was seen", k, op.Status, op.Problem, op.Err, op.Nodes)
+			default:
+			}
 			return count(e.holders(name), func(v string) bool { return v != "" }) >= 3
 		})
 		quorum := time.Now()

@@ -51,11 +51,15 @@ type evictionReader interface {
 // noeviction); evicted is INFO stats' evicted_keys. Both are read in one
 // pipeline, so they come from one process.
 func (n *RedisNode) Eviction(ctx context.Context) (string, int64, error) {
+	if err := n.conn.ready(ctx); err != nil {
+		return "", -1, fmt.Errorf("info memory: %w", refusal(err))
+	}
 	var mem, stats *redis.StringCmd
 	_, perr := n.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		mem, stats = p.Info(ctx, "memory"), p.Info(ctx, "stats")
 		return nil
 	})
+	n.conn.failed(mem.Err())
 	// A connection that could not be opened (refused credentials, say)
 	// fails the pipeline, not its commands.
 	err := mem.Err()

@@ -325,6 +325,9 @@ type Locker struct {
 
 	// sweep redelivers the deletes whose outcome is unknown.
 	sweep *sweeper
+	// ops counts the rounds whose nodes have not all answered and the
+	// clean-ups under way: Close waits for them (see Close).
+	ops activity
 
 	// life ends when Close is called; background work (recoveries, the
 	// heartbeat) runs under it, and Close waits for it (bg). None starts
@@ -433,11 +436,20 @@ func New(nodes []Node, issuer Issuer, opts Options) (*Locker, error) {
 
 // Close stops the Locker's background work and waits for it: the
 // redelivery of deletes whose outcome is unknown (see sweeper) and the
-// recording of node restarts (see recover). It closes neither the nodes nor
-// the issuer; the Locker still serves calls, but such deletes are no longer
-// retried, and a node found restarted is counted out without a recorded
-// quarantine.
+// recording of node restarts (see recover). First it lets the node calls
+// under way end (each within NodeTimeout: the rounds still waiting for a
+// node, and the deletes of failed tries), then sends the deletes still in
+// doubt once more, so that the nodes closed after it are not left holding
+// keys of tries that failed (they would refuse the names to everyone until
+// their TTL). It closes neither the nodes nor the issuer; the Locker still
+// serves calls, but such deletes are no longer retried, and a node found
+// restarted is counted out without a recorded quarantine.
 func (l *Locker) Close() {
+	// A round ends within NodeTimeout, and the deletes it starts on late
+	// answers within another.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*l.opts.NodeTimeout+100*time.Millisecond)
+	l.ops.wait(ctx)
+	cancel()
 	l.bgMu.Lock()
 	l.cancel()
 	l.bgMu.Unlock()
@@ -1578,10 +1590,17 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 	nctx, cancel := l.nodeContext(ctx)
 	var wg sync.WaitGroup
 	wg.Add(len(l.nodes))
+	l.ops.add() // done once every node answered and its after ran
 	answered := make([]atomic.Bool, len(l.nodes))
 	var stopTimeouts atomic.Pointer[func() bool]
 	finish := func(i int, t0 time.Time, ok bool, rem time.Duration, err error, async bool) {
 		defer wg.Done()
+		var last bool
+		defer func() {
+			if last {
+				l.ops.done()
+			}
+		}()
 		n := l.nodes[i]
 		if async && err == nil && nctx.Err() != nil {
 			// Answered too late (the pipeline delivers what it read):
@@ -1623,7 +1642,7 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 		}
 		fire := !fired && enough(yes, no, got)
 		fired = fired || fire
-		last := got == len(l.nodes)
+		last = got == len(l.nodes)
 		countMu.Unlock()
 		if last {
 			if stop := stopTimeouts.Load(); stop != nil {
@@ -1790,7 +1809,13 @@ func nodeErrors(rs []NodeResult) error {
 // cleanupContext returns a context for clean-up that outlives ctx's
 // cancellation but not the per-node timeout.
 func (l *Locker) cleanupContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(ctx), l.opts.NodeTimeout)
+	l.ops.add()
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.NodeTimeout)
+	var once sync.Once
+	return cctx, func() {
+		cancel()
+		once.Do(l.ops.done)
+	}
 }
 
 // try runs one Redlock round plus issuance.

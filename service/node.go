@@ -173,6 +173,7 @@ type RedisNode struct {
 	// boxed once for the commands that name it.
 	epochKey any
 	client   *redis.Client
+	conn     *connector
 	pipe     *pipeliner
 	watch    *watcher
 	// onConnect, if set (WatchRestarts), learns the run_id of the server
@@ -238,9 +239,9 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 		DisableIdentity:       true,
 		OnConnect:             n.connected,
 	})
-	n.client, n.watch = client, newWatcher(client, opts.DialTimeout)
+	n.client, n.conn, n.watch = client, newConnector(client, opts.DialTimeout), newWatcher(client, opts.DialTimeout)
 	if !opts.Unpipelined {
-		n.pipe = newPipeliner(client)
+		n.pipe = newPipeliner(client, n.conn)
 	}
 	return n
 }
@@ -378,11 +379,16 @@ func (n *RedisNode) do(ctx context.Context, cmd *redis.Cmd, s *luaScript) (*redi
 	if n.pipe != nil {
 		return n.pipe.do(ctx, cmd, s)
 	}
+	if err := n.conn.ready(ctx); err != nil {
+		cmd.SetErr(err)
+		return cmd, err
+	}
 	_ = n.client.Process(ctx, cmd)
 	if noScript(cmd, s) {
 		cmd = evalOf(ctx, cmd, s)
 		_ = n.client.Process(ctx, cmd)
 	}
+	n.conn.failed(cmd.Err())
 	return cmd, cmd.Err()
 }
 
@@ -621,7 +627,11 @@ func (n *RedisNode) AdoptLegacyMarker(ctx context.Context, epoch string) (bool, 
 // Epoch returns the node's epoch marker, or "" if it has none (see
 // epochReader).
 func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
+	if err := n.conn.ready(ctx); err != nil {
+		return "", fmt.Errorf("epoch: %w", err)
+	}
 	v, err := n.client.Get(ctx, keyspace.NodeEpochKey(n.addr)).Result()
+	n.conn.failed(err)
 	if errors.Is(err, redis.Nil) {
 		return "", nil
 	}
@@ -638,12 +648,16 @@ func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
 func (n *RedisNode) ServerID(ctx context.Context) (id string, durable bool, err error) {
 	// One pipeline, one connection: both answers come from the same
 	// process, even if the node restarts meanwhile.
+	if err := n.conn.ready(ctx); err != nil {
+		return "", false, fmt.Errorf("info server: %w", refusal(err))
+	}
 	var info *redis.StringCmd
 	var cfg *redis.MapStringStringCmd
 	_, perr := n.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		info, cfg = p.Info(ctx, "server"), p.ConfigGet(ctx, "*append*")
 		return nil
 	})
+	n.conn.failed(info.Err())
 	// A connection that could not be opened (refused credentials, say)
 	// fails the pipeline, not its commands. (CONFIG's own refusal fails
 	// it too, with INFO answered.)
@@ -662,7 +676,12 @@ func (n *RedisNode) ServerID(ctx context.Context) (id string, durable bool, err 
 
 // Ping implements Node.
 func (n *RedisNode) Ping(ctx context.Context) error {
-	if err := n.client.Ping(ctx).Err(); err != nil {
+	if err := n.conn.ready(ctx); err != nil {
+		return fmt.Errorf("ping: %w", err)
+	}
+	err := n.client.Ping(ctx).Err()
+	n.conn.failed(err)
+	if err != nil {
 		return fmt.Errorf("ping: %w", err)
 	}
 	return nil

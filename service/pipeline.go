@@ -56,6 +56,7 @@ func (c *call) answer() {
 // dropped rather than sent.
 type pipeliner struct {
 	client *redis.Client
+	conn   *connector
 	queue  chan *call
 	closed chan struct{}
 	once   sync.Once
@@ -82,8 +83,8 @@ type pipeliner struct {
 	blocking func()
 }
 
-func newPipeliner(client *redis.Client) *pipeliner {
-	p := &pipeliner{client: client, queue: make(chan *call, 4*maxBatch), closed: make(chan struct{}),
+func newPipeliner(client *redis.Client, conn *connector) *pipeliner {
+	p := &pipeliner{client: client, conn: conn, queue: make(chan *call, 4*maxBatch), closed: make(chan struct{}),
 		buf: make([]*call, 0, maxBatch), pipe: client.Pipeline(), yield: runtime.Gosched}
 	p.wg.Add(1)
 	go p.run()
@@ -308,6 +309,11 @@ func (p *pipeliner) send(batch []*call) {
 	if len(units) == 0 {
 		return
 	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	// Not on a connection set up under this batch's deadline (see
+	// connector).
+	cerr := p.conn.ready(ctx)
 	for i := range units {
 		u := &units[i]
 		if len(u.calls) > 1 {
@@ -315,15 +321,23 @@ func (p *pipeliner) send(batch []*call) {
 		} else {
 			u.cmd, u.script = u.calls[0].cmd, u.calls[0].script
 		}
-		_ = pipe.Process(u.calls[0].ctx, u.cmd)
+		if cerr == nil {
+			_ = pipe.Process(u.calls[0].ctx, u.cmd)
+		}
 	}
-	ctx, cancel := context.WithDeadline(context.Background(), deadline)
-	defer cancel()
+	if cerr != nil {
+		unanswered(units, cerr)
+		for i := range units {
+			units[i].answer()
+		}
+		return
+	}
 	if _, err := pipe.Exec(ctx); err != nil {
 		unanswered(units, err)
 	}
 	retry := false
 	for i := range units {
+		p.conn.failed(units[i].cmd.Err())
 		if u := &units[i]; noScript(u.cmd, u.script) {
 			retry = true
 		} else {
@@ -347,6 +361,7 @@ func (p *pipeliner) send(batch []*call) {
 	}
 	for i := range units {
 		if u := &units[i]; u.calls != nil {
+			p.conn.failed(u.cmd.Err())
 			u.answer()
 		}
 	}

@@ -132,7 +132,10 @@ func (s *sweeper) sizeLocked() int {
 	return n
 }
 
-// close stops the sweeper and forgets what was pending.
+// close stops the sweeper, sends every pending delete once more (within
+// a few node timeouts: the nodes may be closed next, and a delete still in
+// doubt would otherwise leave its key to hold the name until its TTL), and
+// forgets them.
 func (s *sweeper) close() {
 	s.mu.Lock()
 	if s.closed {
@@ -143,6 +146,9 @@ func (s *sweeper) close() {
 	close(s.stop)
 	s.mu.Unlock()
 	s.wg.Wait()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*s.l.opts.NodeTimeout)
+	s.passWith(ctx)
+	cancel()
 	s.mu.Lock()
 	for _, p := range s.pending {
 		clear(p)
@@ -190,6 +196,11 @@ func (s *sweeper) pass() {
 		case <-ctx.Done():
 		}
 	}()
+	s.passWith(ctx)
+}
+
+// passWith is pass, cut short when ctx ends.
+func (s *sweeper) passWith(ctx context.Context) {
 	var wg sync.WaitGroup
 	for i := range s.pending {
 		s.mu.Lock()

@@ -3,12 +3,14 @@ package store
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/cluster/clustertest"
 	"github.com/redfence/redfence/internal/testutil"
 )
 
@@ -226,5 +228,42 @@ func TestDB_Issue_IdleInTransactionRetried(t *testing.T) {
 	})
 	if err != nil || attempts != 2 || tok != 2 {
 		t.Fatalf("issuance after the idle session was ended = token %d, %v, in %d attempts; want 2, nil, in 2", tok, err, attempts)
+	}
+}
+
+// TestDB_Issue_IdleSessionEndedRetried: a pooled connection whose session
+// Postgres ended for idling (idle_session_timeout, 57P05) ran nothing of
+// the statement sent on it next, which is sent again on another connection
+// rather than failing.
+func TestDB_Issue_IdleSessionEndedRetried(t *testing.T) {
+	t.Parallel()
+	url := clustertest.Database(t)
+	obs := connect(t, url)
+	var dbname string
+	if err := obs.QueryRow(t.Context(), "SELECT current_database()").Scan(&dbname); err != nil {
+		t.Fatal(err)
+	}
+	db := open(t, url, Options{MaxConns: 2})
+	if _, err := db.Migrate(t.Context()); err != nil {
+		t.Fatalf("Migrate: %v", err)
+	}
+	if _, err := obs.Exec(t.Context(), fmt.Sprintf("ALTER DATABASE %s SET idle_session_timeout = '200ms'", pgx.Identifier{dbname}.Sanitize())); err != nil {
+		t.Fatal(err)
+	}
+	db.pool.Reset() // new sessions take the setting
+	sessions := func() (int, error) {
+		var n int
+		err := obs.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name <> 'store_test' AND backend_type = 'client backend'`).Scan(&n)
+		return n, err
+	}
+	for i := range 3 {
+		testutil.WaitFor(t, waitTimeout, "Postgres to end the pool's idle sessions", func() (bool, error) {
+			n, err := sessions()
+			return n == 0, err
+		})
+		if tok := issue(t, db, "k"); tok != fencing.Token(i+1) {
+			t.Fatalf("issuance %d after the idle sessions were ended = %d; want %d", i+1, tok, i+1)
+		}
 	}
 }

@@ -470,10 +470,12 @@ func retryPooled(pool *pgxpool.Pool, query func() error) error {
 // it back (Postgres sends 57P01 only before a commit); or a failure before
 // anything was sent; or a session ended for idling in a transaction
 // (25P03: an issuance whose statement came late after its BEGIN), which
-// Postgres raises only before a COMMIT, so the transaction rolled back.
+// Postgres raises only before a COMMIT, so the transaction rolled back; or
+// a session ended for idling outside a transaction (57P05:
+// idle_session_timeout), whose next statement never ran.
 func notRun(err error) bool {
 	var pe *pgconn.PgError
-	return stalePlan(err) || errors.As(err, &pe) && (pe.Code == "57P01" || pe.Code == "25P03") || err != nil && pgconn.SafeToRetry(err)
+	return stalePlan(err) || errors.As(err, &pe) && (pe.Code == "57P01" || pe.Code == "25P03" || pe.Code == "57P05") || err != nil && pgconn.SafeToRetry(err)
 }
 
 // stalePlan reports whether err is Postgres refusing a prepared statement

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -35,9 +36,12 @@ type Server struct {
 	keys *store.KeyWatcher
 	// stop cancels the context of in-flight requests (blocking acquires) once
 	// the shutdown grace period has begun.
-	stop    context.CancelFunc
-	served  chan error
-	Options ServerOptions
+	stop context.CancelFunc
+	// handlers counts the requests being handled: Close waits for those it
+	// cut short.
+	handlers sync.WaitGroup
+	served   chan error
+	Options  ServerOptions
 	// beforeClose runs in Close once requests are done, before the
 	// backends close (redfence dev revokes its key there).
 	beforeClose []func(context.Context)
@@ -168,7 +172,11 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 	base, stop := context.WithCancel(context.Background())
 	s.stop = stop
 	s.http = &http.Server{
-		Handler:           h,
+		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			s.handlers.Add(1)
+			defer s.handlers.Done()
+			h.ServeHTTP(w, r)
+		}),
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
 		ReadTimeout:       cfg.ReadTimeout,
 		WriteTimeout:      writeTimeout,
@@ -207,7 +215,8 @@ func (s *Server) Done() <-chan error { return s.served }
 
 // Close stops accepting requests, ends the waits of blocking acquires (they
 // answer 503 shutting-down after their current try), gives in-flight
-// requests until ctx ends (then cancels them), and closes the backends.
+// requests until ctx ends (then cancels them, and waits a little for their
+// clean-up), and closes the backends.
 func (s *Server) Close(ctx context.Context) error {
 	s.api.Drain()
 	err := s.http.Shutdown(ctx)
@@ -216,12 +225,52 @@ func (s *Server) Close(ctx context.Context) error {
 		err = errors.Join(err, s.http.Close())
 	}
 	s.stop()
+	// http.Close does not wait for the handlers it cut short. An acquire
+	// cut short deletes what its try set on the nodes (each within the
+	// node timeout) before it returns: closing the nodes under it would
+	// leave its keys to refuse the name to everyone until their TTL.
+	done := make(chan struct{})
+	go func() {
+		s.handlers.Wait()
+		close(done)
+	}()
+	if !closedWithin(done, s.cleanupBound()) {
+		s.log.Warn("requests still running after the shutdown: closing the backends under them")
+	}
 	s.api.Wait() // audit lines still looking their grant up
 	for _, f := range s.beforeClose {
 		f(ctx)
 	}
-	s.closeBackends()
+	done = make(chan struct{})
+	go func() {
+		s.closeBackends()
+		close(done)
+	}()
+	if !closedWithin(done, s.cleanupBound()) {
+		// Postgres not answering: closing its connections waits for
+		// each cancel request (pgx gives them 15 s).
+		s.log.Warn("closing the connections to Redis and Postgres is taking too long: not waiting for it")
+	}
 	return err
+}
+
+// cleanupBound is how long Close waits for handlers it cut short, then for
+// the backends to close: a few node timeouts (a round, its clean-up, the
+// last redelivery of deletes in doubt) and a second for Postgres.
+func (s *Server) cleanupBound() time.Duration {
+	return 6*s.cfg.NodeTimeout + time.Second
+}
+
+// closedWithin reports whether done is closed within d.
+func closedWithin(done <-chan struct{}, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-done:
+		return true
+	case <-t.C:
+		return false
+	}
 }
 
 func (s *Server) closeBackends() {
