@@ -45,6 +45,12 @@ var (
 	// server: it would vote twice, and a majority of votes would no longer
 	// be a majority of servers.
 	ErrSameServer = errors.New("service: two nodes are one Redis server")
+	// ErrForeignNode reports a node that Init found marked by servers that
+	// keep their records in another Registry (database): another
+	// deployment uses it, or this database is not the one the node was
+	// used with. Servers of two Registries on one node would each take
+	// the other's marker for a lost memory, and quarantine it in turn.
+	ErrForeignNode = errors.New("service: the node is marked by servers of another database")
 	// ErrNodeShared reports a Node value that already serves another
 	// Locker: each Locker needs nodes of its own (NewRedisNode for each), as
 	// a node reports the restarts it sees to one Locker only.

@@ -83,6 +83,9 @@ type Registry interface {
 	// quarantine plus grace. So servers configured with different MaxTTLs
 	// agree on a safe one.
 	Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error
+	// ForgetNode removes addr's record if its epoch is still epoch: it
+	// undoes a RegisterNode that created it (see ErrForeignNode).
+	ForgetNode(ctx context.Context, addr, epoch string) error
 }
 
 const (
@@ -509,6 +512,11 @@ func (l *Locker) Init(ctx context.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("service: register node %s: %w", m.Addr(), err)
 		}
+		if created {
+			if err := l.checkForeign(ctx, m, cur); err != nil {
+				return err
+			}
+		}
 		until := l.quarantineEnd(left)
 		m.adopt(cur, until)
 		if until.After(l.opts.Now()) {
@@ -555,6 +563,31 @@ func (l *Locker) Init(ctx context.Context) (err error) {
 	}
 	l.startEvictionChecks(ctx)
 	return nil
+}
+
+// checkForeign returns an error matching ErrForeignNode if m, just
+// registered with epoch cur (the Registry did not know it), already holds
+// a marker: one that servers of another Registry wrote. The registration
+// is undone then, so the next start checks again. A node that does not
+// answer is not checked.
+func (l *Locker) checkForeign(ctx context.Context, m *member, cur string) error {
+	er, ok := m.Node.(epochReader)
+	if !ok {
+		return nil
+	}
+	mctx, cancel := context.WithTimeout(ctx, l.opts.NodeTimeout)
+	got, err := er.Epoch(mctx)
+	cancel()
+	if err != nil || got == "" || got == cur {
+		return nil
+	}
+	if ferr := l.opts.Registry.ForgetNode(ctx, m.Addr(), cur); ferr != nil {
+		l.opts.Logger.Warn("could not undo the registration of a node marked by another database's servers", slog.String("node", m.Addr()), slog.String("error", ferr.Error()))
+	}
+	return fmt.Errorf("service: node %s: %w: its epoch marker (key %s) was not written by servers of this database. "+
+		"Two deployments must not share Redis nodes, and the servers of one must share its database. "+
+		"If the node's former deployment is gone for good, delete that key on the node; keep its database, whose fencing tokens a new one would issue again from 1",
+		m.Addr(), ErrForeignNode, keyspace.NodeEpochKey(m.Addr()))
 }
 
 // setIniting sets whether Init is recording the nodes (see reach.initing).

@@ -1064,6 +1064,16 @@ func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (str
 	return epoch, r.left(addr), true, nil
 }
 
+func (r *memRegistry) ForgetNode(ctx context.Context, addr, epoch string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.epochs[addr] == epoch {
+		delete(r.epochs, addr)
+		delete(r.until, addr)
+	}
+	return nil
+}
+
 func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (string, time.Duration, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()

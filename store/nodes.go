@@ -49,6 +49,15 @@ RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
 	return cur, millis(left), false, nil
 }
 
+// ForgetNode removes addr's record if its epoch is still epoch. It
+// implements service.Registry.
+func (db *DB) ForgetNode(ctx context.Context, addr, epoch string) error {
+	if _, err := db.pool.Exec(ctx, `DELETE FROM redfence_nodes WHERE addr = $1 AND epoch = $2`, addr, epoch); err != nil {
+		return fmt.Errorf("store: forget node %s: %w", addr, classify(err))
+	}
+	return nil
+}
+
 // QuarantineNode records that addr lost the marker expected, or, with a
 // runID, that its Redis process was found restarted as runID. If addr's epoch
 // is still expected, or runID is not the process on record (so no server

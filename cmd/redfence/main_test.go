@@ -365,7 +365,6 @@ func TestOpen(t *testing.T) {
 
 	t.Run("Errors", func(t *testing.T) {
 		t.Parallel()
-		nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
 		taken, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
@@ -385,7 +384,9 @@ func TestOpen(t *testing.T) {
 			t.Run(tc.name, func(t *testing.T) {
 				t.Parallel()
 				url := clustertest.Database(t)
-				cfg := testConfig(t, addrs(nodes), url)
+				// Nodes of its own: nodes marked by servers of another
+				// database are refused (ErrForeignNode).
+				cfg := testConfig(t, addrs(clustertest.Redis(t, 3, cluster.RedisOptions{})), url)
 				tc.change(cfg)
 				s, err := Open(t.Context(), cfg, discard, ServerOptions{})
 				if err == nil {
