@@ -160,7 +160,7 @@ type InvalidParam struct {
 // 400 `invalid-request` naming `data`.
 //
 // Example: {"amount_cents":129900,"invoice":7,"status":"paid"}
-type JsonValue = interface{}
+type JsonValue = json.RawMessage
 
 // LockResponse A grant: 200 from extend; acquire's 201 (AcquireResponse) adds the
 // `lock_token`.

@@ -3,6 +3,7 @@ package rest_test
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
 	"net/http"
 	"os"
 	"os/exec"
@@ -87,7 +88,7 @@ func TestGeneratedClientOnly(t *testing.T) {
 	}
 
 	put, err := c.PutResourceWithResponse(ctx, "orders:invoice-7", nil, rest.PutResourceJSONRequestBody{
-		FencingToken: g.FencingToken, Data: map[string]any{"total": 42},
+		FencingToken: g.FencingToken, Data: rest.JsonValue(`{"total":42}`),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -124,7 +125,7 @@ func TestGeneratedClientOnly(t *testing.T) {
 	if err != nil || next.JSON201 == nil {
 		t.Fatalf("second acquire = %v %v", next, err)
 	}
-	stale, err := c.PutResourceWithResponse(ctx, "orders:invoice-7", nil, rest.PutResourceJSONRequestBody{FencingToken: g.FencingToken, Data: 0})
+	stale, err := c.PutResourceWithResponse(ctx, "orders:invoice-7", nil, rest.PutResourceJSONRequestBody{FencingToken: g.FencingToken, Data: rest.JsonValue(`0`)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -132,5 +133,58 @@ func TestGeneratedClientOnly(t *testing.T) {
 	if stale.StatusCode() != http.StatusConflict || p == nil || p.Type != "urn:redfence:problem:stale-token" ||
 		p.CurrentFencingToken == nil || *p.CurrentFencingToken != next.JSON201.FencingToken {
 		t.Fatalf("stale put = %d %s; want 409 stale-token with the current token", stale.StatusCode(), stale.Body)
+	}
+}
+
+// TestGeneratedBigNumbers: a number in data that a double cannot hold
+// survives a read-modify-write through the generated client (JsonValue is
+// a json.RawMessage, not an interface{} that reads numbers as float64).
+func TestGeneratedBigNumbers(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	ctx := t.Context()
+	c, err := rest.NewClientWithResponses(s.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const name, big = "ledger", "12345678901234567890"
+	acq, err := c.AcquireLockWithResponse(ctx, name, nil, rest.AcquireLockJSONRequestBody{})
+	if err != nil || acq.JSON201 == nil {
+		t.Fatalf("acquire = %v %v", acq, err)
+	}
+	token := acq.JSON201.FencingToken
+	put, err := c.PutResourceWithResponse(ctx, name, nil, rest.PutResourceJSONRequestBody{
+		FencingToken: token, Data: rest.JsonValue(`{"balance":` + big + `,"n":1}`)})
+	if err != nil || put.JSON200 == nil {
+		t.Fatalf("put = %v %v", put, err)
+	}
+
+	// Read, change another member, write back what was read.
+	get, err := c.GetResourceWithResponse(ctx, name, nil)
+	if err != nil || get.JSON200 == nil {
+		t.Fatalf("get = %v %v", get, err)
+	}
+	var doc map[string]any
+	dec := json.NewDecoder(bytes.NewReader(get.JSON200.Data))
+	dec.UseNumber()
+	if err := dec.Decode(&doc); err != nil {
+		t.Fatalf("data %s: %v", get.JSON200.Data, err)
+	}
+	doc["n"] = 2
+	data, err := json.Marshal(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	put, err = c.PutResourceWithResponse(ctx, name, nil, rest.PutResourceJSONRequestBody{FencingToken: token, Data: data})
+	if err != nil || put.JSON200 == nil {
+		t.Fatalf("second put = %v %v", put, err)
+	}
+
+	get, err = c.GetResourceWithResponse(ctx, name, nil)
+	if err != nil || get.JSON200 == nil {
+		t.Fatalf("second get = %v %v", get, err)
+	}
+	if got, want := string(get.JSON200.Data), `{"balance":`+big+`,"n":2}`; got != want {
+		t.Errorf("data after a read-modify-write = %s; want %s", got, want)
 	}
 }
