@@ -220,3 +220,19 @@ func TestSpec_NamePattern(t *testing.T) {
 		}
 	}
 }
+
+// TestSpec_InvalidParamsBound: openapi.yaml bounds Problem.invalid_params
+// by maxProblems, the most an answer lists.
+func TestSpec_InvalidParamsBound(t *testing.T) {
+	doc, err := openapi3.NewLoader().LoadFromData(redfence.OpenAPI)
+	if err != nil {
+		t.Fatalf("load openapi.yaml: %v", err)
+	}
+	p := doc.Components.Schemas["Problem"]
+	if p == nil || p.Value.Properties["invalid_params"] == nil {
+		t.Fatal("openapi.yaml has no components/schemas/Problem with an invalid_params property")
+	}
+	if m := p.Value.Properties["invalid_params"].Value.MaxItems; m == nil || *m != maxProblems {
+		t.Errorf("Problem.invalid_params has maxItems %v; want %d (maxProblems)", m, maxProblems)
+	}
+}

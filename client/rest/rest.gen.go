@@ -354,7 +354,8 @@ type Problem struct {
 	// Example: /v1/locks/orders:invoice-7
 	Instance *string `json:"instance,omitempty"`
 
-	// InvalidParams What was wrong with the request (`invalid-request`).
+	// InvalidParams What was wrong with the request (`invalid-request`): up to 16
+	// problems; `detail` says how many more there are.
 	InvalidParams *[]InvalidParam `json:"invalid_params,omitempty"`
 
 	// Nodes Each node's answer in the last round, in node order

@@ -755,7 +755,10 @@ export interface components {
              * @example 35
              */
             current_fencing_token?: number;
-            /** @description What was wrong with the request (`invalid-request`). */
+            /**
+             * @description What was wrong with the request (`invalid-request`): up to 16
+             *     problems; `detail` says how many more there are.
+             */
             invalid_params?: components["schemas"]["InvalidParam"][];
         };
         /** @description One node's answer in one round. */
@@ -796,9 +799,10 @@ export interface components {
     responses: {
         /**
          * @description `invalid-request`: the name, a header or the body is invalid;
-         *     `invalid_params` lists every problem found, and `detail` names them
-         *     all, up to 16 (beyond that `detail` counts the rest: "and 19984
-         *     more"). Nothing changed.
+         *     `invalid_params` lists the problems found, up to 16, and `detail`
+         *     names the same ones; beyond 16, `detail` counts all of them and says
+         *     how many more there are ("20001 problems: ...; and 19985 more").
+         *     Nothing changed.
          */
         InvalidRequest: {
             headers: {
