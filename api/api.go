@@ -283,6 +283,15 @@ func (h *Handler) newRouter() *chi.Mux {
 		if st := stateFrom(r.Context()); st != nil {
 			st.route = "unmatched" // not "/v1/*", the mount it fell into
 		}
+		if r.ProtoMajor == 2 && r.Method == "PRI" && r.RequestURI == "*" {
+			// HTTP/2's preface (prior knowledge) on an HTTP/1 connection:
+			// net/http hands it over rather than answering 505 itself.
+			w.Header().Set("Connection", "close")
+			writeProblem(w, r, &Problem{Type: kVersion.typ, Title: kVersion.title, Status: kVersion.status,
+				Detail:   "this server speaks HTTP/2 only over TLS, or without TLS where REDFENCE_H2C is on; send HTTP/1.1",
+				Instance: instance(r), RequestID: requestID(r.Context())})
+			return
+		}
 		writeProblem(w, r, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
 			Detail: "no route " + instance(r), Instance: instance(r), RequestID: requestID(r.Context())})
 	}

@@ -477,3 +477,49 @@ func TestAPI_BodyCutShort(t *testing.T) {
 		t.Error("a request with a body cut short acquired the lock")
 	}
 }
+
+// TestAPI_HTTP2Preface: HTTP/2's connection preface (prior knowledge, as
+// `curl --http2-prior-knowledge` sends it) to a server without h2c gets a
+// 505 http-version-not-supported problem, not a 404 for the path "*", and
+// the connection is closed.
+func TestAPI_HTTP2Preface(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	for _, tc := range []struct{ name, preface string }{
+		{"Preface", "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"},
+		// curl's: the preface and its first SETTINGS frame in one write.
+		{"Curl", "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x12\x04\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x64\x00\x04\x02\x00\x00\x00\x00\x02\x00\x00\x00\x00"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			if _, err := io.WriteString(conn, tc.preface); err != nil {
+				t.Fatal(err)
+			}
+			// A deadline far beyond any answer only guards against a hang.
+			if err := conn.SetReadDeadline(time.Now().Add(time.Minute)); err != nil {
+				t.Fatal(err)
+			}
+			br := bufio.NewReader(conn)
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := readResponse(t, resp)
+			p := r.problem(t)
+			if r.status != http.StatusHTTPVersionNotSupported || p.Type != api.ProblemTypePrefix+"http-version-not-supported" ||
+				p.Status != r.status || !strings.Contains(p.Detail, "REDFENCE_H2C") || r.header.Get("X-Request-Id") == "" || p.RequestID == "" {
+				t.Errorf("HTTP/2 preface = %d %v %s; want 505 http-version-not-supported naming REDFENCE_H2C, with a request ID", r.status, r.header, r.body)
+			}
+			if !resp.Close {
+				t.Error("505 without Connection: close")
+			}
+			if rest, err := io.ReadAll(br); err != nil || len(rest) != 0 {
+				t.Errorf("after the 505: %q, %v; want the connection closed", rest, err)
+			}
+		})
+	}
+}

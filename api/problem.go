@@ -104,6 +104,7 @@ var (
 	// Hardening.
 	kHeadersTooLarge = newKind("headers-too-large", http.StatusRequestHeaderFieldsTooLarge, "The request headers are too large")
 	kTimeout         = newKind("request-timeout", http.StatusRequestTimeout, "The request body did not arrive in time")
+	kVersion         = newKind("http-version-not-supported", http.StatusHTTPVersionNotSupported, "The HTTP version is not supported")
 )
 
 // ProblemTypes lists every problem type slug the API can return.
@@ -111,7 +112,7 @@ func ProblemTypes() []string {
 	var out []string
 	for _, k := range []kind{kInvalid, kTooLarge, kMediaType, kNotFound, kMethod, kNoResource, kHeld, kWaitTimeout,
 		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kShutdown, kCancelled, kInternal,
-		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge, kTimeout} {
+		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge, kTimeout, kVersion} {
 		out = append(out, k.slug)
 	}
 	return out

@@ -701,6 +701,9 @@ export interface components {
              *       `retry_after_ms` and `Retry-After`.
              *     - `auth-unavailable` (503): the API key could not be checked because
              *       Postgres did not answer; nothing was done.
+             *     - `http-version-not-supported` (505): HTTP/2's connection preface
+             *       (prior knowledge) reached a server that serves HTTP/2 only with
+             *       TLS or `REDFENCE_H2C`; send HTTP/1.1. The connection is closed.
              * @example urn:redfence:problem:lock-held
              */
             type: string;
