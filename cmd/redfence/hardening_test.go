@@ -106,6 +106,23 @@ func TestServer_Hardening(t *testing.T) {
 		}
 	})
 
+	// What net/http refuses before Redfence sees the request, as
+	// openapi.yaml's Conventions say: in plain text, without a problem.
+	t.Run("GoPlainText", func(t *testing.T) {
+		for _, tc := range []struct {
+			name, req string
+			status    int
+		}{
+			{"ControlInValue", "GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\x01b\r\nConnection: close\r\n\r\n", http.StatusBadRequest},
+			{"HeadersTwiceTheLimit", "GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + strings.Repeat("b", 2*cfg.MaxHeaderBytes+8<<10) + "\r\nConnection: close\r\n\r\n",
+				http.StatusRequestHeaderFieldsTooLarge},
+		} {
+			if r := rawRequest(t, addr, tc.req); r.StatusCode != tc.status || !strings.HasPrefix(r.Header.Get("Content-Type"), "text/plain") {
+				t.Errorf("%s = %d %s; want Go's plain-text %d", tc.name, r.StatusCode, r.Header.Get("Content-Type"), tc.status)
+			}
+		}
+	})
+
 	t.Run("BodyTooLarge", func(t *testing.T) {
 		r := call(t, http.MethodPost, addr, "/v1/locks/x", `{"owner":"`+strings.Repeat("o", 2<<20)+`"}`)
 		if r.status != http.StatusRequestEntityTooLarge || r.header.Get("Content-Type") != "application/problem+json" {
