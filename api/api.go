@@ -292,8 +292,18 @@ func (h *Handler) newRouter() *chi.Mux {
 				Instance: instance(r), RequestID: requestID(r.Context())})
 			return
 		}
+		detail := "no route " + instance(r)
+		if r.URL.Path == "" && r.Method == http.MethodConnect {
+			// CONNECT host:port: an authority, no path (and no URI
+			// reference, so no instance either).
+			host := r.URL.Host
+			if len(host) > maxShownPath {
+				host = strings.ToValidUTF8(host[:maxShownPath], "") + "..."
+			}
+			detail = "no route for CONNECT " + host + ": this server is not a proxy"
+		}
 		writeProblem(w, r, &Problem{Type: kNotFound.typ, Title: kNotFound.title, Status: kNotFound.status,
-			Detail: "no route " + instance(r), Instance: instance(r), RequestID: requestID(r.Context())})
+			Detail: detail, Instance: instance(r), RequestID: requestID(r.Context())})
 	}
 	r.NotFound(notFound)
 	// endpoints are the patterns that serve something (filled in below):

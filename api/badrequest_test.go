@@ -523,3 +523,41 @@ func TestAPI_HTTP2Preface(t *testing.T) {
 		})
 	}
 }
+
+// TestAPI_Connect: CONNECT is answered as any method is: 405 with Allow
+// on a path that serves other methods, and 404 not-found elsewhere, also
+// for its usual host:port target, whose detail names the method and the
+// target (no instance: an authority is no path).
+func TestAPI_Connect(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{})
+	for _, tc := range []struct {
+		name, target string
+		status       int
+		allow        string
+		detail       string
+	}{
+		{"Authority", "example.com:443", http.StatusNotFound, "", "CONNECT example.com:443"},
+		{"Path", "/healthz", http.StatusMethodNotAllowed, "GET, HEAD", "CONNECT"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conn, err := net.Dial("tcp", e.srv.Listener.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close()
+			if _, err := io.WriteString(conn, "CONNECT "+tc.target+" HTTP/1.1\r\nHost: example.com:443\r\n\r\n"); err != nil {
+				t.Fatal(err)
+			}
+			resp, err := http.ReadResponse(bufio.NewReader(conn), &http.Request{Method: http.MethodConnect})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := readResponse(t, resp)
+			p := r.problem(t)
+			if r.status != tc.status || p.Status != tc.status || r.header.Get("Allow") != tc.allow || !strings.Contains(p.Detail, tc.detail) || p.RequestID == "" {
+				t.Errorf("CONNECT %s = %d, Allow %q, %s; want %d, Allow %q, a detail naming %q", tc.target, r.status, r.header.Get("Allow"), r.body, tc.status, tc.allow, tc.detail)
+			}
+		})
+	}
+}

@@ -348,7 +348,8 @@ type Problem struct {
 
 	// Instance The request path as sent, with the secret of any API key in it
 	// shown as `rf_<id>_[redacted]`. A path over 1,024 bytes is cut
-	// there and ends in `...`.
+	// there and ends in `...`. Absent for a target that is no path
+	// (`CONNECT host:port`).
 	//
 	//
 	// Example: /v1/locks/orders:invoice-7

@@ -722,7 +722,8 @@ export interface components {
             /**
              * @description The request path as sent, with the secret of any API key in it
              *     shown as `rf_<id>_[redacted]`. A path over 1,024 bytes is cut
-             *     there and ends in `...`.
+             *     there and ends in `...`. Absent for a target that is no path
+             *     (`CONNECT host:port`).
              * @example /v1/locks/orders:invoice-7
              */
             instance?: string;
