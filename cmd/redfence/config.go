@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"slices"
 	"strconv"
@@ -94,7 +95,10 @@ func (c *Config) validate() error {
 	if c.NodeTimeout <= 0 {
 		errs = append(errs, errors.New("REDFENCE_NODE_TIMEOUT must be positive"))
 	}
-	if c.DriftFactor <= 0 || c.DriftFactor >= 0.5 {
+	if c.ListenAddr == "" {
+		errs = append(errs, errors.New("REDFENCE_LISTEN_ADDR is empty: give host:port, such as :8080 (every interface) or 127.0.0.1:8080, or unset it for :8080"))
+	}
+	if isFinite("REDFENCE_DRIFT_FACTOR", c.DriftFactor, &errs) && (c.DriftFactor <= 0 || c.DriftFactor >= 0.5) {
 		errs = append(errs, errors.New("REDFENCE_DRIFT_FACTOR must be in (0, 0.5): above 0, as clocks do drift"))
 	}
 	if c.RetryDelayMin <= 0 || c.RetryDelayMax < c.RetryDelayMin {
@@ -159,6 +163,17 @@ func (c *Config) validate() error {
 		return fmt.Errorf("%d invalid settings:\n  %s", len(errs), strings.Join(msgs, "\n  "))
 	}
 	return errors.Join(errs...)
+}
+
+// isFinite reports whether v, the value of the float setting name, is a
+// number (not NaN, which every comparison lets through, nor ±Inf), and adds
+// an error to errs when it is not.
+func isFinite(name string, v float64, errs *[]error) bool {
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		*errs = append(*errs, fmt.Errorf("%s (%v) must be a finite number", name, v))
+		return false
+	}
+	return true
 }
 
 // typeHint names what a setting of Go type t takes.

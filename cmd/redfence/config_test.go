@@ -1,7 +1,11 @@
 package main
 
 import (
+	"fmt"
+	"os"
+	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -30,4 +34,64 @@ func TestUnknownSettings(t *testing.T) {
 	if got := unknownSettings(all); len(got) != 0 {
 		t.Errorf("settings reported unknown: %q", got)
 	}
+}
+
+// cleanEnv unsets every REDFENCE_* variable for the test (restored after).
+func cleanEnv(t *testing.T) {
+	t.Helper()
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); strings.HasPrefix(k, "REDFENCE_") {
+			t.Setenv(k, "")
+			os.Unsetenv(k)
+		}
+	}
+}
+
+// TestLoadConfig_Rejects: a setting that passes parsing but is no usable
+// value (NaN or an infinity for a number, an empty listen address) fails
+// loadConfig with one line naming it, as other bad values do.
+func TestLoadConfig_Rejects(t *testing.T) {
+	var floats []string
+	typ := reflect.TypeFor[Config]()
+	for i := range typ.NumField() {
+		if typ.Field(i).Type.Kind() == reflect.Float64 {
+			floats = append(floats, envName(typ.Field(i)))
+		}
+	}
+	if len(floats) < 2 {
+		t.Fatalf("float settings: %q; want REDFENCE_DRIFT_FACTOR and REDFENCE_RATE_LIMIT at least", floats)
+	}
+	type tc struct{ env, value, want string }
+	var cases []tc
+	for _, name := range floats {
+		for _, v := range []string{"NaN", "nan", "Inf", "+Inf", "-Inf", "infinity"} {
+			cases = append(cases, tc{name, v, name + " (" + fmt.Sprint(mustFloat(t, v)) + ") must be a finite number"})
+		}
+	}
+	cases = append(cases, tc{"REDFENCE_LISTEN_ADDR", "", "REDFENCE_LISTEN_ADDR is empty"})
+	for _, c := range cases {
+		t.Run(c.env+"="+c.value, func(t *testing.T) {
+			cleanEnv(t)
+			t.Setenv(c.env, c.value)
+			cfg, err := loadConfig()
+			if err == nil || !strings.HasPrefix(err.Error(), c.want) || strings.Contains(err.Error(), "\n") {
+				t.Errorf("loadConfig with %s=%q = %+v, %v; want one line starting %q", c.env, c.value, cfg, err, c.want)
+			}
+		})
+	}
+	t.Run("Defaults", func(t *testing.T) {
+		cleanEnv(t)
+		if _, err := loadConfig(); err != nil {
+			t.Errorf("loadConfig with no settings = %v", err)
+		}
+	})
+}
+
+func mustFloat(t *testing.T, s string) float64 {
+	t.Helper()
+	f, err := strconv.ParseFloat(s, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
 }

@@ -26,7 +26,7 @@ func devAddr(fs *flag.FlagSet, flagAddr string, lookup func(string) (string, boo
 	if given {
 		return flagAddr
 	}
-	if env, ok := lookup("REDFENCE_LISTEN_ADDR"); ok && env != "" {
+	if env, ok := lookup("REDFENCE_LISTEN_ADDR"); ok {
 		return env
 	}
 	return devDefaultAddr

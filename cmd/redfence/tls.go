@@ -20,7 +20,7 @@ func (c *Config) validateSecurity() []error {
 	if c.AuthCacheTTL <= 0 {
 		errs = append(errs, errors.New("REDFENCE_AUTH_CACHE_TTL must be positive"))
 	}
-	if c.RateLimit < 0 {
+	if isFinite("REDFENCE_RATE_LIMIT", c.RateLimit, &errs) && c.RateLimit < 0 {
 		errs = append(errs, errors.New("REDFENCE_RATE_LIMIT must not be negative (0 turns rate limits off)"))
 	}
 	if c.RateLimit > 0 && c.RateBurst < 1 {
