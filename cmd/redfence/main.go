@@ -116,9 +116,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	case "-h", "-help", "--help", "help":
 		usage(stdout)
 		return nil
-	case "version", "-version", "--version":
-		fmt.Fprintln(stdout, "redfence", buildVersion())
-		return nil
+	case "-version", "--version":
+		return cmdVersion(nil, stdout, stderr)
+	case "version":
+		return cmdVersion(rest, stdout, stderr)
 	case "serve":
 		return cmdServe(ctx, rest, stdout, stderr)
 	case "dev":
@@ -135,6 +136,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fmt.Fprintf(stderr, "redfence: unknown command %q\n\n", cmd)
 	usage(stderr)
 	return errUsage
+}
+
+func cmdVersion(args []string, stdout, stderr io.Writer) error {
+	fs := flags("version", "Prints the version.", stderr)
+	if err := parseFlags(fs, args, stdout); err != nil {
+		return helpOK(err)
+	}
+	fmt.Fprintln(stdout, "redfence", buildVersion())
+	return nil
 }
 
 func buildVersion() string {

@@ -106,7 +106,7 @@ func TestRun(t *testing.T) {
 
 	t.Run("SubcommandHelp", func(t *testing.T) {
 		t.Parallel()
-		for _, args := range [][]string{{"serve", "-h"}, {"keys", "create", "--help"}, {"keys", "revoke", "-h"}, {"healthcheck", "-h"}} {
+		for _, args := range [][]string{{"serve", "-h"}, {"keys", "create", "--help"}, {"keys", "revoke", "-h"}, {"healthcheck", "-h"}, {"version", "--help"}, {"version", "-h"}} {
 			var stdout, stderr bytes.Buffer
 			if err := run(t.Context(), args, &stdout, &stderr); err != nil {
 				t.Errorf("run %q = %v; want nil", args, err)
@@ -138,6 +138,8 @@ func TestRun(t *testing.T) {
 		{"ExtraArgs", []string{"serve", "extra"}},
 		{"KeysCreateUnknownFlag", []string{"keys", "create", "--tenant", "x", "--bogus"}},
 		{"HealthcheckExtraArgs", []string{"healthcheck", "extra"}},
+		{"VersionUnknownFlag", []string{"version", "--bogus"}},
+		{"VersionExtraArgs", []string{"version", "extra"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
