@@ -289,11 +289,7 @@ func migrate(ctx context.Context, sqlDB *sql.DB) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("store: migrate: %w", err)
 	}
-	p, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
-		goose.WithSessionLocker(locker),
-		goose.WithTableName(migrationsTable),
-		goose.WithDisableGlobalRegistry(true),
-	)
+	p, err := provider(sqlDB, goose.WithSessionLocker(locker))
 	if err != nil {
 		return nil, fmt.Errorf("store: migrate: %w", err)
 	}
@@ -306,6 +302,30 @@ func migrate(ctx context.Context, sqlDB *sql.DB) ([]string, error) {
 		applied = append(applied, r.Source.Path)
 	}
 	return applied, nil
+}
+
+// provider is the goose provider of the embedded migrations on sqlDB.
+func provider(sqlDB *sql.DB, opts ...goose.ProviderOption) (*goose.Provider, error) {
+	return goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS,
+		append([]goose.ProviderOption{goose.WithTableName(migrationsTable), goose.WithDisableGlobalRegistry(true)}, opts...)...)
+}
+
+// SchemaVersions returns the version of the database's schema (its newest
+// applied migration; 0 before any) and the newest migration this binary
+// embeds. A database ahead of the binary was migrated by a newer Redfence,
+// whose schema this one may not know how to use.
+func (db *DB) SchemaVersions(ctx context.Context) (database, binary int64, err error) {
+	sqlDB := stdlib.OpenDBFromPool(db.pool)
+	defer sqlDB.Close()
+	p, err := provider(sqlDB)
+	if err != nil {
+		return 0, 0, fmt.Errorf("store: schema version: %w", err)
+	}
+	database, binary, err = p.GetVersions(ctx)
+	if err != nil {
+		return 0, 0, fmt.Errorf("store: schema version: %w", classify(err))
+	}
+	return database, binary, nil
 }
 
 // Last returns the newest token record for key; its Token is 0 if none.

@@ -113,6 +113,7 @@ below are otherwise the same.`, stderr)
 	if err != nil {
 		return err
 	}
+	warnSchemaAhead(ctx, s)
 	key := ""
 	if cfg.Auth {
 		if key, err = s.devKey(ctx, sharedDB); err != nil {

@@ -19,6 +19,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -266,7 +267,31 @@ func cmdServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		return err
 	}
+	warnSchemaAhead(ctx, s)
 	return serveUntilDone(ctx, s, cfg)
+}
+
+// schemaAhead describes a database whose schema is newer than this binary's
+// newest migration, or returns "" when it is not.
+func schemaAhead(ctx context.Context, db *store.DB) (string, error) {
+	dbVersion, binVersion, err := db.SchemaVersions(ctx)
+	if err != nil || dbVersion <= binVersion {
+		return "", err
+	}
+	return fmt.Sprintf("database schema is at version %d, newer than this binary's %d: a newer redfence migrated it", dbVersion, binVersion), nil
+}
+
+// warnSchemaAhead logs a warning when the database's schema is newer than
+// this binary's: serving on is right during a rolling upgrade, and wrong
+// for long.
+func warnSchemaAhead(ctx context.Context, s *Server) {
+	msg, err := schemaAhead(ctx, s.db)
+	switch {
+	case err != nil:
+		s.log.Warn("could not read the database's schema version", slog.String("error", err.Error()))
+	case msg != "":
+		s.log.Warn(msg + "; serving on, which is right only while a rolling upgrade replaces this server")
+	}
 }
 
 // errSecondSignal cuts the shutdown's grace period short.
@@ -342,7 +367,14 @@ func cmdMigrate(ctx context.Context, args []string, stdout, stderr io.Writer) er
 		return err
 	}
 	if len(applied) == 0 {
-		fmt.Fprintln(stdout, "database is up to date")
+		msg, err := schemaAhead(ctx, db)
+		if err != nil {
+			return err
+		}
+		if msg == "" {
+			msg = "database is up to date"
+		}
+		fmt.Fprintln(stdout, msg)
 	}
 	for _, m := range applied {
 		fmt.Fprintln(stdout, "applied", m)

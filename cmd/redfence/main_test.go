@@ -492,6 +492,83 @@ func TestRun_Migrate(t *testing.T) {
 			t.Errorf("second run migrate printed %q; want %q", got, want)
 		}
 	})
+
+	// A database a newer redfence migrated: migrate says so, and serve
+	// warns at start but serves (a rolling upgrade runs both versions).
+	t.Run("NewerDatabase", func(t *testing.T) {
+		url := clustertest.Database(t)
+		cleanEnv(t)
+		t.Setenv("REDFENCE_DATABASE_URL", url)
+		var stdout, stderr bytes.Buffer
+		if err := run(t.Context(), []string{"migrate"}, &stdout, &stderr); err != nil {
+			t.Fatalf("run migrate = %v (stderr: %s)", err, stderr.String())
+		}
+		var newest int64
+		for _, name := range names {
+			var v int64
+			if _, err := fmt.Sscanf(name, "%d_", &v); err != nil {
+				t.Fatalf("migration %s: %v", name, err)
+			}
+			newest = max(newest, v)
+		}
+		conn, err := pgx.Connect(t.Context(), url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = conn.Exec(t.Context(), `INSERT INTO redfence_schema_migrations (version_id, is_applied) VALUES ($1, true)`, newest+1)
+		conn.Close(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := fmt.Sprintf("database schema is at version %d, newer than this binary's %d: a newer redfence migrated it", newest+1, newest)
+
+		stdout.Reset()
+		if err := run(t.Context(), []string{"migrate"}, &stdout, &stderr); err != nil {
+			t.Fatalf("run migrate on a newer database = %v; want nil (stderr: %s)", err, stderr.String())
+		}
+		if got := strings.TrimSpace(stdout.String()); got != want {
+			t.Errorf("run migrate on a newer database printed %q; want %q", got, want)
+		}
+
+		nodes := clustertest.Redis(t, 1, cluster.RedisOptions{})
+		t.Setenv("REDFENCE_REDIS_ADDRS", strings.Join(addrs(nodes), ","))
+		t.Setenv("REDFENCE_LISTEN_ADDR", "127.0.0.1:0")
+		t.Setenv("REDFENCE_NODE_TIMEOUT", "2s")
+		ctx, stop := context.WithCancel(t.Context())
+		defer stop()
+		logs := &testutil.Buffer{}
+		served := make(chan error, 1)
+		go func() { served <- run(ctx, []string{"serve"}, io.Discard, logs) }()
+		warned := func() bool {
+			for line := range strings.Lines(logs.String()) {
+				var l struct{ Level, Msg string }
+				if json.Unmarshal([]byte(line), &l) == nil && l.Level == "WARN" && strings.HasPrefix(l.Msg, want) {
+					return true
+				}
+			}
+			return false
+		}
+		testutil.WaitFor(t, waitTimeout, "serve's warning", func() (bool, error) {
+			select {
+			case err := <-served:
+				return false, fmt.Errorf("serve ended (%v) without the warning %q:\n%s", err, want, logs.String())
+			default:
+			}
+			return warned(), nil
+		})
+		if !strings.Contains(logs.String(), `"msg":"redfence serving"`) {
+			t.Errorf("serve on a newer database did not serve:\n%s", logs.String())
+		}
+		stop()
+		select {
+		case err := <-served:
+			if err != nil {
+				t.Errorf("serve on a newer database = %v; want nil after the context ends", err)
+			}
+		case <-time.After(waitTimeout):
+			t.Fatalf("serve still running %v after its context ended", waitTimeout)
+		}
+	})
 }
 
 // buildBinary builds the redfence command into a temporary directory.
