@@ -43,8 +43,8 @@ type Config struct {
 	ReadTimeout       time.Duration `split_words:"true" default:"30s" desc:"time to read a whole request"`
 	IdleTimeout       time.Duration `split_words:"true" default:"120s" desc:"keep-alive idle timeout"`
 	H2C               bool          `envconfig:"H2C" default:"false" desc:"without TLS, also serve HTTP/2 to clients that start with its preface (prior knowledge, as gRPC does); with TLS, HTTP/2 is negotiated anyway"`
-	ShutdownTimeout   time.Duration `split_words:"true" default:"30s" desc:"grace period for in-flight requests on SIGINT/SIGTERM (waiting acquires end at once with 503 shutting-down; a second signal ends it)"`
-	ShutdownDelay     time.Duration `split_words:"true" default:"0s" desc:"on SIGINT/SIGTERM, first answer /readyz with 503 shutting-down and serve as before for this long (a load balancer takes the server out of its pool), then shut down; a second signal ends the delay, a third the grace period"`
+	ShutdownTimeout   time.Duration `split_words:"true" default:"30s" desc:"grace period for in-flight requests on SIGINT/SIGTERM/SIGHUP (waiting acquires end at once with 503 shutting-down; a second signal ends it, a third the process)"`
+	ShutdownDelay     time.Duration `split_words:"true" default:"0s" desc:"on SIGINT/SIGTERM/SIGHUP, first answer /readyz with 503 shutting-down and serve as before for this long (a load balancer takes the server out of its pool), then shut down; a second signal ends the delay, a third the grace period, a fourth the process"`
 	LogLevel          string        `split_words:"true" default:"info" desc:"debug, info, warn or error"`
 	AccessLog         bool          `split_words:"true" default:"true" desc:"log an access line per request at info (false: at debug; audit lines stay at info); successful /healthz, /readyz and /metrics requests are logged at debug either way"`
 	LogFormat         string        `split_words:"true" default:"json" desc:"json or text"`

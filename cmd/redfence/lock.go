@@ -43,7 +43,7 @@ the TTL, at most 1s); redfence lock then exits non-zero. When COMMAND exits,
 what is left of its process group (background children) is stopped the same
 way before the lock is released. SIGINT, SIGTERM,
 SIGHUP and SIGQUIT sent to redfence lock are forwarded to COMMAND's process
-group. COMMAND runs in a process group of its own, so that all of it can be
+group (SIGHUP stays ignored if it was at start: nohup). COMMAND runs in a process group of its own, so that all of it can be
 stopped: it cannot read from the terminal (a terminal on stdin reads as
 end-of-file; a pipe or file is passed through).
 
@@ -56,8 +56,8 @@ has time before COMMAND would be stopped; --max-hold, if set, at least --ttl.
 
 Exit status: COMMAND's, or 1 if the lock could not be acquired or the lease
 was lost while COMMAND exited 0, 127 if COMMAND was not found, 126 if it
-could not be run, 128+N if signal N (SIGINT, SIGTERM) came while waiting
-for the lock.
+could not be run, 128+N if signal N (SIGINT, SIGTERM, SIGHUP) came while
+waiting for the lock.
 
 Flags:
 `
@@ -228,7 +228,7 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	// A signal that ends the acquire (main's context) ends redfence lock
 	// as it would have ended the command: 128+N.
 	stopped := make(chan os.Signal, 1)
-	signal.Notify(stopped, syscall.SIGINT, syscall.SIGTERM)
+	signal.Notify(stopped, shutdownSignals()...)
 	lease, err := c.Acquire(ctx, name, &client.LockOptions{
 		TTL: f.ttl, Wait: f.wait, MaxHold: f.maxHold,
 		// Done closes early enough for SIGTERM, the grace period and the
@@ -288,7 +288,7 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	cmd.WaitDelay = time.Second
 
 	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGQUIT)
+	signal.Notify(sigs, append(shutdownSignals(), syscall.SIGQUIT)...)
 	defer signal.Stop(sigs)
 
 	if err := lease.Err(); err != nil { // the grant came too late to use

@@ -459,9 +459,19 @@ func TestLock_Signals(t *testing.T) {
 
 // TestLock_SignalWhileAcquiring: SIGINT while redfence lock waits for the
 // lock ends it with 130 (128+SIGINT), as a shell reports it, saying no lock
-// was taken; the command never runs.
+// was taken; the command never runs. SIGHUP (a closed terminal) likewise,
+// with 129.
 func TestLock_SignalWhileAcquiring(t *testing.T) {
 	t.Parallel()
+	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGHUP} {
+		t.Run(sig.String(), func(t *testing.T) {
+			t.Parallel()
+			testLockSignalWhileAcquiring(t, sig)
+		})
+	}
+}
+
+func testLockSignalWhileAcquiring(t *testing.T, sig syscall.Signal) {
 	s := clienttest.Start(t, clienttest.Options{})
 	c, err := client.New(s.URL, client.Options{})
 	if err != nil {
@@ -492,12 +502,12 @@ func TestLock_SignalWhileAcquiring(t *testing.T) {
 		b, err := io.ReadAll(resp.Body)
 		return regexp.MustCompile(`(?m)^redfence_blocked_waiters [1-9]`).Match(b), err
 	})
-	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+	if err := cmd.Process.Signal(sig); err != nil {
 		t.Fatal(err)
 	}
 	_ = cmd.Wait()
-	if got := cmd.ProcessState.ExitCode(); got != 130 || !strings.Contains(stderr.String(), "no lock taken") {
-		t.Errorf("redfence lock interrupted while waiting exited %d; want 130, saying no lock was taken; stderr:\n%s", got, stderr.String())
+	if got, want := cmd.ProcessState.ExitCode(), 128+int(sig); got != want || !strings.Contains(stderr.String(), "no lock taken") {
+		t.Errorf("redfence lock, %v while waiting, exited %d; want %d, saying no lock was taken; stderr:\n%s", sig, got, want, stderr.String())
 	}
 	if _, err := os.Stat(ran); err == nil {
 		t.Error("the command ran")

@@ -26,6 +26,7 @@ import (
 	"os/signal"
 	"runtime/debug"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
@@ -35,8 +36,41 @@ import (
 // version is set at build time with -ldflags "-X main.version=...".
 var version = ""
 
+// shutdownSignals are the signals that stop serve and dev gracefully, and
+// redfence lock while it waits: SIGINT, SIGTERM and SIGHUP (a closed
+// terminal, a dropped ssh session), unless SIGHUP was ignored when the
+// process started (nohup), as it then stays. Read before any Notify, which
+// would stop it being ignored.
+var shutdownSignals = sync.OnceValue(func() []os.Signal {
+	sigs := []os.Signal{os.Interrupt, syscall.SIGTERM}
+	if !signal.Ignored(syscall.SIGHUP) {
+		sigs = append(sigs, syscall.SIGHUP)
+	}
+	return sigs
+})
+
+// lastSignal returns a context cancelled at the next shutdown signal, from
+// which on those signals have their default action again: one more ends the
+// process at once instead of being swallowed. cancel unregisters it.
+func lastSignal() (context.Context, context.CancelFunc) {
+	sigs := shutdownSignals()
+	ch := make(chan os.Signal, 1)
+	signal.Notify(ch, sigs...)
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		select {
+		case <-ch:
+			signal.Reset(sigs...)
+			cancel()
+		case <-ctx.Done():
+		}
+		signal.Stop(ch)
+	}()
+	return ctx, cancel
+}
+
 func main() {
-	ctx, cancel := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, cancel := signal.NotifyContext(context.Background(), shutdownSignals()...)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	cancel()
 	if err != nil {
@@ -298,8 +332,9 @@ func warnSchemaAhead(ctx context.Context, s *Server) {
 var errSecondSignal = errors.New("a second signal ended the grace period")
 
 // serveUntilDone waits for a signal (ctx) or a serving error, then shuts
-// down, giving requests in flight cfg.ShutdownTimeout; a second SIGINT or
-// SIGTERM meanwhile ends that grace period at once.
+// down, giving requests in flight cfg.ShutdownTimeout; a second signal
+// (shutdownSignals) meanwhile ends that grace period at once, and a third
+// ends the process at once (the signal's default action).
 func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
 	var serveErr error
 	select {
@@ -311,7 +346,7 @@ func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
 		// everything else is served as before.
 		s.api.Unready()
 		s.log.Info("not ready: serving on until the shutdown delay ends (a second signal ends it)", "delay", d.String())
-		next, stopNext := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		next, stopNext := signal.NotifyContext(context.Background(), shutdownSignals()...)
 		t := time.NewTimer(d)
 		select {
 		case <-t.C:
@@ -321,7 +356,7 @@ func serveUntilDone(ctx context.Context, s *Server, cfg *Config) error {
 		t.Stop()
 		stopNext()
 	}
-	again, stopAgain := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	again, stopAgain := lastSignal()
 	defer stopAgain()
 	s.log.Info("shutting down", "grace", cfg.ShutdownTimeout.String())
 	sctx, cancel := context.WithTimeoutCause(context.Background(), cfg.ShutdownTimeout,

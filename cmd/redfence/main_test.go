@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"reflect"
 	"regexp"
@@ -685,17 +686,28 @@ func (p *serveProc) wait(t *testing.T, what string) error {
 	return nil
 }
 
-func TestServe_SIGTERM(t *testing.T) {
+// TestServe_Signals: SIGTERM, SIGINT and SIGHUP (a closed terminal) each
+// shut serve down gracefully.
+func TestServe_Signals(t *testing.T) {
 	t.Parallel()
+	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP} {
+		t.Run(sig.String(), func(t *testing.T) {
+			t.Parallel()
+			testServeStops(t, sig)
+		})
+	}
+}
+
+func testServeStops(t *testing.T, sig syscall.Signal) {
 	p := startServe(t)
 	expect(t, "GET /healthz", call(t, http.MethodGet, p.addr, "/healthz", ""), http.StatusOK, nil)
 	acquire(t, p.addr, "before-shutdown")
 
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := p.cmd.Process.Signal(sig); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.wait(t, "SIGTERM"); err != nil {
-		t.Errorf("redfence serve after SIGTERM: %v; want exit status 0\nstderr:\n%s", err, p.logs.String())
+	if err := p.wait(t, sig.String()); err != nil {
+		t.Errorf("redfence serve after %v: %v; want exit status 0\nstderr:\n%s", sig, err, p.logs.String())
 	}
 
 	var shutdown bool
@@ -924,5 +936,125 @@ func TestProbeAddr(t *testing.T) {
 		if _, _, err := probeAddr(bad); err == nil {
 			t.Errorf("probeAddr(%q) succeeded; want an error", bad)
 		}
+	}
+}
+
+// TestSignalHelperProcess is not a test: TestSignals_ThirdEndsTheProcess
+// runs the test binary through it, so that real signals reach a process
+// that sets them up as main and serveUntilDone do, and whose shutdown then
+// hangs.
+func TestSignalHelperProcess(t *testing.T) {
+	if os.Getenv("RF_SIGNAL_HELPER") != "1" {
+		return
+	}
+	fmt.Println("signals:", shutdownSignals())
+	ctx, cancel := signal.NotifyContext(context.Background(), shutdownSignals()...)
+	defer cancel()
+	fmt.Println("ready")
+	<-ctx.Done()
+	again, stop := lastSignal()
+	defer stop()
+	fmt.Println("first")
+	<-again.Done()
+	fmt.Println("second")
+	time.Sleep(time.Hour) // a shutdown that hangs
+}
+
+// signalHelper starts TestSignalHelperProcess through sh -c script (which
+// ends with exec "$0" "$@") and returns it with its stdout lines.
+func signalHelper(t *testing.T, script string) (*exec.Cmd, <-chan string, <-chan error) {
+	t.Helper()
+	cmd := exec.Command("sh", "-c", script, os.Args[0], "-test.run=^TestSignalHelperProcess$")
+	cmd.Env = append(os.Environ(), "RF_SIGNAL_HELPER=1")
+	cmd.SysProcAttr = testutil.KillWithParent(nil)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := make(chan string, 10)
+	exited := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+		exited <- cmd.Wait()
+	}()
+	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	return cmd, lines, exited
+}
+
+// nextLine returns the helper's next line of output.
+func nextLine(t *testing.T, lines <-chan string, exited <-chan error) string {
+	t.Helper()
+	select {
+	case l := <-lines:
+		return l
+	case err := <-exited:
+		t.Fatalf("the helper exited: %v", err)
+	case <-time.After(waitTimeout):
+		t.Fatalf("no line from the helper after %v", waitTimeout)
+	}
+	return ""
+}
+
+// TestSignals_ThirdEndsTheProcess: SIGTERM and SIGHUP each start the
+// shutdown, a second ends its grace period, and a third is not swallowed:
+// it has its default action, ending a shutdown that hangs at once.
+func TestSignals_ThirdEndsTheProcess(t *testing.T) {
+	t.Parallel()
+	if signal.Ignored(syscall.SIGHUP) {
+		t.Skip("SIGHUP is ignored (nohup): so it is in the helper")
+	}
+	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGHUP} {
+		t.Run(sig.String(), func(t *testing.T) {
+			t.Parallel()
+			cmd, lines, exited := signalHelper(t, `exec "$0" "$@"`)
+			if l := nextLine(t, lines, exited); l != "signals: [interrupt terminated hangup]" {
+				t.Fatalf("helper: %q; want SIGINT, SIGTERM and SIGHUP as shutdown signals", l)
+			}
+			for _, want := range []string{"ready", "first", "second"} {
+				if l := nextLine(t, lines, exited); l != want {
+					t.Fatalf("helper: %q; want %q", l, want)
+				}
+				if err := cmd.Process.Signal(sig); err != nil {
+					t.Fatal(err)
+				}
+			}
+			select {
+			case <-exited:
+			case <-time.After(waitTimeout):
+				t.Fatalf("the helper still runs %v after a third %v", waitTimeout, sig)
+			}
+			if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != sig {
+				t.Errorf("the helper ended with %v; want killed by %v", cmd.ProcessState, sig)
+			}
+		})
+	}
+}
+
+// TestShutdownSignals_Nohup: started with SIGHUP ignored (nohup), a
+// process leaves it ignored: a closed terminal does not stop serve.
+func TestShutdownSignals_Nohup(t *testing.T) {
+	t.Parallel()
+	cmd, lines, exited := signalHelper(t, `trap "" HUP; exec "$0" "$@"`)
+	if l := nextLine(t, lines, exited); l != "signals: [interrupt terminated]" {
+		t.Fatalf("helper started ignoring SIGHUP: %q; want SIGINT and SIGTERM only", l)
+	}
+	if l := nextLine(t, lines, exited); l != "ready" {
+		t.Fatalf("helper: %q; want ready", l)
+	}
+	// Ignored, SIGHUP is dropped when sent: the SIGTERM after it is the
+	// first signal the process gets.
+	for _, sig := range []syscall.Signal{syscall.SIGHUP, syscall.SIGTERM} {
+		if err := cmd.Process.Signal(sig); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if l := nextLine(t, lines, exited); l != "first" {
+		t.Fatalf("helper: %q; want first", l)
 	}
 }
