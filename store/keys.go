@@ -39,6 +39,32 @@ type KeyChange = apikey.Change
 // apikey.AllScopes) and returns it. The key itself is returned only here: the
 // database keeps its hash.
 func (db *DB) CreateKey(ctx context.Context, tenant string, scopes []string) (string, *APIKey, error) {
+	return db.createKey(ctx, tenant, scopes, nil)
+}
+
+// KeyCreator is a process that an API key lives no longer than: Host names
+// where PID means something (the host and its PID namespace).
+type KeyCreator struct {
+	Host string
+	PID  int
+}
+
+// CreateProcessKey is CreateKey for a key that must not outlive the
+// process creator: it revokes the key when it stops, and if it is killed
+// first, RevokeOrphanKeys on that host does.
+func (db *DB) CreateProcessKey(ctx context.Context, tenant string, scopes []string, creator KeyCreator) (string, *APIKey, error) {
+	if creator.Host == "" || creator.PID <= 0 {
+		return "", nil, fmt.Errorf("store: create api key: creator %+v: want a host and a PID", creator)
+	}
+	return db.createKey(ctx, tenant, scopes, &creator)
+}
+
+func (db *DB) createKey(ctx context.Context, tenant string, scopes []string, creator *KeyCreator) (string, *APIKey, error) {
+	var host *string
+	var pid *int
+	if creator != nil {
+		host, pid = &creator.Host, &creator.PID
+	}
 	if reason := apikey.ValidTenant(tenant); reason != "" {
 		return "", nil, fmt.Errorf("store: tenant %q: %s", tenant, reason)
 	}
@@ -50,8 +76,8 @@ func (db *DB) CreateKey(ctx context.Context, tenant string, scopes []string) (st
 		key, id := apikey.New()
 		k := &APIKey{ID: id, Tenant: tenant, Scopes: scopes, Hash: apikey.Hash(key)}
 		err := db.pool.QueryRow(ctx,
-			`INSERT INTO redfence_api_keys (id, hash, tenant, scopes) VALUES ($1, $2, $3, $4) RETURNING created_at`,
-			k.ID, k.Hash, k.Tenant, k.Scopes).Scan(&k.CreatedAt)
+			`INSERT INTO redfence_api_keys (id, hash, tenant, scopes, creator_host, creator_pid) VALUES ($1, $2, $3, $4, $5, $6) RETURNING created_at`,
+			k.ID, k.Hash, k.Tenant, k.Scopes, host, pid).Scan(&k.CreatedAt)
 		var pe *pgconn.PgError
 		if errors.As(err, &pe) && pe.Code == "23505" && attempt < 3 {
 			continue // an id collision (1 in 2^64): draw again
@@ -122,6 +148,41 @@ func (db *DB) RevokeKey(ctx context.Context, id string) (*APIKey, error) {
 		return nil, fmt.Errorf("store: revoke api key %q: %w", id, classify(err))
 	}
 	return k, nil
+}
+
+// RevokeOrphanKeys revokes the active keys that a process of host created
+// (CreateProcessKey) and that gone says no longer exists, and returns them.
+func (db *DB) RevokeOrphanKeys(ctx context.Context, host string, gone func(pid int) bool) ([]*APIKey, error) {
+	rows, err := db.pool.Query(ctx,
+		`SELECT id, creator_pid FROM redfence_api_keys WHERE creator_host = $1 AND revoked_at IS NULL`, host)
+	if err != nil {
+		return nil, fmt.Errorf("store: orphan api keys: %w", classify(err))
+	}
+	var ids []string
+	var id string
+	var pid int
+	_, err = pgx.ForEachRow(rows, []any{&id, &pid}, func() error {
+		if gone(pid) {
+			ids = append(ids, id)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("store: orphan api keys: %w", classify(err))
+	}
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	rows, err = db.pool.Query(ctx,
+		`UPDATE redfence_api_keys SET revoked_at = now() WHERE id = ANY($1) AND revoked_at IS NULL RETURNING `+keyColumns, ids)
+	if err != nil {
+		return nil, fmt.Errorf("store: revoke orphan api keys: %w", classify(err))
+	}
+	keys, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (*APIKey, error) { return scanKey(r) })
+	if err != nil {
+		return nil, fmt.Errorf("store: revoke orphan api keys: %w", classify(err))
+	}
+	return keys, nil
 }
 
 // KeyWatcher delivers API key changes from Postgres LISTEN/NOTIFY until

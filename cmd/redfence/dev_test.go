@@ -234,3 +234,79 @@ func TestDevRateLimit(t *testing.T) {
 		}
 	}
 }
+
+// TestDev_OrphanKeysRevoked: redfence dev on a shared database records
+// itself as its key's creator, and at start revokes the active keys that a
+// redfence dev of this host created and that outlived it (killed with
+// SIGKILL, it could not revoke its own); not those of a live process, of
+// another host, or made to last.
+func TestDev_OrphanKeysRevoked(t *testing.T) {
+	t.Parallel()
+	nodes := clustertest.Redis(t, 3, cluster.RedisOptions{})
+	url := clustertest.Database(t)
+	cfg := testConfig(t, addrs(nodes), url)
+	cfg.Auth = true
+	s, _ := open(t, cfg, discard)
+	host, err := cluster.OwnerHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	dead := exec.Command("true")
+	if err := dead.Run(); err != nil {
+		t.Fatal(err)
+	}
+	live := exec.Command("cat") // runs until its stdin closes
+	stdin, err := live.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := live.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { stdin.Close(); _ = live.Wait() })
+
+	ctx := t.Context()
+	create := func(c *store.KeyCreator) string {
+		t.Helper()
+		var k *store.APIKey
+		var err error
+		if c == nil {
+			_, k, err = s.db.CreateKey(ctx, "dev", apikey.AllScopes())
+		} else {
+			_, k, err = s.db.CreateProcessKey(ctx, "dev", apikey.AllScopes(), *c)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return k.ID
+	}
+	deadKey := create(&store.KeyCreator{Host: host, PID: dead.Process.Pid})
+	liveKey := create(&store.KeyCreator{Host: host, PID: live.Process.Pid})
+	elsewhere := create(&store.KeyCreator{Host: "another-host", PID: dead.Process.Pid})
+	lasting := create(nil)
+
+	key, err := s.devKey(ctx, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	own, _ := apikey.ParseID(key)
+	want := map[string]bool{deadKey: true, liveKey: false, elsewhere: false, lasting: false, own: false}
+	keys, err := s.db.Keys(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		if revoked, ok := want[k.ID]; ok && k.Revoked() != revoked {
+			t.Errorf("key %s: revoked %v; want %v (dead %s, live %s, another host's %s, lasting %s, dev's own %s)",
+				k.ID, k.Revoked(), revoked, deadKey, liveKey, elsewhere, lasting, own)
+		}
+	}
+
+	// dev's own key names this process: once it is gone (here: said to
+	// be), the next dev revokes it.
+	orphans, err := s.db.RevokeOrphanKeys(ctx, host, func(pid int) bool { return pid == os.Getpid() })
+	if err != nil || len(orphans) != 1 || orphans[0].ID != own {
+		t.Errorf("RevokeOrphanKeys for this process = %v, %v; want dev's key %s", orphans, err, own)
+	}
+}

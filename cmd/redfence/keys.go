@@ -212,9 +212,29 @@ func cmdKeysRevoke(ctx context.Context, args []string, stdout, stderr io.Writer)
 // devKey creates the API key redfence dev prints: for tenant "dev", with
 // every scope. With revoke (a database redfence dev did not start, which
 // outlives it) the key is revoked when the server closes, so no key with
-// every scope is left behind.
+// every scope is left behind; it records this process as its creator, and
+// first revokes the keys of the redfence dev runs of this host that are gone
+// without revoking theirs (killed with SIGKILL, say).
 func (s *Server) devKey(ctx context.Context, revoke bool) (string, error) {
-	key, k, err := s.db.CreateKey(ctx, "dev", apikey.AllScopes())
+	creator, owned := keyCreator()
+	owned = owned && revoke
+	if owned {
+		orphans, err := s.db.RevokeOrphanKeys(ctx, creator.Host, processGone)
+		if err != nil {
+			s.log.Warn("could not revoke the API keys of redfence dev runs that are gone", slog.String("error", err.Error()))
+		}
+		for _, k := range orphans {
+			s.log.Info("revoked the API key of a redfence dev run that is gone", slog.String("key_id", k.ID), slog.String("tenant", k.Tenant))
+		}
+	}
+	var key string
+	var k *store.APIKey
+	var err error
+	if owned {
+		key, k, err = s.db.CreateProcessKey(ctx, "dev", apikey.AllScopes(), creator)
+	} else {
+		key, k, err = s.db.CreateKey(ctx, "dev", apikey.AllScopes())
+	}
 	if err != nil {
 		return "", err
 	}

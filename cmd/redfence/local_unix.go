@@ -4,8 +4,10 @@ package main
 
 import (
 	"context"
+	"os"
 
 	"github.com/redfence/redfence/internal/cluster"
+	"github.com/redfence/redfence/store"
 )
 
 // startLocal starts the servers redfence dev runs itself (see cluster).
@@ -27,3 +29,16 @@ func (c localCluster) PostgresURL() string {
 	}
 	return c.Postgres.URL()
 }
+
+// keyCreator names this process as the creator of an API key that must not
+// outlive it (see store.CreateProcessKey); ok is false when it cannot.
+func keyCreator() (c store.KeyCreator, ok bool) {
+	host, err := cluster.OwnerHost()
+	if err != nil {
+		return c, false
+	}
+	return store.KeyCreator{Host: host, PID: os.Getpid()}, true
+}
+
+// processGone reports whether no process of this host has pid.
+func processGone(pid int) bool { return cluster.Gone(pid) }

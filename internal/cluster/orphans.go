@@ -43,6 +43,15 @@ func removeOrphanDirs(parent, prefix string) {
 	}
 }
 
+// OwnerHost names where this process's PIDs mean something: the host name
+// and, on Linux, the PID namespace. With a PID, it names a process that
+// Gone can check, as the container and directory sweeps do.
+func OwnerHost() (string, error) { return ownerHost() }
+
+// Gone reports whether no process of this host has pid (false for 0 and
+// for this process).
+func Gone(pid int) bool { return gone(pid) }
+
 // pidIn returns the PID on the first line of file, or 0.
 func pidIn(file string) int {
 	f, err := os.Open(file)
