@@ -51,6 +51,12 @@ type Locker interface {
 	Quorum() int
 }
 
+// granter is a Locker that can tell it grants nothing for now
+// (*service.Locker: its heartbeat in the registry is stale).
+type granter interface {
+	Granting() error
+}
+
 // Store is the reference store as the API uses it (*store.DB).
 type Store interface {
 	PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*refstore.Resource, error)
@@ -1583,6 +1589,14 @@ func (h *Handler) checkReady(ctx context.Context) *Health {
 			// answered.
 			h.log.LogAttrs(ctx, slog.LevelInfo, "readiness: every probe left before postgres answered",
 				slog.Float64("waited_ms", float64(time.Since(start).Microseconds())/1000))
+		}
+	}
+	if g, ok := h.locker.(granter); ok && ph.Up {
+		// Postgres answers, but does not record this server's heartbeat
+		// (read-only, or its table locked): nothing is granted.
+		if err := g.Granting(); err != nil {
+			ph.Up, ph.Error = false, "postgres does not record this server's heartbeat (read-only, or blocked): nothing is granted"
+			h.log.LogAttrs(ctx, slog.LevelWarn, "readiness: heartbeat not recorded", slog.String("error", err.Error()))
 		}
 	}
 	resp := &Health{Status: "ready", Redis: rh, Postgres: ph}

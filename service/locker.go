@@ -845,6 +845,11 @@ func (l *Locker) tick(d time.Duration, f func() bool) bool {
 // found), or its last successful one began heartbeatGrace/2 ago or more: a
 // lease granted now could outlast the registry's count of this server, and
 // a quarantine started elsewhere could end before it.
+// Granting returns an error if the Locker grants nothing for now: it has a
+// Registry, and its heartbeat there is missing or stale (Postgres does not
+// record it: down, read-only, or its table locked). Readiness checks use it.
+func (l *Locker) Granting() error { return l.heartbeatStale() }
+
 func (l *Locker) heartbeatStale() error {
 	if l.opts.Registry == nil {
 		return nil

@@ -328,7 +328,9 @@ type NodeOutcome struct {
 
 // PostgresHealth defines model for PostgresHealth.
 type PostgresHealth struct {
-	// Error Present when Postgres is down.
+	// Error Present when Postgres is down, or answers but does not record this
+	// server's heartbeat (read-only, or blocked), so that nothing is granted.
+	//
 	//
 	// Example: postgres does not answer
 	Error *string `json:"error,omitempty"`
@@ -850,8 +852,10 @@ type ClientInterface interface {
 
 	// Readyz Readiness
 	//
-	// Ready when at least a quorum of Redis nodes answers a ping and Postgres
-	// answers within 2 s. Both answers carry the same `Health` body (JSON, not a
+	// Ready when at least a quorum of Redis nodes answers a ping, Postgres
+	// answers within 2 s, and Postgres records this server's heartbeat (a
+	// read-only or blocked Postgres that answers pings still makes the server
+	// grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
 	// problem document); a server shutting down sends `status` alone.
 	//
 	// Corresponds with GET /readyz (the `Readyz` operationId).
@@ -1086,8 +1090,10 @@ func (c *Client) Openapi(ctx context.Context, params *OpenapiParams, reqEditors 
 
 // Readyz Readiness
 //
-// Ready when at least a quorum of Redis nodes answers a ping and Postgres
-// answers within 2 s. Both answers carry the same `Health` body (JSON, not a
+// Ready when at least a quorum of Redis nodes answers a ping, Postgres
+// answers within 2 s, and Postgres records this server's heartbeat (a
+// read-only or blocked Postgres that answers pings still makes the server
+// grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
 // problem document); a server shutting down sends `status` alone.
 //
 // Corresponds with GET /readyz (the `Readyz` operationId).
@@ -2012,8 +2018,10 @@ type ClientWithResponsesInterface interface {
 
 	// ReadyzWithResponse Readiness
 	//
-	// Ready when at least a quorum of Redis nodes answers a ping and Postgres
-	// answers within 2 s. Both answers carry the same `Health` body (JSON, not a
+	// Ready when at least a quorum of Redis nodes answers a ping, Postgres
+	// answers within 2 s, and Postgres records this server's heartbeat (a
+	// read-only or blocked Postgres that answers pings still makes the server
+	// grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
 	// problem document); a server shutting down sends `status` alone.
 	//
 	// Returns a wrapper object for the known response body format(s).
@@ -3775,8 +3783,10 @@ func (c *ClientWithResponses) OpenapiWithResponse(ctx context.Context, params *O
 
 // ReadyzWithResponse Readiness
 //
-// Ready when at least a quorum of Redis nodes answers a ping and Postgres
-// answers within 2 s. Both answers carry the same `Health` body (JSON, not a
+// Ready when at least a quorum of Redis nodes answers a ping, Postgres
+// answers within 2 s, and Postgres records this server's heartbeat (a
+// read-only or blocked Postgres that answers pings still makes the server
+// grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
 // problem document); a server shutting down sends `status` alone.
 //
 // Returns a wrapper object for the known response body format(s).

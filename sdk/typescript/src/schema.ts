@@ -277,8 +277,10 @@ export interface paths {
         };
         /**
          * Readiness
-         * @description Ready when at least a quorum of Redis nodes answers a ping and Postgres
-         *     answers within 2 s. Both answers carry the same `Health` body (JSON, not a
+         * @description Ready when at least a quorum of Redis nodes answers a ping, Postgres
+         *     answers within 2 s, and Postgres records this server's heartbeat (a
+         *     read-only or blocked Postgres that answers pings still makes the server
+         *     grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
          *     problem document); a server shutting down sends `status` alone.
          */
         get: operations["readyz"];
@@ -630,7 +632,8 @@ export interface components {
         PostgresHealth: {
             up: boolean;
             /**
-             * @description Present when Postgres is down.
+             * @description Present when Postgres is down, or answers but does not record this
+             *     server's heartbeat (read-only, or blocked), so that nothing is granted.
              * @example postgres does not answer
              */
             error?: string;
