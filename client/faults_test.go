@@ -291,7 +291,9 @@ func TestRelease_Retry(t *testing.T) {
 // failed says, in its error, how the last one failed.
 func TestLease_LostSaysWhy(t *testing.T) {
 	t.Parallel()
-	mux := clienttest.GrantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA", time.Second)
+	// A lease of 3 s: its renewals begin well before its deadline, even on
+	// a busy machine (with 1 s, a renewal could come too late to be tried).
+	mux := clienttest.GrantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA", 3*time.Second)
 	mux.HandleFunc("POST /v1/locks/{name}/extend", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/problem+json")
 		w.WriteHeader(http.StatusServiceUnavailable)

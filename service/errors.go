@@ -83,7 +83,8 @@ const (
 )
 
 // String returns the outcome as shown in API errors: yes, no, error, timeout,
-// quarantined.
+// quarantined, or pending for the zero Outcome (a node still to answer when
+// the others decided the outcome).
 func (o Outcome) String() string {
 	switch o {
 	case Yes:

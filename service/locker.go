@@ -1769,6 +1769,18 @@ func (l *Locker) add(t *tally, v vote) {
 	}
 }
 
+// drainReady adds the votes of a round that arrived already.
+func (l *Locker) drainReady(t *tally, b *ballot) {
+	for t.got < len(l.nodes) {
+		select {
+		case v := <-b.ch:
+			l.add(t, v)
+		default:
+			return
+		}
+	}
+}
+
 // drain waits for the remaining votes of a round.
 func (l *Locker) drain(t *tally, b *ballot) {
 	for t.got < len(l.nodes) {
@@ -1920,8 +1932,9 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	t := l.collect(votes)
 
 	// decide ends the round's waiting: on failure it deletes what the nodes
-	// that answered may have set; on success it leaves the stragglers
-	// tracked for Release.
+	// that answered may have set (counted in undos); on success it leaves
+	// the stragglers tracked for Release.
+	var undos sync.WaitGroup
 	decide := func(failed bool) {
 		lr.mu.Lock()
 		lr.decided, lr.failed = true, failed
@@ -1936,7 +1949,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		lr.mu.Unlock()
 		if failed {
 			for _, w := range wrote {
-				l.undo(ctx, wg, w.i, rkey, token, w.unsure)
+				l.undo(ctx, &undos, w.i, rkey, token, w.unsure)
 			}
 		}
 	}
@@ -1946,6 +1959,21 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 		if spec != nil {
 			spec.abandon(ctx)
 		}
+		if sentinel == nil && l.refused(t) {
+			// Held: the answers in decide it, and slow nodes are not
+			// waited for (each deletes what it set when it answers, see
+			// lateRound); those that said yes have deleted it. The nodes
+			// still to answer are reported pending.
+			undos.Wait()
+			l.drainReady(t, votes)
+			for i := range t.results {
+				if t.results[i].Addr == "" {
+					t.results[i].Addr = l.nodes[i].Addr()
+				}
+			}
+			return &Error{Op: "acquire", Key: key, Err: ErrHeld, Nodes: t.results, RetryAfter: l.retryAfter(t)}
+		}
+		undos.Wait()
 		wg.Wait() // every node answered and deleted what it set
 		l.drain(t, votes)
 		var retry time.Duration

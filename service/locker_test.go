@@ -463,6 +463,52 @@ func TestLocker_Acquire(t *testing.T) {
 		blocked.Wait() // every frozen node was still sent its delete
 	})
 
+	t.Run("HeldNotWaitingForSlowNodes", func(t *testing.T) {
+		// Three nodes hold the name for someone else and say so at once;
+		// two are frozen. The refusal is decided by the three: it comes
+		// without waiting for the frozen two (a long node timeout would
+		// show as both finished), which are reported pending.
+		ns, ms := nodes(5)
+		for _, m := range ms[:3] {
+			m.vals[rkey] = "other"
+			m.ttl[rkey] = time.Minute
+		}
+		thaw := make(chan struct{})
+		var finished atomic.Int32
+		for _, m := range ms[3:] {
+			m.hook = func(ctx context.Context, op string) error {
+				if op != "acquire" {
+					return nil
+				}
+				defer finished.Add(1)
+				select {
+				case <-thaw:
+				case <-ctx.Done():
+				}
+				return context.DeadlineExceeded
+			}
+		}
+		l := newLocker(t, ns, &memIssuer{}, Options{NodeTimeout: 20 * time.Second})
+		_, err := l.Acquire(context.Background(), key, Request{TTL: time.Second})
+		if n := finished.Load(); n != 0 {
+			t.Errorf("Acquire returned after %d frozen nodes answered; want 0", n)
+		}
+		close(thaw)
+		var e *Error
+		if !errors.As(err, &e) || !errors.Is(err, ErrHeld) || e.RetryAfter <= 0 {
+			t.Fatalf("Acquire = %v; want ErrHeld with a retry-after", err)
+		}
+		for i, r := range e.Nodes {
+			want := "no"
+			if i >= 3 {
+				want = "pending"
+			}
+			if r.Outcome.String() != want || r.Addr != ns[i].Addr() {
+				t.Errorf("node %d: %s %s; want %s %s", i, r.Addr, r.Outcome, ns[i].Addr(), want)
+			}
+		}
+	})
+
 	t.Run("FailedAttemptReleasesEverywhere", func(t *testing.T) {
 		ns, ms := nodes(5)
 		for _, m := range ms[2:] {
@@ -481,8 +527,11 @@ func TestLocker_Acquire(t *testing.T) {
 		if e.RetryAfter != 300*time.Millisecond {
 			t.Errorf("RetryAfter = %v; want 300ms", e.RetryAfter)
 		}
-		// Released where it said yes; the nodes that said no hold another
-		// token, so a compare-and-delete there would change nothing.
+		// Released where it said yes (the refusal does not wait for a yes
+		// that comes after the three no: wait for the round to end); the
+		// nodes that said no hold another token, so a compare-and-delete
+		// there would change nothing.
+		l.ops.wait(t.Context())
 		for i, m := range ms {
 			want := 0
 			if i < 2 {
@@ -688,6 +737,7 @@ func TestLocker_Acquire(t *testing.T) {
 		default:
 		}
 		// A free lock is still granted: Stop ends waits, not tries.
+		l.ops.wait(t.Context()) // the refusals' last nodes answered
 		for _, m := range ms {
 			delete(m.vals, rkey)
 		}

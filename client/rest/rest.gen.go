@@ -317,7 +317,9 @@ type NodeOutcome struct {
 	// Outcome One of the values below; others may be added, so treat an unknown
 	// one as `error`. `yes`: did what was asked; `no`: answered but refused (held by another
 	// token, or not held); `error`: answered with an error or the connection
-	// failed; `timeout`: no answer within the per-node timeout;
+	// failed; `timeout`: no answer within the per-node timeout; `pending`:
+	// no answer yet when the others' decided the outcome (a `lock-held`
+	// refusal does not wait for slow nodes);
 	// `quarantined`: the node restarted without its data recently, so its
 	// answer does not count until every lease it may have forgotten has
 	// expired, or it may evict keys (see `GET /v1/nodes`). Such a node's
