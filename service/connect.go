@@ -22,13 +22,15 @@ import (
 // and every command would dial and handshake anew, a storm of handshakes
 // on a node that may be struggling already.
 //
-// So once a command fails for want of its connection, the node is cold: the
+// So once a command fails for want of its connection, the pool is cold: the
 // connector sets up one connection in the background, under the dial
 // timeout (one at a time), and puts it in the pool; commands wait for it
 // within their own deadlines, and fail with a timeout when it is not ready
-// by then.
+// by then. go-redis keeps pipelines on a pool of their own: a node has a
+// connector for each (see RedisNode).
 type connector struct {
-	client  *redis.Client
+	// warm runs one command on a connection of the pool (a PING).
+	warm    func(ctx context.Context) error
 	timeout time.Duration
 	// cold: the pool may hold no connection set up (the first use, or a
 	// command failed other than by the node's reply).
@@ -41,10 +43,27 @@ type connector struct {
 	took    time.Duration
 }
 
-func newConnector(client *redis.Client, timeout time.Duration) *connector {
-	c := &connector{client: client, timeout: timeout}
+// newConnector returns a cold connector of the pool warm runs a command on.
+func newConnector(warm func(ctx context.Context) error, timeout time.Duration) *connector {
+	c := &connector{warm: warm, timeout: timeout}
 	c.cold.Store(true)
 	return c
+}
+
+// pingMain and pingPipelined warm the client's pool of single commands and
+// its pool of pipelines.
+func pingMain(client *redis.Client) func(context.Context) error {
+	return func(ctx context.Context) error { return client.Ping(ctx).Err() }
+}
+
+func pingPipelined(client *redis.Client) func(context.Context) error {
+	return func(ctx context.Context) error {
+		_, err := client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			p.Ping(ctx)
+			return nil
+		})
+		return err
+	}
 }
 
 // ready returns nil once the pool holds a connection set up: at once unless
@@ -89,24 +108,18 @@ func (c *connector) ready(ctx context.Context) error {
 	return nil
 }
 
-// connect sets up a connection in each of the client's pools (a PING on a
-// new one runs the whole set-up) under the dial timeout, and leaves them
-// idle there: go-redis keeps pipelines (the node's pipeline, its INFO
-// reads) on connections of their own.
+// connect sets up a connection in the pool (a PING on a new one runs the
+// whole set-up) under the dial timeout, and leaves it idle there. The
+// node's error reply to the PING (LOADING while it loads its data: PING is
+// refused then, INFO and the lock scripts' commands are not) still leaves
+// the connection set up; only a refusal of the credentials does not.
 func (c *connector) connect(done chan struct{}) {
 	t0 := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), c.timeout)
-	var perr error
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		_, perr = c.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-			p.Ping(ctx)
-			return nil
-		})
-	})
-	err := c.client.Ping(ctx).Err()
-	wg.Wait()
-	err = errors.Join(err, perr)
+	err := c.warm(ctx)
+	if rerr, ok := errors.AsType[redis.Error](err); ok && !redis.IsAuthError(rerr) && !errors.Is(err, errConnectHook) {
+		err = nil
+	}
 	cancel()
 	c.mu.Lock()
 	c.err, c.took, c.running = err, time.Since(t0), nil
@@ -115,14 +128,19 @@ func (c *connector) connect(done chan struct{}) {
 	close(done)
 }
 
-// failed notes a command's error: any but the node's own reply (a timeout,
-// a reset, a failed dial or set-up) means go-redis dropped the connection
-// it ran on, or had none, and makes the node cold.
+// failed notes a command's error: any but the node's own reply to the
+// command (a timeout, a reset, a failed dial or set-up) means go-redis
+// dropped the connection it ran on, or had none, and makes the pool cold.
 func (c *connector) failed(err error) {
-	if err != nil && !isReply(err) {
+	if err != nil && (!isReply(err) || errors.Is(err, errConnectHook)) {
 		c.cold.Store(true)
 	}
 }
+
+// errConnectHook marks the errors of a new connection's OnConnect hook
+// (RedisNode.connected): go-redis drops the connection then, even for the
+// node's error reply (INFO refused).
+var errConnectHook = errors.New("new connection")
 
 // isReply reports whether err is the node's error reply (or redis.Nil),
 // after which go-redis keeps the connection.

@@ -116,3 +116,40 @@ func TestRedisNode_ReconnectsOverSlowLink(t *testing.T) {
 		t.Errorf("the restart watch saw %d new connections; want every one (at least 3)", watched)
 	}
 }
+
+// TestRedisNode_PingRefusedStillConnects: the set-up of a connection ends
+// with a PING, which a node refuses while it loads its data (LOADING), as
+// here an ACL without +ping refuses it (NOPERM): the connection is set up
+// all the same, and the commands that work (INFO, the lock scripts) go
+// through. The refusal is not reported as the node refusing INFO.
+func TestRedisNode_PingRefusedStillConnects(t *testing.T) {
+	t.Parallel()
+	srv := clustertest.Redis(t, 1, cluster.RedisOptions{})[0]
+	raw := redis.NewClient(&redis.Options{Addr: srv.Addr(), MaxRetries: -1})
+	t.Cleanup(func() { raw.Close() })
+	args := []any{"acl", "setuser", "noping", "reset", "on", ">pw"}
+	for r := range strings.FieldsSeq(RedisACL) {
+		if r != "+ping" {
+			args = append(args, r)
+		}
+	}
+	if err := raw.Do(t.Context(), args...).Err(); err != nil {
+		t.Fatal(err)
+	}
+	n := NewRedisNode(srv.Addr(), RedisOptions{Username: "noping", Password: "pw"})
+	t.Cleanup(func() { n.Close() })
+	if err := n.WatchRestarts(t, func(context.Context, string, bool) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if id, _, err := n.ServerID(ctx); err != nil || id == "" {
+		t.Fatalf("ServerID with PING refused = %q, %v; want the run_id", id, err)
+	}
+	if _, _, err := n.Eviction(ctx); err != nil {
+		t.Errorf("Eviction with PING refused = %v; want an answer", err)
+	}
+	if ok, _, err := n.Acquire(ctx, "redfence:lock:k", "tok", time.Minute, ""); err != nil || !ok {
+		t.Errorf("Acquire with PING refused = %v, %v; want granted", ok, err)
+	}
+}

@@ -59,7 +59,7 @@ func (n *RedisNode) Eviction(ctx context.Context) (string, int64, error) {
 		mem, stats = p.Info(ctx, "memory"), p.Info(ctx, "stats")
 		return nil
 	})
-	n.conn.failed(mem.Err())
+	n.conn.failed(errors.Join(mem.Err(), perr))
 	// A connection that could not be opened (refused credentials, say)
 	// fails the pipeline, not its commands.
 	err := mem.Err()

@@ -1963,7 +1963,9 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 			// Held: the answers in decide it, and slow nodes are not
 			// waited for (each deletes what it set when it answers, see
 			// lateRound); those that said yes have deleted it. The nodes
-			// still to answer are reported pending.
+			// still to answer are reported pending. (A waiting acquire's
+			// next try may find this try's key on such a node until its
+			// delete lands there, and get a no from it: liveness only.)
 			undos.Wait()
 			l.drainReady(t, votes)
 			for i := range t.results {

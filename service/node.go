@@ -173,9 +173,12 @@ type RedisNode struct {
 	// boxed once for the commands that name it.
 	epochKey any
 	client   *redis.Client
-	conn     *connector
-	pipe     *pipeliner
-	watch    *watcher
+	// conn and mconn set up connections of the client's pool of pipelines
+	// (the node's pipeline, its INFO reads) and of its pool of single
+	// commands (PING, GET of the marker).
+	conn, mconn *connector
+	pipe        *pipeliner
+	watch       *watcher
 	// onConnect, if set (WatchRestarts), learns the run_id of the server
 	// behind every new connection before the connection is used.
 	onConnect atomic.Pointer[func(ctx context.Context, runID string, durable bool) error]
@@ -239,7 +242,8 @@ func NewRedisNode(addr string, opts RedisOptions) *RedisNode {
 		DisableIdentity:       true,
 		OnConnect:             n.connected,
 	})
-	n.client, n.conn, n.watch = client, newConnector(client, opts.DialTimeout), newWatcher(client, opts.DialTimeout)
+	n.client, n.watch = client, newWatcher(client, opts.DialTimeout)
+	n.conn, n.mconn = newConnector(pingPipelined(client), opts.DialTimeout), newConnector(pingMain(client), opts.DialTimeout)
 	if !opts.Unpipelined {
 		n.pipe = newPipeliner(client, n.conn)
 	}
@@ -306,17 +310,17 @@ func (n *RedisNode) connected(ctx context.Context, cn *redis.Conn) error {
 	// restarted from a snapshot.
 	info, err := cn.Info(ctx, "server").Result()
 	if err != nil {
-		return fmt.Errorf("new connection: info server: %w", refusal(err))
+		return fmt.Errorf("%w: info server: %w", errConnectHook, refusal(err))
 	}
 	id := runID(info)
 	if id == "" {
-		return errors.New("new connection: info server: no run_id")
+		return fmt.Errorf("%w: info server: no run_id", errConnectHook)
 	}
 	durable, err := fsyncsAll(ctx, cn)
 	if err != nil {
 		// Not an answer: a node that cannot say now is not recorded as
 		// having stopped fsyncing (see seen).
-		return fmt.Errorf("new connection: %w", err)
+		return fmt.Errorf("%w: %w", errConnectHook, err)
 	}
 	return (*f)(ctx, id, durable)
 }
@@ -379,7 +383,7 @@ func (n *RedisNode) do(ctx context.Context, cmd *redis.Cmd, s *luaScript) (*redi
 	if n.pipe != nil {
 		return n.pipe.do(ctx, cmd, s)
 	}
-	if err := n.conn.ready(ctx); err != nil {
+	if err := n.mconn.ready(ctx); err != nil {
 		cmd.SetErr(err)
 		return cmd, err
 	}
@@ -388,7 +392,7 @@ func (n *RedisNode) do(ctx context.Context, cmd *redis.Cmd, s *luaScript) (*redi
 		cmd = evalOf(ctx, cmd, s)
 		_ = n.client.Process(ctx, cmd)
 	}
-	n.conn.failed(cmd.Err())
+	n.mconn.failed(cmd.Err())
 	return cmd, cmd.Err()
 }
 
@@ -627,11 +631,11 @@ func (n *RedisNode) AdoptLegacyMarker(ctx context.Context, epoch string) (bool, 
 // Epoch returns the node's epoch marker, or "" if it has none (see
 // epochReader).
 func (n *RedisNode) Epoch(ctx context.Context) (string, error) {
-	if err := n.conn.ready(ctx); err != nil {
+	if err := n.mconn.ready(ctx); err != nil {
 		return "", fmt.Errorf("epoch: %w", err)
 	}
 	v, err := n.client.Get(ctx, keyspace.NodeEpochKey(n.addr)).Result()
-	n.conn.failed(err)
+	n.mconn.failed(err)
 	if errors.Is(err, redis.Nil) {
 		return "", nil
 	}
@@ -657,7 +661,7 @@ func (n *RedisNode) ServerID(ctx context.Context) (id string, durable bool, err 
 		info, cfg = p.Info(ctx, "server"), p.ConfigGet(ctx, "*append*")
 		return nil
 	})
-	n.conn.failed(info.Err())
+	n.conn.failed(errors.Join(info.Err(), perr))
 	// A connection that could not be opened (refused credentials, say)
 	// fails the pipeline, not its commands. (CONFIG's own refusal fails
 	// it too, with INFO answered.)
@@ -676,11 +680,11 @@ func (n *RedisNode) ServerID(ctx context.Context) (id string, durable bool, err 
 
 // Ping implements Node.
 func (n *RedisNode) Ping(ctx context.Context) error {
-	if err := n.conn.ready(ctx); err != nil {
+	if err := n.mconn.ready(ctx); err != nil {
 		return fmt.Errorf("ping: %w", err)
 	}
 	err := n.client.Ping(ctx).Err()
-	n.conn.failed(err)
+	n.mconn.failed(err)
 	if err != nil {
 		return fmt.Errorf("ping: %w", err)
 	}

@@ -37,11 +37,15 @@ type Server struct {
 	// stop cancels the context of in-flight requests (blocking acquires) once
 	// the shutdown grace period has begun.
 	stop context.CancelFunc
-	// handlers counts the requests being handled: Close waits for those it
-	// cut short.
-	handlers sync.WaitGroup
-	served   chan error
-	Options  ServerOptions
+	// handlers counts the requests being handled (under handlersMu); Close
+	// waits for those it cut short: handlersIdle, once set, is closed when
+	// the count drops to 0. (A WaitGroup would not do: net/http may still
+	// start a handler after Close, while Wait runs.)
+	handlersMu   sync.Mutex
+	handlers     int
+	handlersIdle chan struct{}
+	served       chan error
+	Options      ServerOptions
 	// beforeClose runs in Close once requests are done, before the
 	// backends close (redfence dev revokes its key there).
 	beforeClose []func(context.Context)
@@ -173,8 +177,17 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 	s.stop = stop
 	s.http = &http.Server{
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			s.handlers.Add(1)
-			defer s.handlers.Done()
+			s.handlersMu.Lock()
+			s.handlers++
+			s.handlersMu.Unlock()
+			defer func() {
+				s.handlersMu.Lock()
+				if s.handlers--; s.handlers == 0 && s.handlersIdle != nil {
+					close(s.handlersIdle)
+					s.handlersIdle = nil
+				}
+				s.handlersMu.Unlock()
+			}()
 			h.ServeHTTP(w, r)
 		}),
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
@@ -230,10 +243,13 @@ func (s *Server) Close(ctx context.Context) error {
 	// node timeout) before it returns: closing the nodes under it would
 	// leave its keys to refuse the name to everyone until their TTL.
 	done := make(chan struct{})
-	go func() {
-		s.handlers.Wait()
+	s.handlersMu.Lock()
+	if s.handlers == 0 {
 		close(done)
-	}()
+	} else {
+		s.handlersIdle = done
+	}
+	s.handlersMu.Unlock()
 	if !closedWithin(done, s.cleanupBound()) {
 		s.log.Warn("requests still running after the shutdown: closing the backends under them")
 	}
