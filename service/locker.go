@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/inflight"
 	"github.com/redfence/redfence/internal/keyspace"
 )
 
@@ -330,7 +331,7 @@ type Locker struct {
 	sweep *sweeper
 	// ops counts the rounds whose nodes have not all answered and the
 	// clean-ups under way: Close waits for them (see Close).
-	ops activity
+	ops inflight.Counter
 
 	// life ends when Close is called; background work (recoveries, the
 	// heartbeat) runs under it, and Close waits for it (bg). None starts
@@ -451,7 +452,7 @@ func (l *Locker) Close() {
 	// A round ends within NodeTimeout, and the deletes it starts on late
 	// answers within another.
 	ctx, cancel := context.WithTimeout(context.Background(), 2*l.opts.NodeTimeout+100*time.Millisecond)
-	l.ops.wait(ctx)
+	l.ops.Wait(ctx)
 	cancel()
 	l.bgMu.Lock()
 	l.cancel()
@@ -1628,7 +1629,7 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 	nctx, cancel := l.nodeContext(ctx)
 	var wg sync.WaitGroup
 	wg.Add(len(l.nodes))
-	l.ops.add() // done once every node answered and its after ran
+	l.ops.Add() // done once every node answered and its after ran
 	answered := make([]atomic.Bool, len(l.nodes))
 	var stopTimeouts atomic.Pointer[func() bool]
 	finish := func(i int, t0 time.Time, ok bool, rem time.Duration, err error, async bool) {
@@ -1636,7 +1637,7 @@ func (l *Locker) round(ctx context.Context, name string, op nodeOp, after func(i
 		var last bool
 		defer func() {
 			if last {
-				l.ops.done()
+				l.ops.Done()
 			}
 		}()
 		n := l.nodes[i]
@@ -1859,12 +1860,12 @@ func nodeErrors(rs []NodeResult) error {
 // cleanupContext returns a context for clean-up that outlives ctx's
 // cancellation but not the per-node timeout.
 func (l *Locker) cleanupContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	l.ops.add()
+	l.ops.Add()
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.NodeTimeout)
 	var once sync.Once
 	return cctx, func() {
 		cancel()
-		once.Do(l.ops.done)
+		once.Do(l.ops.Done)
 	}
 }
 

@@ -531,7 +531,7 @@ func TestLocker_Acquire(t *testing.T) {
 		// that comes after the three no: wait for the round to end); the
 		// nodes that said no hold another token, so a compare-and-delete
 		// there would change nothing.
-		l.ops.wait(t.Context())
+		l.ops.Wait(t.Context())
 		for i, m := range ms {
 			want := 0
 			if i < 2 {
@@ -737,7 +737,7 @@ func TestLocker_Acquire(t *testing.T) {
 		default:
 		}
 		// A free lock is still granted: Stop ends waits, not tries.
-		l.ops.wait(t.Context()) // the refusals' last nodes answered
+		l.ops.Wait(t.Context()) // the refusals' last nodes answered
 		for _, m := range ms {
 			delete(m.vals, rkey)
 		}

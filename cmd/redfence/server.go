@@ -8,13 +8,13 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/redfence/redfence"
 	"github.com/redfence/redfence/api"
+	"github.com/redfence/redfence/internal/inflight"
 	"github.com/redfence/redfence/service"
 	"github.com/redfence/redfence/store"
 )
@@ -37,15 +37,12 @@ type Server struct {
 	// stop cancels the context of in-flight requests (blocking acquires) once
 	// the shutdown grace period has begun.
 	stop context.CancelFunc
-	// handlers counts the requests being handled (under handlersMu); Close
-	// waits for those it cut short: handlersIdle, once set, is closed when
-	// the count drops to 0. (A WaitGroup would not do: net/http may still
-	// start a handler after Close, while Wait runs.)
-	handlersMu   sync.Mutex
-	handlers     int
-	handlersIdle chan struct{}
-	served       chan error
-	Options      ServerOptions
+	// handlers counts the requests being handled: Close waits for those it
+	// cut short. (A WaitGroup would not do: net/http may still start a
+	// handler after Close, while Wait runs.)
+	handlers inflight.Counter
+	served   chan error
+	Options  ServerOptions
 	// beforeClose runs in Close once requests are done, before the
 	// backends close (redfence dev revokes its key there).
 	beforeClose []func(context.Context)
@@ -177,17 +174,8 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 	s.stop = stop
 	s.http = &http.Server{
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			s.handlersMu.Lock()
-			s.handlers++
-			s.handlersMu.Unlock()
-			defer func() {
-				s.handlersMu.Lock()
-				if s.handlers--; s.handlers == 0 && s.handlersIdle != nil {
-					close(s.handlersIdle)
-					s.handlersIdle = nil
-				}
-				s.handlersMu.Unlock()
-			}()
+			s.handlers.Add()
+			defer s.handlers.Done()
 			h.ServeHTTP(w, r)
 		}),
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
@@ -242,22 +230,16 @@ func (s *Server) Close(ctx context.Context) error {
 	// cut short deletes what its try set on the nodes (each within the
 	// node timeout) before it returns: closing the nodes under it would
 	// leave its keys to refuse the name to everyone until their TTL.
-	done := make(chan struct{})
-	s.handlersMu.Lock()
-	if s.handlers == 0 {
-		close(done)
-	} else {
-		s.handlersIdle = done
-	}
-	s.handlersMu.Unlock()
-	if !closedWithin(done, s.cleanupBound()) {
+	wctx, cancel := context.WithTimeout(context.Background(), s.cleanupBound())
+	if !s.handlers.Wait(wctx) {
 		s.log.Warn("requests still running after the shutdown: closing the backends under them")
 	}
+	cancel()
 	s.api.Wait() // audit lines still looking their grant up
 	for _, f := range s.beforeClose {
 		f(ctx)
 	}
-	done = make(chan struct{})
+	done := make(chan struct{})
 	go func() {
 		s.closeBackends()
 		close(done)
