@@ -291,9 +291,10 @@ func TestRelease_Retry(t *testing.T) {
 // failed says, in its error, how the last one failed.
 func TestLease_LostSaysWhy(t *testing.T) {
 	t.Parallel()
-	// A lease of 3 s: its renewals begin well before its deadline, even on
-	// a busy machine (with 1 s, a renewal could come too late to be tried).
-	mux := clienttest.GrantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA", 3*time.Second)
+	// A lease of 10 s: its renewals begin seconds before its deadline, so
+	// one is tried even on a crowded machine (with 1 s and 3 s, a timer
+	// late by most of a second left none tried, 1 run in 10).
+	mux := clienttest.GrantingMux("AAAAAAAAAAAAAAAAAAAAAAAAAAA", 10*time.Second)
 	mux.HandleFunc("POST /v1/locks/{name}/extend", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/problem+json")
 		w.WriteHeader(http.StatusServiceUnavailable)

@@ -383,14 +383,11 @@ func (l *Lease) watch() {
 				expiry.Reset(l.untilCheck())
 				continue
 			}
-			if lastErr != nil {
-				why += fmt.Sprintf(" (the last renewal failed: %v)", lastErr)
-			}
-			l.lose(fmt.Errorf("%w: %s", ErrLost, why))
+			l.lose(lostWhy(why, lastErr))
 			return
 		case <-renewC:
-			if !l.live() { // a renewal due before a suspend: too late now
-				l.lose(fmt.Errorf("%w: %s", ErrLost, why))
+			if !l.live() { // a retry or a renewal due before a suspend: too late now
+				l.lose(lostWhy(why, lastErr))
 				return
 			}
 			if reason := l.capped(); reason != "" {
@@ -428,6 +425,15 @@ func (l *Lease) watch() {
 			}
 		}
 	}
+}
+
+// lostWhy is the error of a lease that ran out: why, and the failure of
+// the last renewal tried, if one failed since the last success.
+func lostWhy(why string, lastErr error) error {
+	if lastErr != nil {
+		why += fmt.Sprintf(" (the last renewal failed: %v)", lastErr)
+	}
+	return fmt.Errorf("%w: %s", ErrLost, why)
 }
 
 // untilRenewal is the time left until the next renewal is due: the
