@@ -37,6 +37,17 @@ package store
 // ended meanwhile, after a token another server issued since. That holds
 // while the two clocks run at about the same rate, as Redlock assumes.
 //
+// A row another transaction holds (a document's write on that key, a
+// withdrawal, an outside session) holds up only its own key. A batch's
+// transaction waits at most Options.IssueLockWait for any row
+// (lock_timeout); when that runs out, nothing of it was committed, and the
+// batch runs again around the rows held: it locks those that are free
+// (SKIP LOCKED, so it waits for none) and issues their claims, and each
+// claim whose row is held is set aside to wait for it alone, on a goroutine
+// of its own, with no lock timeout but its deadline. Its key stays in
+// flight until then, so later claims for it stay queued behind it, while
+// its slot is freed for the other keys.
+//
 // Not guaranteed: that a caller who leaves (its context ends) gets no token
 // issued; once the batch holds its claim's row, the token may be committed
 // and is then burned, as fencing.Issuer allows (its row stays locked until
@@ -66,6 +77,7 @@ const (
 	defaultIssueCommitters = 2
 	defaultIssueBatchMax   = 256
 	defaultIssueTimeout    = 10 * time.Second
+	defaultIssueLockWait   = 50 * time.Millisecond
 )
 
 // ErrClosed is returned (wrapped) by Issue once Close was called. It matches
@@ -154,6 +166,10 @@ type issueReq struct {
 	// done has room for the one result, so a batch never blocks on a
 	// caller that left.
 	done chan issueResult
+	// setAside is set, by the batch that took the claim, when its row was
+	// held by another transaction: the claim waits for it on a goroutine
+	// of its own (see issuer.setAside), which frees its key.
+	setAside bool
 }
 
 // issueHooks let tests observe and stall issuance. Set them before the first
@@ -174,6 +190,9 @@ type issuer struct {
 	pool     *pgxpool.Pool
 	batchMax int
 	timeout  time.Duration
+	// begin starts an issuance transaction whose statements wait at most
+	// Options.IssueLockWait for a row lock.
+	begin string
 	// slots is the most batches running at once (IssueCommitters).
 	slots int
 
@@ -199,15 +218,18 @@ type issuer struct {
 	// statements and claims count the statements run and the claims they
 	// served (including claims that got an error).
 	statements, claims atomic.Int64
+	// setAsides counts the claims set aside for a held row.
+	setAsides atomic.Int64
 }
 
 // newIssuer returns an issuer with the given number of slots, issuing over
 // pool, and starts a committer goroutine per slot; close stops them.
-func newIssuer(pool *pgxpool.Pool, committers, batchMax int, timeout time.Duration) *issuer {
+func newIssuer(pool *pgxpool.Pool, committers, batchMax int, timeout, lockWait time.Duration) *issuer {
 	q := &issuer{
 		pool:     pool,
 		batchMax: batchMax,
 		timeout:  timeout,
+		begin:    fmt.Sprintf("BEGIN; SET LOCAL lock_timeout = %d", max(lockWait.Milliseconds(), 1)),
 		slots:    committers,
 		inflight: make(map[string]struct{}),
 	}
@@ -342,15 +364,19 @@ func (q *issuer) takeLocked() []*issueReq {
 	return batch
 }
 
-// release frees the slot and the keys of a batch that ran. q.mu is held.
+// release frees the slot and the keys of a batch that ran, but those of
+// claims set aside (their own goroutine frees them). q.mu is held.
 func (q *issuer) release(batch []*issueReq) {
 	for _, r := range batch {
-		delete(q.inflight, r.claim.Key)
+		if !r.setAside {
+			delete(q.inflight, r.claim.Key)
+		}
 	}
 	q.busy--
 }
 
-// run issues the tokens of batch and delivers them.
+// run issues the tokens of batch and delivers them, but for claims whose
+// rows another transaction holds, which it sets aside.
 func (q *issuer) run(batch []*issueReq, hook func([]fencing.Claim)) {
 	// Every batch locks its rows in the same order, so batches (of this and
 	// other processes) cannot deadlock.
@@ -364,26 +390,83 @@ func (q *issuer) run(batch []*issueReq, hook func([]fencing.Claim)) {
 	}
 	ctx, cancel := q.batchContext(batch)
 	defer cancel()
-	res := q.exec(ctx, batch)
-	if len(batch) > 1 && isDataException(res[0].err) {
-		// Postgres refused one claim's data (a NUL byte, a token past
-		// 2^53-1...) and the statement changed nothing. Issue each claim
-		// alone so the others do not fail for it.
-		for i, r := range batch {
-			res[i] = q.exec(ctx, []*issueReq{r})[0]
+	res := q.exec(ctx, batch, true)
+	if len(batch) > 1 {
+		switch {
+		case rowHeld(res[0].err):
+			// A row was held past the lock wait; nothing was committed.
+			res = q.execAround(ctx, batch)
+		case isDataException(res[0].err):
+			// Postgres refused one claim's data (a NUL byte, a token past
+			// 2^53-1...) and the statement changed nothing. Issue each
+			// claim alone so the others do not fail for it.
+			res = q.execEach(ctx, batch)
 		}
 	}
 	for i, r := range batch {
-		if err := res[i].err; err != nil {
-			if q.stop.Err() != nil {
-				err = fmt.Errorf("%w: %w", ErrClosed, err)
-			} else {
-				err = classify(err)
-			}
-			res[i].err = fmt.Errorf("store: issue token for %q: %w", r.claim.Key, err)
+		if rowHeld(res[i].err) {
+			q.setAside(r)
+			continue
 		}
-		r.done <- res[i]
+		q.deliver(r, res[i])
 	}
+}
+
+// deliver hands res to r's caller, its error (if any) classified.
+func (q *issuer) deliver(r *issueReq, res issueResult) {
+	if err := res.err; err != nil {
+		if q.stop.Err() != nil {
+			err = fmt.Errorf("%w: %w", ErrClosed, err)
+		} else {
+			err = classify(err)
+		}
+		res.err = fmt.Errorf("store: issue token for %q: %w", r.claim.Key, err)
+	}
+	r.done <- res
+}
+
+// setAside issues r's token on a goroutine of its own, waiting for its row
+// as long as r's deadline allows (no lock timeout), and then frees r's key,
+// which stays in flight meanwhile: later claims for it stay queued. It is
+// called by the batch that took r, which leaves r's key to it (release).
+func (q *issuer) setAside(r *issueReq) {
+	r.setAside = true
+	q.setAsides.Add(1)
+	q.wg.Add(1) // the batch calling this is counted: close has not returned
+	go func() {
+		defer q.wg.Done()
+		ctx, cancel := q.batchContext([]*issueReq{r})
+		res := q.exec(ctx, []*issueReq{r}, false)[0]
+		cancel()
+		q.deliver(r, res)
+		q.mu.Lock()
+		delete(q.inflight, r.claim.Key)
+		if len(q.queue) > 0 {
+			q.cond.Signal() // a committer takes the claims queued behind it
+		}
+		q.mu.Unlock()
+	}()
+}
+
+// rowHeld reports whether err is an issuance statement's lock wait running
+// out (lock_timeout: SQLSTATE 55P03), or errRowHeld: a row was held by
+// another transaction, and nothing was issued.
+func rowHeld(err error) bool {
+	var pe *pgconn.PgError
+	return errors.Is(err, errRowHeld) || errors.As(err, &pe) && pe.Code == "55P03"
+}
+
+// errRowHeld is the result execAround gives a claim whose row another
+// transaction holds.
+var errRowHeld = errors.New("its key's row is held by another transaction")
+
+// execEach issues each claim of batch in a statement of its own.
+func (q *issuer) execEach(ctx context.Context, batch []*issueReq) []issueResult {
+	res := make([]issueResult, len(batch))
+	for i, r := range batch {
+		res[i] = q.exec(ctx, []*issueReq{r}, true)[0]
+	}
+	return res
 }
 
 // isDataException reports whether Postgres refused a statement for its data
@@ -391,6 +474,135 @@ func (q *issuer) run(batch []*issueReq, hook func([]fencing.Claim)) {
 func isDataException(err error) bool {
 	var pe *pgconn.PgError
 	return errors.As(err, &pe) && (strings.HasPrefix(pe.Code, "22") || pe.ConstraintName == tokenMaxConstraint)
+}
+
+// lockFreeSQL locks the rows of the keys $1 that no other transaction
+// holds, waiting for none; existingSQL, run after it in the same
+// transaction, names the keys that have a row. Those with a row this
+// transaction did not lock are held by another (or were created since).
+const (
+	lockFreeSQL = `SELECT key FROM redfence_fencing WHERE key = ANY($1::text[]) ORDER BY key FOR UPDATE SKIP LOCKED`
+	existingSQL = `SELECT key FROM redfence_fencing WHERE key = ANY($1::text[])`
+)
+
+// execAround runs batch (keys distinct and sorted) again after its
+// statement's lock wait ran out: in one transaction, it locks the rows no
+// other transaction holds and issues their claims (and those of keys
+// without a row), and gives each claim whose row is held errRowHeld, with
+// nothing issued for it. Results come, as from exec, once the COMMIT
+// answered. A claim whose key has no row yet may still meet another
+// transaction creating it; the lock wait then runs out again, and every
+// claim left gets that error (see rowHeld).
+func (q *issuer) execAround(ctx context.Context, batch []*issueReq) []issueResult {
+	keys := make([]string, len(batch))
+	for i, r := range batch {
+		keys[i] = r.claim.Key
+	}
+	res := make([]issueResult, len(batch))
+	var free []*issueReq
+	held := make(map[string]bool, len(batch))
+	got := make(map[string]int64, len(batch))
+	err := retryPooled(q.pool, func() error {
+		free = free[:0]
+		clear(held)
+		clear(got) // rows of an attempt that failed were never committed
+		conn, err := q.pool.Acquire(ctx)
+		if err != nil {
+			return err
+		}
+		defer conn.Release()
+		if _, err := conn.Exec(ctx, q.begin); err != nil {
+			return err
+		}
+		now := time.Now() // after BEGIN answered, as in issueTx
+		b := &pgx.Batch{}
+		b.Queue(lockFreeSQL, keys)
+		b.Queue(existingSQL, keys)
+		br := conn.SendBatch(ctx, b)
+		locked := make(map[string]bool, len(batch))
+		for _, mark := range []func(string){
+			func(k string) { locked[k] = true },
+			func(k string) { held[k] = !locked[k] },
+		} {
+			rows, err := br.Query()
+			if err == nil {
+				var k string
+				_, err = pgx.ForEachRow(rows, []any{&k}, func() error {
+					mark(k)
+					return nil
+				})
+			}
+			if err != nil {
+				_ = br.Close()
+				return err
+			}
+		}
+		if err := br.Close(); err != nil {
+			return err
+		}
+		for _, r := range batch {
+			if !held[r.claim.Key] {
+				free = append(free, r)
+			}
+		}
+		b = &pgx.Batch{}
+		if len(free) > 0 {
+			q.statements.Add(1)
+			q.claims.Add(int64(len(free)))
+			fk := make([]string, len(free))
+			owners := make([]string, len(free))
+			holders := make([]string, len(free))
+			budgets := make([]int64, len(free))
+			for i, r := range free {
+				fk[i], owners[i], holders[i] = r.claim.Key, r.claim.Owner, r.claim.Holder
+				budgets[i] = budget(ctx, r, now)
+			}
+			b.Queue(issueBatchSQL, fk, owners, holders, budgets)
+		}
+		b.Queue("COMMIT")
+		br = conn.SendBatch(ctx, b)
+		if len(free) > 0 {
+			rows, err := br.Query()
+			if err == nil {
+				var k string
+				var t int64
+				_, err = pgx.ForEachRow(rows, []any{&k, &t}, func() error {
+					got[k] = t
+					return nil
+				})
+			}
+			if err != nil {
+				_ = br.Close()
+				return err
+			}
+		}
+		if _, err := br.Exec(); err != nil {
+			_ = br.Close()
+			return err
+		}
+		return br.Close()
+	})
+	if err != nil && len(free) > 1 && isDataException(err) {
+		// As in run: one claim's data was refused, and nothing changed.
+		each := q.execEach(ctx, free)
+		for i, r := range batch {
+			if held[r.claim.Key] {
+				res[i].err = errRowHeld
+				continue
+			}
+			j := slices.Index(free, r)
+			res[i] = each[j]
+		}
+		return res
+	}
+	for i, r := range batch {
+		if held[r.claim.Key] {
+			res[i].err = errRowHeld
+		} else {
+			res[i] = batchResult(got, r.claim.Key, err)
+		}
+	}
+	return res
 }
 
 // batchContext bounds a batch by the latest deadline of its callers, but
@@ -420,8 +632,14 @@ func (q *issuer) batchContext(batch []*issueReq) (context.Context, context.Cance
 // COMMIT answered (see issueTx). ctx is the batch's (see
 // batchContext); each claim's own deadline bounds its row on the server (see
 // issueSQL), so a claim whose caller left is not issued after its row waited
-// past the caller's deadline, whatever the other claims' deadlines.
-func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
+// past the caller's deadline, whatever the other claims' deadlines. With
+// limited, the statement waits at most Options.IssueLockWait for a row (see
+// rowHeld); otherwise as long as ctx and the claims' budgets allow.
+func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []issueResult {
+	begin := "BEGIN"
+	if limited {
+		begin = q.begin
+	}
 	q.statements.Add(1)
 	q.claims.Add(int64(len(batch)))
 	res := make([]issueResult, len(batch))
@@ -431,7 +649,7 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 		found := false
 		err := retryPooled(q.pool, func() error {
 			found = false
-			return issueTx(ctx, q.pool, issueSQL, func(now time.Time) []any {
+			return issueTx(ctx, q.pool, begin, issueSQL, func(now time.Time) []any {
 				return []any{c.Key, c.Owner, c.Holder, budget(ctx, batch[0], now)}
 			}, func(rows pgx.Rows) error {
 				_, err := pgx.ForEachRow(rows, []any{&t}, func() error {
@@ -457,7 +675,7 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 	got := make(map[string]int64, len(batch))
 	err := retryPooled(q.pool, func() error {
 		clear(got) // rows of an attempt that failed were never committed
-		return issueTx(ctx, q.pool, issueBatchSQL, func(now time.Time) []any {
+		return issueTx(ctx, q.pool, begin, issueBatchSQL, func(now time.Time) []any {
 			for i, r := range batch {
 				budgets[i] = budget(ctx, r, now)
 			}
@@ -473,33 +691,40 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq) []issueResult {
 		})
 	})
 	for i, k := range keys {
-		switch t, ok := got[k]; {
-		case err != nil:
-			res[i].err = err
-		case !ok:
-			res[i].err = errLate
-		default:
-			res[i].tok = fencing.Token(t)
-		}
+		res[i] = batchResult(got, k, err)
 	}
 	return res
 }
 
+// batchResult is the result of key's claim in a batch statement that gave
+// got (the tokens by key) and err: err if it failed, else its token, or
+// errLate if no row came back for it.
+func batchResult(got map[string]int64, key string, err error) issueResult {
+	t, ok := got[key]
+	switch {
+	case err != nil:
+		return issueResult{err: err}
+	case !ok:
+		return issueResult{err: errLate}
+	}
+	return issueResult{tok: fencing.Token(t)}
+}
+
 // issueTx runs one issuance statement in a transaction of its own, on a
-// connection of pool: BEGIN, answered before args reads the time the
+// connection of pool: begin (BEGIN and maybe a SET LOCAL), answered before args reads the time the
 // budgets count from, so that the transaction's timestamp, from which
 // Postgres counts them, comes before it, however long the statement then
 // takes to arrive, be parsed (a table lock) or get its rows; then the
 // statement, whose rows scan reads, and the COMMIT, sent together. The
 // results count only once it returns nil: the COMMIT was durable. A
 // connection left in a failed transaction is closed by the pool.
-func issueTx(ctx context.Context, pool *pgxpool.Pool, sql string, args func(now time.Time) []any, scan func(pgx.Rows) error) error {
+func issueTx(ctx context.Context, pool *pgxpool.Pool, begin, sql string, args func(now time.Time) []any, scan func(pgx.Rows) error) error {
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
 		return err
 	}
 	defer conn.Release()
-	if _, err := conn.Exec(ctx, "BEGIN"); err != nil {
+	if _, err := conn.Exec(ctx, begin); err != nil {
 		return err
 	}
 	b := &pgx.Batch{}

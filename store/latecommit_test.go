@@ -38,7 +38,8 @@ func holdRow(t *testing.T, url, key string) pgx.Tx {
 // deadline of its claims.)
 func TestDB_Issue_LateClaimInBatch(t *testing.T) {
 	t.Parallel()
-	db, url := newDB(t, Options{IssueCommitters: 1})
+	// The batch waits for a's row (IssueLockWait) rather than set a aside.
+	db, url := newDB(t, Options{IssueCommitters: 1, IssueLockWait: time.Hour})
 	other := open(t, url, Options{}) // a second server on the same database
 	issue(t, db, "a")
 	issue(t, db, "b")
@@ -96,7 +97,7 @@ func runBatch(t *testing.T, db *DB, batch ...*issueReq) <-chan []issueResult {
 	go func() {
 		ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // a batch always has a deadline
 		defer cancel()
-		ch <- db.issuer.exec(ctx, batch)
+		ch <- db.issuer.exec(ctx, batch, false)
 	}()
 	return ch
 }
@@ -208,7 +209,7 @@ func TestDB_Issue_IdleInTransactionRetried(t *testing.T) {
 	var tok int64
 	err := retryPooled(db.pool, func() error {
 		attempts++
-		return issueTx(t.Context(), db.pool, issueSQL, func(time.Time) []any {
+		return issueTx(t.Context(), db.pool, "BEGIN", issueSQL, func(time.Time) []any {
 			if attempts == 1 {
 				// Paused after BEGIN until Postgres ends the session.
 				testutil.WaitFor(t, waitTimeout, "the session idle in its transaction", func() (bool, error) {

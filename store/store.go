@@ -99,7 +99,9 @@ type Options struct {
 	// once, never held back to fill a batch. An Issue that finds one of them
 	// free runs the statement on its own goroutine; otherwise committer
 	// goroutines take what piled up. It bounds the pool connections
-	// issuance holds at once, so keep it below MaxConns. The default is 2.
+	// issuance holds at once (but for one per claim waiting for a row
+	// another transaction holds: see IssueLockWait), so keep it below
+	// MaxConns. The default is 2.
 	IssueCommitters int
 	// IssueBatchMax is the most claims one issuance statement serves. The
 	// default is 256.
@@ -108,6 +110,14 @@ type Options struct {
 	// deadline of the Issue calls it serves, but never later than
 	// IssueTimeout after it started. The default is 10s.
 	IssueTimeout time.Duration
+	// IssueLockWait bounds how long an issuance statement waits for a row
+	// another transaction holds (a document's write on that name, a
+	// withdrawal, an outside session) before its claims are taken apart: the
+	// others are issued at once, and each claim whose row is held waits on
+	// its own, until its caller's deadline, keeping its name's later claims
+	// queued behind it. So one held row holds up only its own name's grants,
+	// not the batch's nor the committer's. The default is 50ms.
+	IssueLockWait time.Duration
 	// ConnectTimeout bounds opening one connection, the startup exchange
 	// included, unless the URL sets connect_timeout: a server that accepts
 	// connections but never answers fails Open instead of hanging it. The
@@ -138,6 +148,9 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	}
 	if opts.IssueCommitters <= 0 {
 		opts.IssueCommitters = defaultIssueCommitters
+	}
+	if opts.IssueLockWait <= 0 {
+		opts.IssueLockWait = defaultIssueLockWait
 	}
 	if opts.IssueBatchMax <= 0 {
 		opts.IssueBatchMax = defaultIssueBatchMax
@@ -205,7 +218,7 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	if opts.Unfenced {
 		opts.Logger.Warn("reference store fencing is DISABLED (test-only switch): stale writes will be accepted")
 	}
-	db.issuer = newIssuer(pool, opts.IssueCommitters, opts.IssueBatchMax, opts.IssueTimeout)
+	db.issuer = newIssuer(pool, opts.IssueCommitters, opts.IssueBatchMax, opts.IssueTimeout, opts.IssueLockWait)
 	return db, nil
 }
 

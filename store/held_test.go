@@ -1,0 +1,148 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/testutil"
+)
+
+// notYet fails the test if ch already has a value: an Issue that must still
+// be waiting (on a row held until the test lets it go) returned.
+func notYet(t *testing.T, ch <-chan issued, what string) {
+	t.Helper()
+	select {
+	case got := <-ch:
+		t.Fatalf("%s returned %d, %v while its row was held", what, got.tok, got.err)
+	default:
+	}
+}
+
+// TestDB_Issue_HeldRowHoldsUpOnlyItsKey: a batch one of whose rows another
+// transaction holds (a document's slow write, an outside session) issues
+// the other claims, the one of a new key among them, without waiting for
+// it; the held claim waits alone and gets its token once the row is free,
+// and a later claim for its key stays queued behind it. The issue timeout
+// is an hour: were the batch to wait for the row, the others would wait
+// until the test gives up.
+func TestDB_Issue_HeldRowHoldsUpOnlyItsKey(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{IssueCommitters: 1, IssueTimeout: time.Hour, IssueLockWait: time.Millisecond})
+	for _, k := range []string{"a", "b", "c"} {
+		issue(t, db, k)
+	}
+	p := newProbe(t, db)
+	row := holdRow(t, url, "a")
+
+	z := holdFirst(t, t.Context(), db, p, "z") // takes the only slot
+	var chs []<-chan issued
+	for i, k := range []string{"a", "b", "c", "n"} {
+		chs = append(chs, issueAsync(t.Context(), db, fencing.Claim{Key: k, Holder: k + "1"}))
+		p.waitQueued(t, i+1)
+	}
+	p.release()
+	recv(t, z, "z")
+	recv(t, p.batches, "z's batch")
+	if got := keysOf(recv(t, p.batches, "the batch of a, b, c, n")); len(got) != 4 {
+		t.Fatalf("second batch = %v; want [a b c n]", got)
+	}
+	for i, want := range map[int]fencing.Token{1: 2, 2: 2, 3: 1} {
+		if got := recv(t, chs[i], "the Issue of a free key"); got.err != nil || got.tok != want {
+			t.Fatalf("Issue(%s) while a's row is held = %d, %v; want %d", got.claim.Key, got.tok, got.err, want)
+		}
+	}
+	notYet(t, chs[0], "Issue(a)")
+	if n := db.issuer.setAsides.Load(); n != 1 {
+		t.Errorf("%d claims set aside; want 1 (a's)", n)
+	}
+
+	// A later claim for a queues behind the one waiting; other keys go on.
+	a2 := issueAsync(t.Context(), db, fencing.Claim{Key: "a", Holder: "a2"})
+	if d, err := db.Issue(t.Context(), fencing.Claim{Key: "d"}); err != nil || d != 1 {
+		t.Fatalf("Issue(d) while a's row is held = %d, %v; want 1", d, err)
+	}
+	notYet(t, chs[0], "Issue(a)")
+	notYet(t, a2, "the second Issue(a)")
+
+	if err := row.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if got := recv(t, chs[0], "Issue(a)"); got.err != nil || got.tok != 2 {
+		t.Fatalf("Issue(a) once its row is free = %d, %v; want 2", got.tok, got.err)
+	}
+	if got := recv(t, a2, "the second Issue(a)"); got.err != nil || got.tok != 3 {
+		t.Fatalf("second Issue(a) = %d, %v; want 3, after the first", got.tok, got.err)
+	}
+	if last, err := db.Last(t.Context(), "a"); err != nil || last.Token != 3 || last.Holder != "a2" {
+		t.Errorf("newest token of a = %+v, %v; want 3 (holder a2)", last, err)
+	}
+}
+
+// TestDB_Issue_HeldRowAlone: a lone claim whose row is held frees the only
+// committer slot while it waits, so the claims of other keys are issued
+// meanwhile.
+func TestDB_Issue_HeldRowAlone(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{IssueCommitters: 1, IssueTimeout: time.Hour, IssueLockWait: time.Millisecond})
+	issue(t, db, "a")
+	row := holdRow(t, url, "a")
+	a := issueAsync(t.Context(), db, fencing.Claim{Key: "a"})
+	testutil.WaitFor(t, waitTimeout, "a's claim to be set aside", func() (bool, error) {
+		return db.issuer.setAsides.Load() == 1, nil
+	})
+	for _, k := range []string{"x", "y"} {
+		if tok, err := db.Issue(t.Context(), fencing.Claim{Key: k}); err != nil || tok != 1 {
+			t.Fatalf("Issue(%s) while a's row is held = %d, %v; want 1", k, tok, err)
+		}
+	}
+	notYet(t, a, "Issue(a)")
+	if err := row.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if got := recv(t, a, "Issue(a)"); got.err != nil || got.tok != 2 {
+		t.Fatalf("Issue(a) once its row is free = %d, %v; want 2", got.tok, got.err)
+	}
+}
+
+// TestDB_Issue_HeldRowDeadline: a claim set aside for a held row is not
+// issued once its caller's deadline passed, and its caller hears so.
+func TestDB_Issue_HeldRowDeadline(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{IssueCommitters: 1, IssueLockWait: time.Millisecond})
+	issue(t, db, "a")
+	row := holdRow(t, url, "a")
+	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+	defer cancel()
+	if tok, err := db.Issue(ctx, fencing.Claim{Key: "a", Holder: "late"}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Issue(a) with its row held past its deadline = %d, %v; want its deadline's error", tok, err)
+	}
+	if err := row.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	// The set-aside statement ends by then or soon after, without issuing.
+	next := issue(t, db, "a")
+	if next != 2 {
+		t.Errorf("next token of a = %d; want 2: the claim past its deadline was issued", next)
+	}
+}
+
+// TestDB_Issue_CloseEndsHeldRowWait: Close ends a claim waiting for a held
+// row, which fails with ErrClosed, and waits for it.
+func TestDB_Issue_CloseEndsHeldRowWait(t *testing.T) {
+	t.Parallel()
+	_, url := newDB(t, Options{})
+	db := open(t, url, Options{IssueCommitters: 1, IssueTimeout: time.Hour, IssueLockWait: time.Millisecond})
+	issue(t, db, "a")
+	holdRow(t, url, "a")
+	a := issueAsync(t.Context(), db, fencing.Claim{Key: "a"})
+	testutil.WaitFor(t, waitTimeout, "a's claim to be set aside", func() (bool, error) {
+		return db.issuer.setAsides.Load() == 1, nil
+	})
+	db.Close()
+	if got := recv(t, a, "Issue(a)"); !errors.Is(got.err, ErrClosed) {
+		t.Fatalf("Issue(a) after Close = %d, %v; want ErrClosed", got.tok, got.err)
+	}
+}
