@@ -12,6 +12,7 @@ import (
 
 	"github.com/redfence/redfence/internal/testutil"
 	"github.com/redfence/redfence/service"
+	"github.com/redfence/redfence/store"
 )
 
 // TestLocker_CallerLeftDuringIssuance: a caller that leaves while its
@@ -79,6 +80,14 @@ func TestLocker_CallerLeftDuringIssuance(t *testing.T) {
 func TestLocker_LeaseEndsInIssuanceQueue(t *testing.T) {
 	t.Parallel()
 	e := newRestartEnv(t, false)
+	// Issuance waits for a held row rather than set its claim aside
+	// (IssueLockWait), as it does for a slow Postgres.
+	slow, err := store.Open(t.Context(), e.url, store.Options{IssueLockWait: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(slow.Close)
+	e.db = slow
 	l := e.lockerWith(t, nil, service.Options{Registry: e.db, NoSpeculation: true, MaxTTL: time.Minute, IssueTimeout: time.Minute})
 	ctx := t.Context()
 	// Both committers of the store (its default) are taken by these names'
