@@ -2473,6 +2473,14 @@ type legacyAdopter interface {
 	AdoptLegacyMarker(ctx context.Context, epoch string) (bool, error)
 }
 
+// probeWrites runs n's write probe if it has one (see writeProber).
+func probeWrites(ctx context.Context, n Node, epoch string) error {
+	if p, ok := n.(writeProber); ok {
+		return p.ProbeWrites(ctx, epoch)
+	}
+	return nil
+}
+
 // epochReader is a Node that reports its epoch marker without changing it
 // (RedisNode does), so that Nodes finds a node that restarted without its
 // data before an acquire does.
@@ -2481,9 +2489,19 @@ type epochReader interface {
 	Epoch(ctx context.Context) (string, error)
 }
 
-// Nodes pings every node in parallel and reports each one's health. A node
-// that answers without the epoch marker this Locker expects lost its memory:
-// its quarantine starts then (as when an acquire finds it) and is reported.
+// writeProber is a Node that can check it takes a lock's writes (RedisNode
+// does), so that Nodes finds a node that answers reads but refuses every
+// acquire.
+type writeProber interface {
+	// ProbeWrites makes a write as an acquire does, checking the node's
+	// marker against epoch if it is not "", and returns why it failed.
+	ProbeWrites(ctx context.Context, epoch string) error
+}
+
+// Nodes asks every node in parallel and reports each one's health: it
+// answers, and takes a lock's writes (see writeProber). A node that answers
+// without the epoch marker this Locker expects lost its memory: its
+// quarantine starts then (as when an acquire finds it) and is reported.
 func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	var recovering sync.Map // node index -> chan struct{}: its recovery
 	var found sync.Map      // node index -> the marker it held, when not the one expected
@@ -2491,7 +2509,10 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 		er, ok := n.(epochReader)
 		epoch, _ := l.members[i].state()
 		if !ok || epoch == "" || l.opts.Registry == nil {
-			return true, 0, n.Ping(ctx)
+			if err := n.Ping(ctx); err != nil {
+				return true, 0, err
+			}
+			return true, 0, probeWrites(ctx, n, "")
 		}
 		got, err := er.Epoch(ctx)
 		if err == nil && got != epoch {
@@ -2499,8 +2520,12 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 			if done := l.recover(i, l.members[i].lossReq(epoch), false); done != nil {
 				recovering.Store(i, done)
 			}
+			return true, 0, nil // reported as quarantined, or as not recorded
 		}
-		return true, 0, err
+		if err != nil {
+			return true, 0, err
+		}
+		return true, 0, probeWrites(ctx, n, epoch)
 	}}, nil, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	l.drain(t, votes)

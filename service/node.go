@@ -2,7 +2,9 @@ package service
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/tls"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -191,6 +193,7 @@ var (
 	_ Node             = (*RedisNode)(nil)
 	_ serverIdentifier = (*RedisNode)(nil)
 	_ restartWatcher   = (*RedisNode)(nil)
+	_ writeProber      = (*RedisNode)(nil)
 )
 
 // RedisACL is the least a Redis ACL user needs for Redfence, in ACL
@@ -626,6 +629,32 @@ func (n *RedisNode) AdoptLegacyMarker(ctx context.Context, epoch string) (bool, 
 		return false, fmt.Errorf("adopt marker: %w", err)
 	}
 	return v == 1, nil
+}
+
+// probeKeyPrefix starts the keys of ProbeWrites, after keyspace.RedisPrefix:
+// the space keeps them apart from every lock's key (names have none).
+const probeKeyPrefix = "probe "
+
+// ProbeWrites checks that the node takes an acquire's write, as it does
+// for a lock (see writeProber): it runs the acquire script through the
+// node's pipeline, checking its marker against epoch (if not ""), on a key
+// of its own with a 1 ms lease. A node that answers reads but refuses
+// writes fails it: its memory full under noeviction, its persistence
+// failing under stop-writes-on-bgsave-error, a read-only replica, an ACL
+// without the scripts or the keys, CLIENT PAUSE WRITE (no answer).
+func (n *RedisNode) ProbeWrites(ctx context.Context, epoch string) error {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // never fails
+	key := keyspace.RedisPrefix + probeKeyPrefix + hex.EncodeToString(b[:])
+	_, _, err := n.Acquire(ctx, key, "probe", time.Millisecond, epoch)
+	var re redis.Error
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &re):
+		return fmt.Errorf("refuses lock writes: %w", re)
+	}
+	return fmt.Errorf("probe write: %w", err)
 }
 
 // Epoch returns the node's epoch marker, or "" if it has none (see

@@ -244,12 +244,15 @@ type Node struct {
 	// Example: redis-1:6379
 	Address string `json:"address"`
 
-	// Error Why the ping failed; present only when the node is down.
+	// Error Why the check failed; present only when the node is down: no
+	// answer, a failed connection, or `refuses lock writes: ` and the
+	// node's error.
+	//
 	//
 	// Example: no answer within the per-node timeout
 	Error *string `json:"error,omitempty"`
 
-	// LatencyMs How long the ping took, in milliseconds (microsecond precision).
+	// LatencyMs How long the check took, in milliseconds (microsecond precision).
 	//
 	// Example: 0.412
 	LatencyMs float64 `json:"latency_ms"`
@@ -282,7 +285,8 @@ type Node struct {
 	// Example: 2025-03-14T09:27:45.118Z
 	QuarantinedUntil *time.Time `json:"quarantined_until,omitempty"`
 
-	// Up Whether it answered a ping within the per-node timeout.
+	// Up Whether it answered within the per-node timeout and took a lock's
+	// write (a probe key with a 1 ms lease).
 	Up bool `json:"up"`
 }
 
@@ -501,7 +505,7 @@ type RedisHealth struct {
 	// Total Configured nodes.
 	Total int `json:"total"`
 
-	// Up Nodes that answered a ping and whose votes count.
+	// Up Nodes that answered, took a lock's write, and whose votes count.
 	Up int `json:"up"`
 }
 
@@ -854,7 +858,8 @@ type ClientInterface interface {
 
 	// Readyz Readiness
 	//
-	// Ready when at least a quorum of Redis nodes answers a ping, Postgres
+	// Ready when at least a quorum of Redis nodes answers and takes a lock's
+	// write (as `GET /v1/nodes` checks), Postgres
 	// answers within 2 s, and Postgres records this server's heartbeat (a
 	// read-only or blocked Postgres that answers pings still makes the server
 	// grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
@@ -994,10 +999,15 @@ type ClientInterface interface {
 	// Corresponds with POST /v1/locks/{name}/extend (the `ExtendLock` operationId).
 	ExtendLock(ctx context.Context, name Name, params *ExtendLockParams, body ExtendLockJSONRequestBody, reqEditors ...RequestEditorFn) (*http.Response, error)
 
-	// ListNodes Ping every Redis node
+	// ListNodes Check every Redis node
 	//
-	// Pings every Redis node in parallel (each within the per-node timeout) and
-	// reports each one's health, in the configured order.
+	// Checks every Redis node in parallel (each within the per-node timeout):
+	// it must answer, keep its epoch marker, and take a lock's write (the
+	// acquire script on a probe key of its own with a 1 ms lease), so a node
+	// that answers reads but refuses writes (memory full under `noeviction`,
+	// failing persistence with `stop-writes-on-bgsave-error`, a read-only
+	// replica, an ACL without the scripts, `CLIENT PAUSE WRITE`) is down.
+	// Reports each one's health, in the configured order.
 	//
 	// Corresponds with GET /v1/nodes (the `ListNodes` operationId).
 	ListNodes(ctx context.Context, params *ListNodesParams, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1092,7 +1102,8 @@ func (c *Client) Openapi(ctx context.Context, params *OpenapiParams, reqEditors 
 
 // Readyz Readiness
 //
-// Ready when at least a quorum of Redis nodes answers a ping, Postgres
+// Ready when at least a quorum of Redis nodes answers and takes a lock's
+// write (as `GET /v1/nodes` checks), Postgres
 // answers within 2 s, and Postgres records this server's heartbeat (a
 // read-only or blocked Postgres that answers pings still makes the server
 // grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
@@ -1302,10 +1313,15 @@ func (c *Client) ExtendLock(ctx context.Context, name Name, params *ExtendLockPa
 	return c.Client.Do(req)
 }
 
-// ListNodes Ping every Redis node
+// ListNodes Check every Redis node
 //
-// Pings every Redis node in parallel (each within the per-node timeout) and
-// reports each one's health, in the configured order.
+// Checks every Redis node in parallel (each within the per-node timeout):
+// it must answer, keep its epoch marker, and take a lock's write (the
+// acquire script on a probe key of its own with a 1 ms lease), so a node
+// that answers reads but refuses writes (memory full under `noeviction`,
+// failing persistence with `stop-writes-on-bgsave-error`, a read-only
+// replica, an ACL without the scripts, `CLIENT PAUSE WRITE`) is down.
+// Reports each one's health, in the configured order.
 //
 // Corresponds with GET /v1/nodes (the `ListNodes` operationId).
 func (c *Client) ListNodes(ctx context.Context, params *ListNodesParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -2020,7 +2036,8 @@ type ClientWithResponsesInterface interface {
 
 	// ReadyzWithResponse Readiness
 	//
-	// Ready when at least a quorum of Redis nodes answers a ping, Postgres
+	// Ready when at least a quorum of Redis nodes answers and takes a lock's
+	// write (as `GET /v1/nodes` checks), Postgres
 	// answers within 2 s, and Postgres records this server's heartbeat (a
 	// read-only or blocked Postgres that answers pings still makes the server
 	// grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
@@ -2166,10 +2183,15 @@ type ClientWithResponsesInterface interface {
 	// Corresponds with POST /v1/locks/{name}/extend (the `ExtendLock` operationId).
 	ExtendLockWithResponse(ctx context.Context, name Name, params *ExtendLockParams, body ExtendLockJSONRequestBody, reqEditors ...RequestEditorFn) (*ExtendLockResponse, error)
 
-	// ListNodesWithResponse Ping every Redis node
+	// ListNodesWithResponse Check every Redis node
 	//
-	// Pings every Redis node in parallel (each within the per-node timeout) and
-	// reports each one's health, in the configured order.
+	// Checks every Redis node in parallel (each within the per-node timeout):
+	// it must answer, keep its epoch marker, and take a lock's write (the
+	// acquire script on a probe key of its own with a 1 ms lease), so a node
+	// that answers reads but refuses writes (memory full under `noeviction`,
+	// failing persistence with `stop-writes-on-bgsave-error`, a read-only
+	// replica, an ACL without the scripts, `CLIENT PAUSE WRITE`) is down.
+	// Reports each one's health, in the configured order.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -3785,7 +3807,8 @@ func (c *ClientWithResponses) OpenapiWithResponse(ctx context.Context, params *O
 
 // ReadyzWithResponse Readiness
 //
-// Ready when at least a quorum of Redis nodes answers a ping, Postgres
+// Ready when at least a quorum of Redis nodes answers and takes a lock's
+// write (as `GET /v1/nodes` checks), Postgres
 // answers within 2 s, and Postgres records this server's heartbeat (a
 // read-only or blocked Postgres that answers pings still makes the server
 // grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
@@ -3973,10 +3996,15 @@ func (c *ClientWithResponses) ExtendLockWithResponse(ctx context.Context, name N
 	return ParseExtendLockResponse(rsp)
 }
 
-// ListNodesWithResponse Ping every Redis node
+// ListNodesWithResponse Check every Redis node
 //
-// Pings every Redis node in parallel (each within the per-node timeout) and
-// reports each one's health, in the configured order.
+// Checks every Redis node in parallel (each within the per-node timeout):
+// it must answer, keep its epoch marker, and take a lock's write (the
+// acquire script on a probe key of its own with a 1 ms lease), so a node
+// that answers reads but refuses writes (memory full under `noeviction`,
+// failing persistence with `stop-writes-on-bgsave-error`, a read-only
+// replica, an ACL without the scripts, `CLIENT PAUSE WRITE`) is down.
+// Reports each one's health, in the configured order.
 //
 // Returns a wrapper object for the known response body format(s).
 //

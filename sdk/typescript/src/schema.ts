@@ -211,9 +211,14 @@ export interface paths {
             cookie?: never;
         };
         /**
-         * Ping every Redis node
-         * @description Pings every Redis node in parallel (each within the per-node timeout) and
-         *     reports each one's health, in the configured order.
+         * Check every Redis node
+         * @description Checks every Redis node in parallel (each within the per-node timeout):
+         *     it must answer, keep its epoch marker, and take a lock's write (the
+         *     acquire script on a probe key of its own with a 1 ms lease), so a node
+         *     that answers reads but refuses writes (memory full under `noeviction`,
+         *     failing persistence with `stop-writes-on-bgsave-error`, a read-only
+         *     replica, an ACL without the scripts, `CLIENT PAUSE WRITE`) is down.
+         *     Reports each one's health, in the configured order.
          */
         get: operations["listNodes"];
         put?: never;
@@ -277,7 +282,8 @@ export interface paths {
         };
         /**
          * Readiness
-         * @description Ready when at least a quorum of Redis nodes answers a ping, Postgres
+         * @description Ready when at least a quorum of Redis nodes answers and takes a lock's
+         *     write (as `GET /v1/nodes` checks), Postgres
          *     answers within 2 s, and Postgres records this server's heartbeat (a
          *     read-only or blocked Postgres that answers pings still makes the server
          *     grant nothing: `postgres.up` is false then, with an `error`). Both answers carry the same `Health` body (JSON, not a
@@ -551,16 +557,21 @@ export interface components {
              * @example redis-1:6379
              */
             address: string;
-            /** @description Whether it answered a ping within the per-node timeout. */
+            /**
+             * @description Whether it answered within the per-node timeout and took a lock's
+             *     write (a probe key with a 1 ms lease).
+             */
             up: boolean;
             /**
              * Format: double
-             * @description How long the ping took, in milliseconds (microsecond precision).
+             * @description How long the check took, in milliseconds (microsecond precision).
              * @example 0.412
              */
             latency_ms: number;
             /**
-             * @description Why the ping failed; present only when the node is down.
+             * @description Why the check failed; present only when the node is down: no
+             *     answer, a failed connection, or `refuses lock writes: ` and the
+             *     node's error.
              * @example no answer within the per-node timeout
              */
             error?: string;
@@ -620,7 +631,7 @@ export interface components {
             postgres?: components["schemas"]["PostgresHealth"];
         };
         RedisHealth: {
-            /** @description Nodes that answered a ping and whose votes count. */
+            /** @description Nodes that answered, took a lock's write, and whose votes count. */
             up: number;
             /** @description Nodes whose votes do not count yet because they restarted without their data or may evict keys. */
             quarantined: number;
