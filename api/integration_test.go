@@ -482,6 +482,9 @@ func TestAPI_PostgresDown(t *testing.T) {
 			t.Errorf("reference store with Postgres down = %d %s; want 503 store-unavailable", r.status, r.body)
 		}
 	}
+	if r := e.put("pg", last, 1); !strings.Contains(r.problem(t).Detail, "nothing was written") {
+		t.Errorf("a write with Postgres down (nothing sent) says %q; want it to say nothing was written", r.problem(t).Detail)
+	}
 	if r := e.do(e.client, http.MethodGet, "/v1/resources/pg", nil); strings.Contains(r.problem(t).Detail, "written") {
 		t.Errorf("a read with Postgres down says %q; it wrote nothing, it read nothing", r.problem(t).Detail)
 	}

@@ -439,8 +439,10 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		p.InvalidParams = []InvalidParam{{Name: "data", Reason: "not storable in Postgres"}}
 	case k == kStore && r.Method == http.MethodGet:
 		p.Detail = "Postgres did not answer in time (or no connection of the documents' pool was free); the document could not be read"
+	case k == kStore && tree.is(refstore.ErrOutcomeUnknown):
+		p.Detail = "Postgres did not answer the write's commit in time; the write may or may not have been applied (its commit may still land): read the document before writing again"
 	case k == kStore:
-		p.Detail = "Postgres did not answer in time (or no connection of the documents' pool was free); the write may or may not have been applied (its commit may still land): read the document before writing again"
+		p.Detail = "Postgres did not answer in time (or no connection of the documents' pool was free); nothing was written"
 	case tree.is(service.ErrInvalid):
 		p.Detail = err.Error()
 	case tree.is(errAnswerLate) && k == kExpired:

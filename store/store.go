@@ -53,6 +53,10 @@ var (
 	// holds (for example a JSON string holding \u0000, which Postgres's JSON
 	// functions cannot read).
 	ErrInvalidData = refstore.ErrInvalidData
+	// ErrOutcomeUnknown is returned (with ErrUnavailable) by a PutResource
+	// whose COMMIT was sent but not answered: the write may have been
+	// applied. One that failed without it was not.
+	ErrOutcomeUnknown = refstore.ErrOutcomeUnknown
 	// ErrTokensExhausted is returned (with ErrUnavailable) when a name's
 	// next fencing token would pass 2^53-1, the most every JSON parser
 	// holds exactly: the name is granted no more.
@@ -442,16 +446,26 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	// COMMIT held up the same way can still commit late, but its row lock
 	// made every later write wait for it; after docIdleInTx Postgres rolls
 	// it back instead.)
+	//
+	// So a write that fails before its COMMIT is sent was not applied, and
+	// one whose COMMIT got an answer from Postgres (an error: it rolled
+	// back) neither; only one whose COMMIT went unanswered may have been
+	// (ErrOutcomeUnknown).
+	committing := false
 	err := db.retryStalePlan(func() error {
+		committing = false // a retry follows only a try that took no effect
 		return pgx.BeginFunc(ctx, db.docs, func(tx pgx.Tx) error {
+			var err error
 			if db.opts.Unfenced {
 				var tt, v int64
 				var u time.Time
-				err := tx.QueryRow(ctx, putUnfencedSQL, key, int64(token), []byte(data)).Scan(&r.Data, &tt, &v, &u)
+				err = tx.QueryRow(ctx, putUnfencedSQL, key, int64(token), []byte(data)).Scan(&r.Data, &tt, &v, &u)
 				t, version, updated = &tt, &v, &u
-				return err
+			} else {
+				err = tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data)).Scan(&cur, &r.Data, &t, &version, &updated)
 			}
-			return tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data)).Scan(&cur, &r.Data, &t, &version, &updated)
+			committing = err == nil // BeginFunc commits next
+			return err
 		})
 	})
 	if err == nil && t == nil {
@@ -470,6 +484,10 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 			}
 		}
 		return nil, &fencing.StaleError{Key: key, Got: token, Current: current}
+	}
+	var pe *pgconn.PgError
+	if err != nil && committing && !errors.As(err, &pe) && !pgconn.SafeToRetry(err) {
+		return nil, fmt.Errorf("store: put %q: %w: %w", key, ErrOutcomeUnknown, classify(err))
 	}
 	if err != nil {
 		return nil, fmt.Errorf("store: put %q: %w", key, classify(err))

@@ -440,10 +440,11 @@ type Problem struct {
 	// - `headers-too-large` (431): the request line and headers exceed the
 	//   server's limit (64 KiB by default).
 	// - `store-unavailable` (503): Postgres did not answer a reference-store
-	//   read or write in time. A write may or may not have been applied
-	//   (only one whose commit was already on its way can still commit,
-	//   and a later write of the document waits for it): read the
-	//   document before writing again.
+	//   read or write in time. A write whose commit was on its way may
+	//   or may not have been applied (the `detail` says so: it can still
+	//   commit, and a later write of the document waits for it): read
+	//   the document before writing again. Otherwise (no connection, no
+	//   answer to the statement) nothing was written.
 	// - `shutting-down` (503): the server began shutting down while an
 	//   acquire waited (`wait_ms`) for a taken lock, or its shutdown grace
 	//   period ran out while a request's body was arriving (before the

@@ -24,6 +24,11 @@ var ErrNotFound = errors.New("store: not found")
 // be reached or did not answer in time.
 var ErrUnavailable = errors.New("store: unavailable")
 
+// ErrOutcomeUnknown is returned (with ErrUnavailable) by a write whose
+// COMMIT was sent but not answered: it may have been applied. A write that
+// failed without it was not.
+var ErrOutcomeUnknown = errors.New("store: the write's outcome is unknown")
+
 // ErrInvalidData is returned when a document is refused for what it holds
 // (for example a JSON string holding \u0000, which Postgres's JSON functions
 // cannot read).

@@ -693,10 +693,11 @@ export interface components {
              *     - `headers-too-large` (431): the request line and headers exceed the
              *       server's limit (64 KiB by default).
              *     - `store-unavailable` (503): Postgres did not answer a reference-store
-             *       read or write in time. A write may or may not have been applied
-             *       (only one whose commit was already on its way can still commit,
-             *       and a later write of the document waits for it): read the
-             *       document before writing again.
+             *       read or write in time. A write whose commit was on its way may
+             *       or may not have been applied (the `detail` says so: it can still
+             *       commit, and a later write of the document waits for it): read
+             *       the document before writing again. Otherwise (no connection, no
+             *       answer to the statement) nothing was written.
              *     - `shutting-down` (503): the server began shutting down while an
              *       acquire waited (`wait_ms`) for a taken lock, or its shutdown grace
              *       period ran out while a request's body was arriving (before the
@@ -1063,7 +1064,7 @@ export interface components {
                  *       "type": "urn:redfence:problem:store-unavailable",
                  *       "title": "The reference store (Postgres) is unavailable",
                  *       "status": 503,
-                 *       "detail": "Postgres did not answer in time; the write may or may not have been applied (its commit may still land): read the document before writing again",
+                 *       "detail": "Postgres did not answer the write's commit in time; the write may or may not have been applied (its commit may still land): read the document before writing again",
                  *       "instance": "/v1/resources/orders:invoice-7",
                  *       "request_id": "5f2c9a7e1b3d4c6a"
                  *     }
