@@ -146,3 +146,69 @@ func TestDB_Issue_CloseEndsHeldRowWait(t *testing.T) {
 		t.Fatalf("Issue(a) after Close = %d, %v; want ErrClosed", got.tok, got.err)
 	}
 }
+
+// lockWaiters counts the store's sessions (not the test's) waiting for a
+// lock.
+func lockWaiters(t *testing.T, url string) func() (int, error) {
+	conn := connect(t, url)
+	return func() (int, error) {
+		var n int
+		err := conn.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'redfence' AND wait_event_type = 'Lock'`).Scan(&n)
+		return n, err
+	}
+}
+
+// TestDB_Issue_HeldRowsLeaveConnections: claims set aside for held rows do
+// not take every connection of the locks' pool, each waiting for its row on
+// one of its own: with more rows held than the pool has connections to
+// spare, the claims of other keys are still issued, and the pool's other
+// users (heartbeats, node records, API keys) still get a connection. (A
+// review found it: four slow document writes on four names stalled every
+// grant and heartbeat of a server with the default pool.)
+func TestDB_Issue_HeldRowsLeaveConnections(t *testing.T) {
+	t.Parallel()
+	const conns = 4 // pgxpool's default on a small host
+	db, url := newDB(t, Options{MaxConns: conns, IssueCommitters: 1, IssueTimeout: time.Hour,
+		StatementTimeout: time.Hour, IssueLockWait: time.Millisecond})
+	keys := []string{"a", "b", "c", "d"}
+	var rows []interface{ Rollback(context.Context) error }
+	for _, k := range keys {
+		issue(t, db, k)
+		rows = append(rows, holdRow(t, url, k))
+	}
+	var chs []<-chan issued
+	for _, k := range keys {
+		chs = append(chs, issueAsync(t.Context(), db, fencing.Claim{Key: k}))
+	}
+	testutil.WaitFor(t, waitTimeout, "every claim to be set aside", func() (bool, error) {
+		return db.issuer.setAsides.Load() == int64(len(keys)), nil
+	})
+	waiters := lockWaiters(t, url)
+	testutil.WaitFor(t, waitTimeout, "the claims set aside to wait for their rows", func() (bool, error) {
+		n, err := waiters()
+		return n >= conns-2, err // what the pool spares them (one for a batch, one for the rest)
+	})
+
+	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout) // a guard against a hang
+	defer cancel()
+	if tok, err := db.Issue(ctx, fencing.Claim{Key: "x"}); err != nil || tok != 1 {
+		t.Fatalf("Issue(x) while a, b, c and d's rows are held = %d, %v; want 1", tok, err)
+	}
+	if err := db.Ping(ctx); err != nil {
+		t.Fatalf("Ping while a, b, c and d's rows are held: %v", err)
+	}
+	for i := range chs {
+		notYet(t, chs[i], "Issue("+keys[i]+")")
+	}
+	for _, row := range rows {
+		if err := row.Rollback(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, ch := range chs {
+		if got := recv(t, ch, "Issue("+keys[i]+")"); got.err != nil || got.tok != 2 {
+			t.Fatalf("Issue(%s) once its row is free = %d, %v; want 2", keys[i], got.tok, got.err)
+		}
+	}
+}

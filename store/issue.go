@@ -44,8 +44,10 @@ package store
 // batch runs again around the rows held: it locks those that are free
 // (SKIP LOCKED, so it waits for none) and issues their claims, and each
 // claim whose row is held is set aside to wait for it alone, on a goroutine
-// of its own, with no lock timeout but its deadline. Its key stays in
-// flight until then, so later claims for it stay queued behind it, while
+// (and a connection) of its own, with no lock timeout but its deadline; as
+// many at once as the pool spares beyond the slots and one connection for
+// its other users, the others waiting their turn (setAside). Its key stays
+// in flight until then, so later claims for it stay queued behind it, while
 // its slot is freed for the other keys.
 //
 // Not guaranteed: that a caller who leaves (its context ends) gets no token
@@ -195,6 +197,11 @@ type issuer struct {
 	begin string
 	// slots is the most batches running at once (IssueCommitters).
 	slots int
+	// waiters has room for as many claims set aside as may wait for their
+	// rows at once, each on a connection of its own (see setAside): what
+	// the pool has beyond the slots' connections and one for its other
+	// users (heartbeats, node records, API keys), and at least one.
+	waiters chan struct{}
 
 	// stop ends every running batch; it is cancelled by close.
 	stop   context.Context
@@ -231,6 +238,7 @@ func newIssuer(pool *pgxpool.Pool, committers, batchMax int, timeout, lockWait t
 		timeout:  timeout,
 		begin:    fmt.Sprintf("BEGIN; SET LOCAL lock_timeout = %d", max(lockWait.Milliseconds(), 1)),
 		slots:    committers,
+		waiters:  make(chan struct{}, max(int(pool.Config().MaxConns)-committers-1, 1)),
 		inflight: make(map[string]struct{}),
 	}
 	q.cond = sync.NewCond(&q.mu)
@@ -429,6 +437,12 @@ func (q *issuer) deliver(r *issueReq, res issueResult) {
 // as long as r's deadline allows (no lock timeout), and then frees r's key,
 // which stays in flight meanwhile: later claims for it stay queued. It is
 // called by the batch that took r, which leaves r's key to it (release).
+//
+// A claim waiting for its row holds a connection meanwhile, so only so many
+// wait at once (q.waiters): the others wait their turn, holding none, so
+// that rows held on many keys cannot take the pool from the other keys'
+// batches and the pool's other users. A claim whose caller left, or whose
+// deadline passed, before its turn came is not issued.
 func (q *issuer) setAside(r *issueReq) {
 	r.setAside = true
 	q.setAsides.Add(1)
@@ -436,7 +450,16 @@ func (q *issuer) setAside(r *issueReq) {
 	go func() {
 		defer q.wg.Done()
 		ctx, cancel := q.batchContext([]*issueReq{r})
-		res := q.exec(ctx, []*issueReq{r}, false)[0]
+		var res issueResult
+		select {
+		case q.waiters <- struct{}{}:
+			res = q.exec(ctx, []*issueReq{r}, false)[0]
+			<-q.waiters
+		case <-ctx.Done():
+			res.err = fmt.Errorf("nothing was issued: it waited its turn to wait for its key's row: %w", ctx.Err())
+		case <-r.ctx.Done():
+			res.err = fmt.Errorf("nothing was issued: its caller left: %w", r.ctx.Err())
+		}
 		cancel()
 		q.deliver(r, res)
 		q.mu.Lock()

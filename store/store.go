@@ -103,9 +103,10 @@ type Options struct {
 	// once, never held back to fill a batch. An Issue that finds one of them
 	// free runs the statement on its own goroutine; otherwise committer
 	// goroutines take what piled up. It bounds the pool connections
-	// issuance holds at once (but for one per claim waiting for a row
-	// another transaction holds: see IssueLockWait), so keep it below
-	// MaxConns. The default is 2.
+	// issuance holds at once, with those of the claims waiting for a row
+	// another transaction holds (see IssueLockWait): these take at most
+	// MaxConns-IssueCommitters-1 (at least 1), so keep it below MaxConns-1.
+	// The default is 2.
 	IssueCommitters int
 	// IssueBatchMax is the most claims one issuance statement serves. The
 	// default is 256.
@@ -119,8 +120,10 @@ type Options struct {
 	// withdrawal, an outside session) before its claims are taken apart: the
 	// others are issued at once, and each claim whose row is held waits on
 	// its own, until its caller's deadline, keeping its name's later claims
-	// queued behind it. So one held row holds up only its own name's grants,
-	// not the batch's nor the committer's. The default is 50ms.
+	// queued behind it (only so many at once, each on a connection: see
+	// IssueCommitters; the others wait their turn). So one held row holds
+	// up only its own name's grants, not the batch's nor the committer's.
+	// The default is 50ms.
 	IssueLockWait time.Duration
 	// ConnectTimeout bounds opening one connection, the startup exchange
 	// included, unless the URL sets connect_timeout: a server that accepts
