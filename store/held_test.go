@@ -160,12 +160,12 @@ func lockWaiters(t *testing.T, url string) func() (int, error) {
 }
 
 // TestDB_Issue_HeldRowsLeaveConnections: claims set aside for held rows do
-// not take every connection of the locks' pool, each waiting for its row on
-// one of its own: with more rows held than the pool has connections to
-// spare, the claims of other keys are still issued, and the pool's other
-// users (heartbeats, node records, API keys) still get a connection. (A
-// review found it: four slow document writes on four names stalled every
-// grant and heartbeat of a server with the default pool.)
+// not take the connections of the locks' pool: with as many rows held as
+// the pool has connections, all of them waited for at once, the claims of
+// other keys are still issued, and the pool's other users (heartbeats, node
+// records, API keys) still get a connection. (A review found it: four slow
+// document writes on four names stalled every grant and heartbeat of a
+// server with the default pool.)
 func TestDB_Issue_HeldRowsLeaveConnections(t *testing.T) {
 	t.Parallel()
 	const conns = 4 // pgxpool's default on a small host
@@ -185,9 +185,9 @@ func TestDB_Issue_HeldRowsLeaveConnections(t *testing.T) {
 		return db.issuer.setAsides.Load() == int64(len(keys)), nil
 	})
 	waiters := lockWaiters(t, url)
-	testutil.WaitFor(t, waitTimeout, "the claims set aside to wait for their rows", func() (bool, error) {
+	testutil.WaitFor(t, waitTimeout, "every claim set aside to wait for its row", func() (bool, error) {
 		n, err := waiters()
-		return n >= conns-2, err // what the pool spares them (one for a batch, one for the rest)
+		return n == len(keys), err // at once, each on a connection of the pool kept for them
 	})
 
 	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout) // a guard against a hang
@@ -210,5 +210,31 @@ func TestDB_Issue_HeldRowsLeaveConnections(t *testing.T) {
 		if got := recv(t, ch, "Issue("+keys[i]+")"); got.err != nil || got.tok != 2 {
 			t.Fatalf("Issue(%s) once its row is free = %d, %v; want 2", keys[i], got.tok, got.err)
 		}
+	}
+}
+
+// TestDB_Issue_HeldRowCallerLeft: a claim set aside for a held row whose
+// caller leaves (no deadline: a cancellation) is not issued once the row
+// is free: unlike a batch, its wait serves nobody else.
+func TestDB_Issue_HeldRowCallerLeft(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{IssueCommitters: 1, IssueTimeout: time.Hour, IssueLockWait: time.Millisecond})
+	issue(t, db, "a")
+	row := holdRow(t, url, "a")
+	ctx, cancel := context.WithCancel(t.Context())
+	a := issueAsync(ctx, db, fencing.Claim{Key: "a", Holder: "gone"})
+	testutil.WaitFor(t, waitTimeout, "a's claim to be set aside", func() (bool, error) {
+		return db.issuer.setAsides.Load() == 1, nil
+	})
+	cancel()
+	if got := recv(t, a, "Issue(a)"); !errors.Is(got.err, context.Canceled) {
+		t.Fatalf("Issue(a) whose caller left = %d, %v; want context.Canceled", got.tok, got.err)
+	}
+	if err := row.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	// Queued behind the set-aside claim until it ends.
+	if next := issue(t, db, "a"); next != 2 {
+		t.Errorf("next token of a = %d; want 2: the claim whose caller left was issued", next)
 	}
 }

@@ -44,11 +44,11 @@ package store
 // batch runs again around the rows held: it locks those that are free
 // (SKIP LOCKED, so it waits for none) and issues their claims, and each
 // claim whose row is held is set aside to wait for it alone, on a goroutine
-// (and a connection) of its own, with no lock timeout but its deadline; as
-// many at once as the pool spares beyond the slots and one connection for
-// its other users, the others waiting their turn (setAside). Its key stays
-// in flight until then, so later claims for it stay queued behind it, while
-// its slot is freed for the other keys.
+// of its own and a connection of a pool kept for such waits (heldRowConns
+// of them, so held rows cannot take the connections of the other keys'
+// batches, heartbeats, node records and API keys), with no lock timeout but
+// its deadline. Its key stays in flight until then, so later claims for it
+// stay queued behind it, while its slot is freed for the other keys.
 //
 // Not guaranteed: that a caller who leaves (its context ends) gets no token
 // issued; once the batch holds its claim's row, the token may be committed
@@ -197,11 +197,9 @@ type issuer struct {
 	begin string
 	// slots is the most batches running at once (IssueCommitters).
 	slots int
-	// waiters has room for as many claims set aside as may wait for their
-	// rows at once, each on a connection of its own (see setAside): what
-	// the pool has beyond the slots' connections and one for its other
-	// users (heartbeats, node records, API keys), and at least one.
-	waiters chan struct{}
+	// waits is the pool of the claims set aside for a held row (see
+	// setAside), apart from pool.
+	waits *pgxpool.Pool
 
 	// stop ends every running batch; it is cancelled by close.
 	stop   context.Context
@@ -231,14 +229,14 @@ type issuer struct {
 
 // newIssuer returns an issuer with the given number of slots, issuing over
 // pool, and starts a committer goroutine per slot; close stops them.
-func newIssuer(pool *pgxpool.Pool, committers, batchMax int, timeout, lockWait time.Duration) *issuer {
+func newIssuer(pool, waits *pgxpool.Pool, committers, batchMax int, timeout, lockWait time.Duration) *issuer {
 	q := &issuer{
 		pool:     pool,
+		waits:    waits,
 		batchMax: batchMax,
 		timeout:  timeout,
 		begin:    fmt.Sprintf("BEGIN; SET LOCAL lock_timeout = %d", max(lockWait.Milliseconds(), 1)),
 		slots:    committers,
-		waiters:  make(chan struct{}, max(int(pool.Config().MaxConns)-committers-1, 1)),
 		inflight: make(map[string]struct{}),
 	}
 	q.cond = sync.NewCond(&q.mu)
@@ -438,11 +436,12 @@ func (q *issuer) deliver(r *issueReq, res issueResult) {
 // which stays in flight meanwhile: later claims for it stay queued. It is
 // called by the batch that took r, which leaves r's key to it (release).
 //
-// A claim waiting for its row holds a connection meanwhile, so only so many
-// wait at once (q.waiters): the others wait their turn, holding none, so
-// that rows held on many keys cannot take the pool from the other keys'
-// batches and the pool's other users. A claim whose caller left, or whose
-// deadline passed, before its turn came is not issued.
+// The wait holds a connection of q.waits, not of q.pool: rows held on many
+// keys cannot take the connections of the other keys' batches and of the
+// pool's other users. With every one of q.waits taken, r waits for one.
+// Unlike a batch, which serves several callers, r's wait ends when its
+// caller leaves: nothing is issued then, unless its COMMIT was already on
+// its way (the token is then burned, as Issue allows).
 func (q *issuer) setAside(r *issueReq) {
 	r.setAside = true
 	q.setAsides.Add(1)
@@ -450,16 +449,9 @@ func (q *issuer) setAside(r *issueReq) {
 	go func() {
 		defer q.wg.Done()
 		ctx, cancel := q.batchContext([]*issueReq{r})
-		var res issueResult
-		select {
-		case q.waiters <- struct{}{}:
-			res = q.exec(ctx, []*issueReq{r}, false)[0]
-			<-q.waiters
-		case <-ctx.Done():
-			res.err = fmt.Errorf("nothing was issued: it waited its turn to wait for its key's row: %w", ctx.Err())
-		case <-r.ctx.Done():
-			res.err = fmt.Errorf("nothing was issued: its caller left: %w", r.ctx.Err())
-		}
+		stop := context.AfterFunc(r.ctx, cancel)
+		res := q.exec(ctx, []*issueReq{r}, false)[0]
+		stop()
 		cancel()
 		q.deliver(r, res)
 		q.mu.Lock()
@@ -657,11 +649,12 @@ func (q *issuer) batchContext(batch []*issueReq) (context.Context, context.Cance
 // issueSQL), so a claim whose caller left is not issued after its row waited
 // past the caller's deadline, whatever the other claims' deadlines. With
 // limited, the statement waits at most Options.IssueLockWait for a row (see
-// rowHeld); otherwise as long as ctx and the claims' budgets allow.
+// rowHeld); otherwise as long as ctx and the claims' budgets allow, on a
+// connection of q.waits (see setAside).
 func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []issueResult {
-	begin := "BEGIN"
-	if limited {
-		begin = q.begin
+	begin, pool := q.begin, q.pool
+	if !limited {
+		begin, pool = "BEGIN", q.waits
 	}
 	q.statements.Add(1)
 	q.claims.Add(int64(len(batch)))
@@ -670,9 +663,9 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []is
 		c := batch[0].claim
 		var t int64
 		found := false
-		err := retryPooled(q.pool, func() error {
+		err := retryPooled(pool, func() error {
 			found = false
-			return issueTx(ctx, q.pool, begin, issueSQL, func(now time.Time) []any {
+			return issueTx(ctx, pool, begin, issueSQL, func(now time.Time) []any {
 				return []any{c.Key, c.Owner, c.Holder, budget(ctx, batch[0], now)}
 			}, func(rows pgx.Rows) error {
 				_, err := pgx.ForEachRow(rows, []any{&t}, func() error {
@@ -696,9 +689,9 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []is
 		keys[i], owners[i], holders[i] = r.claim.Key, r.claim.Owner, r.claim.Holder
 	}
 	got := make(map[string]int64, len(batch))
-	err := retryPooled(q.pool, func() error {
+	err := retryPooled(pool, func() error {
 		clear(got) // rows of an attempt that failed were never committed
-		return issueTx(ctx, q.pool, begin, issueBatchSQL, func(now time.Time) []any {
+		return issueTx(ctx, pool, begin, issueBatchSQL, func(now time.Time) []any {
 			for i, r := range batch {
 				budgets[i] = budget(ctx, r, now)
 			}

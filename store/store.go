@@ -103,10 +103,9 @@ type Options struct {
 	// once, never held back to fill a batch. An Issue that finds one of them
 	// free runs the statement on its own goroutine; otherwise committer
 	// goroutines take what piled up. It bounds the pool connections
-	// issuance holds at once, with those of the claims waiting for a row
-	// another transaction holds (see IssueLockWait): these take at most
-	// MaxConns-IssueCommitters-1 (at least 1), so keep it below MaxConns-1.
-	// The default is 2.
+	// issuance holds at once (claims waiting for a row another transaction
+	// holds wait on connections of their own: see IssueLockWait), so keep
+	// it below MaxConns. The default is 2.
 	IssueCommitters int
 	// IssueBatchMax is the most claims one issuance statement serves. The
 	// default is 256.
@@ -120,10 +119,11 @@ type Options struct {
 	// withdrawal, an outside session) before its claims are taken apart: the
 	// others are issued at once, and each claim whose row is held waits on
 	// its own, until its caller's deadline, keeping its name's later claims
-	// queued behind it (only so many at once, each on a connection: see
-	// IssueCommitters; the others wait their turn). So one held row holds
-	// up only its own name's grants, not the batch's nor the committer's.
-	// The default is 50ms.
+	// queued behind it. These waits use a pool of their own, of
+	// heldRowConns connections (opened when needed), so held rows cannot
+	// take the connections of other names' grants, heartbeats and API key
+	// lookups. So one held row holds up only its own name's grants, not the
+	// batch's nor the committer's. The default is 50ms.
 	IssueLockWait time.Duration
 	// ConnectTimeout bounds opening one connection, the startup exchange
 	// included, unless the URL sets connect_timeout: a server that accepts
@@ -140,6 +140,7 @@ type Options struct {
 type DB struct {
 	pool   *pgxpool.Pool // the locks'
 	docs   *pgxpool.Pool // the reference store's (see Options.DocMaxConns)
+	waits  *pgxpool.Pool // issuance waiting for held rows (see Options.IssueLockWait)
 	opts   Options
 	issuer *issuer
 }
@@ -212,10 +213,19 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 		pool.Close()
 		return nil, fmt.Errorf("store: connect: %w", err)
 	}
-	db := &DB{pool: pool, docs: docs, opts: opts}
+	wcfg := cfg.Copy()
+	wcfg.MaxConns = heldRowConns
+	waits, err := pgxpool.NewWithConfig(ctx, wcfg) // connects when first used
+	if err != nil {
+		pool.Close()
+		docs.Close()
+		return nil, fmt.Errorf("store: connect: %w", err)
+	}
+	db := &DB{pool: pool, docs: docs, waits: waits, opts: opts}
 	if err := db.Ping(ctx); err != nil {
 		pool.Close()
 		docs.Close()
+		waits.Close()
 		return nil, err
 	}
 	var fsync string
@@ -225,7 +235,7 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	if opts.Unfenced {
 		opts.Logger.Warn("reference store fencing is DISABLED (test-only switch): stale writes will be accepted")
 	}
-	db.issuer = newIssuer(pool, opts.IssueCommitters, opts.IssueBatchMax, opts.IssueTimeout, opts.IssueLockWait)
+	db.issuer = newIssuer(pool, waits, opts.IssueCommitters, opts.IssueBatchMax, opts.IssueTimeout, opts.IssueLockWait)
 	return db, nil
 }
 
@@ -276,6 +286,7 @@ func (db *DB) Close() {
 	db.issuer.close()
 	db.pool.Close()
 	db.docs.Close()
+	db.waits.Close()
 }
 
 // Ping checks that Postgres answers a query.
@@ -381,6 +392,12 @@ const sessionSQL = `SELECT set_config('synchronous_commit',
   CASE current_setting('synchronous_commit') WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, false),
   set_config('statement_timeout', $1, false),
   set_config('idle_in_transaction_session_timeout', $2, false)`
+
+// heldRowConns is the size of the pool of the issuance claims waiting for
+// a row another transaction holds (see Options.IssueLockWait): that many
+// held rows are waited for at once, the claims of more wait for a
+// connection.
+const heldRowConns = 4
 
 // docIdleInTx bounds how long a document's write whose COMMIT did not come
 // (a stalled network, a paused process) keeps its name's token row locked.
