@@ -631,21 +631,18 @@ func (n *RedisNode) AdoptLegacyMarker(ctx context.Context, epoch string) (bool, 
 	return v == 1, nil
 }
 
-// probeKeyPrefix starts the keys of ProbeWrites, after keyspace.RedisPrefix:
-// the space keeps them apart from every lock's key (names have none).
-const probeKeyPrefix = "probe "
-
 // ProbeWrites checks that the node takes an acquire's write, as it does
 // for a lock (see writeProber): it runs the acquire script through the
 // node's pipeline, checking its marker against epoch (if not ""), on a key
-// of its own with a 1 ms lease. A node that answers reads but refuses
-// writes fails it: its memory full under noeviction, its persistence
-// failing under stop-writes-on-bgsave-error, a read-only replica, an ACL
-// without the scripts or the keys, CLIENT PAUSE WRITE (no answer).
+// of its own (keyspace.ProbePrefix) with a 1 ms lease. A node that answers
+// reads but refuses writes fails it: its memory full under noeviction, its
+// persistence failing under stop-writes-on-bgsave-error, a read-only
+// replica, an ACL without the scripts or the keys, CLIENT PAUSE WRITE (no
+// answer).
 func (n *RedisNode) ProbeWrites(ctx context.Context, epoch string) error {
 	var b [8]byte
 	_, _ = rand.Read(b[:]) // never fails
-	key := keyspace.RedisPrefix + probeKeyPrefix + hex.EncodeToString(b[:])
+	key := keyspace.ProbePrefix + hex.EncodeToString(b[:])
 	_, _, err := n.Acquire(ctx, key, "probe", time.Millisecond, epoch)
 	var re redis.Error
 	switch {

@@ -61,7 +61,7 @@ func TestLocker_NodesFindsRefusedWrites(t *testing.T) {
 			t.Errorf("node %d once it takes writes again: %+v; want up", i, st)
 		}
 	}
-	keys, err := e.raw[2].Keys(ctx, "redfence:lock:*").Result()
+	keys, err := e.raw[2].Keys(ctx, "redfence:probe:*").Result()
 	if err != nil {
 		t.Fatal(err)
 	}

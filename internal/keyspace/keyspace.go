@@ -47,6 +47,11 @@ func Key(ns, name string) string {
 // RedisKey returns the Redis key of the lock on key (as returned by Key).
 func RedisKey(key string) string { return RedisPrefix + key }
 
+// ProbePrefix prefixes the keys a write probe of a node sets for 1 ms
+// (service.RedisNode.ProbeWrites): apart from every lock's key, under the
+// same "redfence:" prefix an ACL grants.
+const ProbePrefix = "redfence:probe:"
+
 // ReleasedPrefix prefixes the Pub/Sub channel on which a node announces that
 // a lock was released: ReleasedPrefix + key (as returned by Key).
 const ReleasedPrefix = "redfence:released:"
