@@ -330,11 +330,16 @@ func TestAPI_StallBeforeIssuance(t *testing.T) {
 			t.Errorf("node %d keeps %v after a refused grant", i, keys)
 		}
 	}
-	// The stall was found before issuance: no token was issued (or a
-	// speculated one was withdrawn), so none fences out a grant made
-	// meanwhile. The next grant gets the first token.
-	if g := e.mustAcquire("stalled", map[string]any{"ttl_ms": ttl.Milliseconds()}); g.FencingToken != 1 {
-		t.Errorf("the grant after the stalled one has fencing token %d; want 1 (none issued for the stalled one)", g.FencingToken)
+	// The stall was found before issuance: no token was granted (a
+	// speculated one stays unused), so none fences out a grant made
+	// meanwhile: the next grant's token is the next one, and the newest.
+	var st api.LockStatus
+	e.do(e.client, http.MethodGet, "/v1/locks/stalled", nil).decode(t, &st)
+	if st.LastFencingToken > 1 {
+		t.Errorf("last_fencing_token after the stalled grant = %d; want at most 1 (a speculated token, unused)", st.LastFencingToken)
+	}
+	if g := e.mustAcquire("stalled", map[string]any{"ttl_ms": ttl.Milliseconds()}); g.FencingToken != st.LastFencingToken+1 {
+		t.Errorf("the grant after the stalled one has fencing token %d; want %d", g.FencingToken, st.LastFencingToken+1)
 	}
 	// Other names are unaffected.
 	e.mustAcquire("not-stalled", map[string]any{"ttl_ms": ttl.Milliseconds()})

@@ -318,7 +318,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		speculations: register(reg, prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: MetricSpeculations,
 			Help: "Speculative fencing-token issuances (sent with the Redis round by a try running alone), by outcome: " +
-				"confirmed (granted), superseded (not grantable: issued anew after the quorum), withdrawn (the try failed: its token, if issued and still the newest, was withdrawn), " +
+				"confirmed (granted), superseded (not grantable: issued anew after the quorum), abandoned (the try failed: its token, if issued, stays unused), " +
 				"failed (Postgres error, or no idle pooled connection to speculate on).",
 		}, []string{"outcome"})),
 		nodes: register(reg, &nodeState{now: time.Now, until: make(map[string]time.Time), starts: make(map[string]uint64)}),
@@ -404,7 +404,7 @@ func (s *countingSpeculation) Abandon(ctx context.Context) error {
 	if err != nil {
 		s.o.speculations.WithLabelValues("failed").Inc()
 	} else {
-		s.o.speculations.WithLabelValues("withdrawn").Inc()
+		s.o.speculations.WithLabelValues("abandoned").Inc()
 	}
 	return err
 }

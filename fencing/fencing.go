@@ -139,11 +139,11 @@ type Speculation interface {
 	// it returns an error, matching ErrNotConfirmed when no failure occurred
 	// but the token is not grantable; the caller must not grant with it.
 	Confirm(ctx context.Context) (Token, error)
-	// Abandon is called when the grant is not won. It withdraws the
-	// speculative token if it was issued and is still the newest, so a
-	// refused grant leaves the key's token as it was. A token that cannot
-	// be withdrawn (an error, or a newer token exists) stays burned, which
-	// is safe: no live grant held the token it replaced.
+	// Abandon is called when the grant is not won. It ends the
+	// speculation; the speculative token, if it was issued, stays unused
+	// (burned), never withdrawn, so a key's token only goes up and no
+	// number is issued twice. That is safe: no live grant held the token
+	// it replaced.
 	Abandon(ctx context.Context) error
 }
 

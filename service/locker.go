@@ -2010,7 +2010,7 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	}
 	if err := ctx.Err(); err != nil {
 		// The caller left before issuance: nothing is issued, and a
-		// speculative token is withdrawn (fail), as on every other path
+		// speculative token stays unused (fail), as on every other path
 		// that refuses before the token is confirmed.
 		return nil, fail(ErrQuorum, err)
 	}

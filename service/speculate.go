@@ -4,7 +4,7 @@ package service
 // issuance together with its SETs, so the durable commit overlaps the Redis
 // round instead of following it. After the quorum the token is confirmed
 // (still the newest for its key) before it is granted; a try that fails
-// withdraws it. See fencing.Speculator for the issuer's side.
+// leaves it unused (burned). See fencing.Speculator for the issuer's side.
 //
 // When a try may speculate (speculable):
 //   - speculation is on and the issuer supports it;
@@ -20,14 +20,13 @@ package service
 //
 // Token order stays grant order: a token is granted only if it is still the
 // newest after the quorum (fencing.Speculation.Confirm). A try that fails
-// withdraws its token before it returns, so a refused acquire leaves the
-// key's token as it was. Another try of this Locker that wins the key while
-// a speculation for it has not yet won its round waits for that speculation
-// to end before it issues, so the withdrawn token is the one it gets: within
-// one server, a race costs no token. Across servers, or when a speculating
-// try stalls after its quorum (its token can then not be withdrawn once a
-// newer one exists), a token may be skipped, as with any grant refused after
-// issuance; tokens are never reused and never go backwards.
+// leaves its token unused: it is never withdrawn, so a key's token never
+// goes back and no number is issued twice. A skipped number costs nothing
+// but the number; and a try that fails stops speculation on its key until a
+// grant of it here is released (see distrust), so a refused try costs at
+// most one. Another try of this Locker that wins the key while a
+// speculation for it has not yet won its round waits for that speculation
+// to end before it issues, so its token comes after the speculative one.
 
 import (
 	"context"
@@ -129,15 +128,15 @@ func (p *pending) won() {
 	p.l.specMu.Unlock()
 }
 
-// abandon withdraws p's token, before the refusal of its try is returned. If
-// it cannot be withdrawn, the token stays burned, which fences out no live
-// grant (see fencing.Speculation). The key is not speculated on again until
-// a grant of it here is released: a key held elsewhere would otherwise cost
-// two durable commits (issue, withdraw) for every refused try.
+// abandon ends p's speculation, before the refusal of its try is returned:
+// its token, if issued, stays unused, which fences out no live grant (see
+// fencing.Speculation). The key is not speculated on again until a grant of
+// it here is released: a key held elsewhere would otherwise cost a durable
+// commit and a token number for every refused try.
 func (p *pending) abandon(ctx context.Context) {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.l.opts.IssueTimeout)
 	if err := p.spec.Abandon(cctx); err != nil {
-		p.l.opts.Logger.Warn("a speculative fencing token could not be withdrawn; it stays unused (safe: it fences out no live grant)",
+		p.l.opts.Logger.Warn("a speculative fencing token's statement could not be read; its token, if issued, stays unused (safe: it fences out no live grant)",
 			"name", p.key, "error", err.Error())
 	}
 	cancel()
@@ -158,7 +157,7 @@ func (p *pending) end() {
 
 // awaitSpeculation waits, before a try that did not speculate issues a token
 // for key, for a speculation on key whose try has not won its quorum: that
-// try is about to fail and withdraw its token.
+// try is about to fail, and the token issued next comes after its own.
 // The wait is bounded by the issue timeout on its own, so the issuance after
 // it still gets its full budget.
 func (l *Locker) awaitSpeculation(ctx context.Context, key string, expires time.Time) {

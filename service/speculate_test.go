@@ -12,8 +12,8 @@ import (
 )
 
 // specIssuer is a memIssuer that speculates with the semantics of
-// store.DB's (conditional issuance, confirmation, withdrawal), and records
-// what it was asked.
+// store.DB's (conditional issuance, confirmation; an abandoned token stays
+// unused), and records what it was asked.
 type specIssuer struct {
 	*memIssuer
 	mu    sync.Mutex
@@ -48,8 +48,7 @@ func (s *specIssuer) Speculate(ctx context.Context, c fencing.Claim, last fencin
 		m.recs = map[string]fencing.Record{}
 	}
 	sp := &memSpeculation{s: s, key: c.Key}
-	if old := m.recs[c.Key]; old.Token == last {
-		sp.old = old
+	if m.recs[c.Key].Token == last {
 		m.recs[c.Key] = fencing.Record{Claim: c, Token: last + 1}
 		sp.issued = last + 1
 	}
@@ -60,7 +59,6 @@ type memSpeculation struct {
 	s      *specIssuer
 	key    string
 	issued fencing.Token
-	old    fencing.Record
 }
 
 func (sp *memSpeculation) Confirm(ctx context.Context) (fencing.Token, error) {
@@ -76,16 +74,6 @@ func (sp *memSpeculation) Confirm(ctx context.Context) (fencing.Token, error) {
 
 func (sp *memSpeculation) Abandon(ctx context.Context) error {
 	sp.s.note("abandon %s", sp.key)
-	m := sp.s.memIssuer
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if sp.issued != 0 && m.recs[sp.key].Token == sp.issued {
-		if sp.old.Token == 0 {
-			delete(m.recs, sp.key)
-		} else {
-			m.recs[sp.key] = sp.old
-		}
-	}
 	return nil
 }
 
@@ -126,11 +114,11 @@ func TestLocker_Speculation(t *testing.T) {
 		wantCalls(t, iss, "speculate orders 0", "confirm orders", "speculate orders 1", "confirm orders")
 	})
 
-	// A try that fails withdraws its token: a refused acquire leaves the
-	// key's token as it was. The key is not speculated on again until a
-	// grant of it here is released, so a name held elsewhere costs no
-	// issuance per refused try.
-	t.Run("FailedTryWithdraws", func(t *testing.T) {
+	// A try that fails leaves its token unused: never withdrawn, so the
+	// key's token never goes back. The key is not speculated on again
+	// until a grant of it here is released, so a name held elsewhere costs
+	// one token, not one per refused try.
+	t.Run("FailedTryBurnsOne", func(t *testing.T) {
 		ns, ms := nodes(5)
 		for _, m := range ms[:3] {
 			m.vals[rkey] = "other"
@@ -144,8 +132,8 @@ func TestLocker_Speculation(t *testing.T) {
 			}
 		}
 		wantCalls(t, iss, "speculate orders 0", "abandon orders")
-		if r, _ := iss.Last(ctx, key); r.Token != 0 {
-			t.Errorf("token %d left by a refused try; want none", r.Token)
+		if r, _ := iss.Last(ctx, key); r.Token != 1 {
+			t.Errorf("token %d left by the refused tries; want 1 (the first one's, unused)", r.Token)
 		}
 		// Freed: granted with a token issued after the quorum; once that
 		// grant is released here, the key is speculated on again.
@@ -153,16 +141,16 @@ func TestLocker_Speculation(t *testing.T) {
 			m.set(rkey, "", 0)
 		}
 		g, err := l.Acquire(ctx, key, req)
-		if err != nil || g.Fencing != 1 {
-			t.Fatalf("Acquire of the freed key = %+v, %v; want token 1", g, err)
+		if err != nil || g.Fencing != 2 {
+			t.Fatalf("Acquire of the freed key = %+v, %v; want token 2", g, err)
 		}
 		if err := l.Release(ctx, key, g.Token); err != nil {
 			t.Fatal(err)
 		}
-		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 2 {
-			t.Fatalf("Acquire after release = %+v, %v; want token 2", g, err)
+		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 3 {
+			t.Fatalf("Acquire after release = %+v, %v; want token 3", g, err)
 		}
-		wantCalls(t, iss, "speculate orders 0", "abandon orders", "speculate orders 1", "confirm orders")
+		wantCalls(t, iss, "speculate orders 0", "abandon orders", "speculate orders 2", "confirm orders")
 	})
 
 	// A token issued elsewhere meanwhile makes the speculation ungrantable:
@@ -209,13 +197,13 @@ func TestLocker_Speculation(t *testing.T) {
 
 	// Two tries at once: the second does not speculate, and if it wins
 	// the key while the first (speculating) try has not won its round, it
-	// waits for that try to withdraw before it issues, so no token is
-	// skipped.
-	t.Run("RaceCostsNoToken", func(t *testing.T) {
+	// waits for that try to end before it issues: its token comes after
+	// the first try's, which stays unused.
+	t.Run("RaceWaitsForSpeculation", func(t *testing.T) {
 		ns, ms := nodes(5)
 		iss := &specIssuer{memIssuer: &memIssuer{}, speculated: make(chan string, 1)}
 		// The first try's held SETs time out well within the 1s lease the
-		// second try then waits out its withdrawal in.
+		// second try then waits out its end in.
 		l := newLocker(t, ns, iss, Options{NodeTimeout: 250 * time.Millisecond})
 		// The first try's SETs reach node 0 only; on nodes 1-4 they are
 		// held until they time out, and the second try wins those.
@@ -259,8 +247,8 @@ func TestLocker_Speculation(t *testing.T) {
 		if !errors.Is(ra.err, ErrQuorum) {
 			t.Fatalf("first Acquire = %+v, %v; want ErrQuorum", ra.g, ra.err)
 		}
-		if b.Fencing != 1 {
-			t.Errorf("second try's token = %d; want 1 (the first try's withdrawn)", b.Fencing)
+		if b.Fencing != 2 {
+			t.Errorf("second try's token = %d; want 2 (after the first try's, unused)", b.Fencing)
 		}
 		wantCalls(t, iss, "speculate orders 0", "abandon orders")
 	})

@@ -37,8 +37,8 @@ package store
 // ended meanwhile, after a token another server issued since. That holds
 // while the two clocks run at about the same rate, as Redlock assumes.
 //
-// A row another transaction holds (a document's write on that key, a
-// withdrawal, an outside session) holds up only its own key. A batch's
+// A row another transaction holds (a document's write on that key, an
+// outside session) holds up only its own key. A batch's
 // transaction waits at most Options.IssueLockWait for any row
 // (lock_timeout); when that runs out, nothing of it was committed, and the
 // batch runs again around the rows held: it locks those that are free

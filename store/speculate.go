@@ -17,13 +17,12 @@ package store
 // larger, so "larger than every token issued before the grant" holds as it
 // does for Issue.
 //
-// Abandon, when the grant is lost, withdraws the token if it was issued and
-// is still the newest: the row goes back to what the statement replaced
-// (or is deleted if the statement created it). A withdrawn token was never
-// handed out, and the one it replaced belonged to a grant already given up,
-// which is why the condition is there: a speculative token can never fence
-// out a live holder. If the withdrawal cannot be made, the token stays
-// burned, which is safe for the same reason.
+// Abandon, when the grant is lost, ends the speculation: the token, if the
+// statement issued it, stays unused (burned), never withdrawn, so a name's
+// token only ever goes up and no number is issued twice. That is safe
+// because of the condition: the token it replaced belonged to a grant
+// already given up, so a speculative token can never fence out a live
+// holder.
 
 import (
 	"context"
@@ -32,7 +31,6 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -48,42 +46,17 @@ const (
 )
 
 // specSQL issues the next token for $1 only if the newest is $4 (0: only if
-// the key has no row), and returns it with the row it replaced, for a
-// withdrawal to restore.
+// the key has no row), and returns it.
 const specSQL = `
-WITH old AS (SELECT owner, holder, issued_at FROM redfence_fencing WHERE key = $1)
 INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
 VALUES ($1, 1, $2, $3, now())
 ON CONFLICT (key) DO UPDATE
    SET token = f.token + 1, owner = excluded.owner, holder = excluded.holder, issued_at = excluded.issued_at
  WHERE f.token = $4::bigint
-RETURNING f.token, (SELECT owner FROM old), (SELECT holder FROM old), (SELECT issued_at::text FROM old)`
+RETURNING f.token`
 
 // confirmSQL reads the newest token of $1.
 const confirmSQL = `SELECT token FROM redfence_fencing WHERE key = $1`
-
-// A withdrawal runs as lockRowSQL then withdrawSQL (or withdrawFirstSQL) in
-// one transaction. The row lock waits for every write holding the token row
-// (putSQL takes a share lock on it) and keeps new ones out; the statement
-// after it, with a snapshot of its own, sees what those writes committed. A
-// token that a write carried (the newest token is readable, GET
-// /v1/locks/{name}, and a client may write with it) is not withdrawn: it
-// stays burned, so the store never meets an older token after it, nor the
-// same token again from a later grant.
-const lockRowSQL = `SELECT token FROM redfence_fencing WHERE key = $1 FOR UPDATE`
-
-// withdrawSQL puts back the row a speculative token $2 (> 1) replaced, if $2
-// is still the newest and no write carried it.
-const withdrawSQL = `
-UPDATE redfence_fencing SET token = token - 1, owner = $3, holder = $4, issued_at = $5::timestamptz
- WHERE key = $1 AND token = $2
-   AND NOT EXISTS (SELECT 1 FROM redfence_resources WHERE key = $1 AND fencing_token >= $2)`
-
-// withdrawFirstSQL deletes the row a speculative first token created, if it
-// is still the newest and no write carried it.
-const withdrawFirstSQL = `
-DELETE FROM redfence_fencing WHERE key = $1 AND token = 1
-   AND NOT EXISTS (SELECT 1 FROM redfence_resources WHERE key = $1)`
 
 // errNoIdleConn is returned by Speculate when every pooled connection is in
 // use.
@@ -100,10 +73,8 @@ type speculation struct {
 	closed bool // the pipeline was closed (the connection is out of pipeline mode)
 
 	// What the conditional statement returned, once read.
-	read     bool
-	issued   fencing.Token // 0: the condition did not hold
-	replaced bool          // it bumped a row (rather than creating one) ...
-	old      [3]string     // ... which had this owner, holder and issued_at (text)
+	read   bool
+	issued fencing.Token // 0: the condition did not hold
 }
 
 // Speculate implements fencing.Speculator. The statement is sent before it
@@ -172,7 +143,9 @@ func (s *speculation) Confirm(ctx context.Context) (tok fencing.Token, err error
 	return s.issued, nil
 }
 
-// Abandon implements fencing.Speculation.
+// Abandon implements fencing.Speculation: it reads the statement's answer,
+// so the connection goes back to the pool in a known state, and leaves the
+// token, if one was issued, unused.
 func (s *speculation) Abandon(ctx context.Context) error {
 	if s.ended {
 		return nil
@@ -180,28 +153,9 @@ func (s *speculation) Abandon(ctx context.Context) error {
 	s.ended = true
 	if err := s.readIssued(ctx); err != nil {
 		s.close(true)
-		return s.fail("withdraw", err)
+		return s.fail("abandon", err)
 	}
-	s.closed = true
-	if err := s.pl.Close(); err != nil {
-		s.close(true)
-		return s.fail("withdraw", err)
-	}
-	defer s.close(false)
-	if s.issued == 0 {
-		return nil
-	}
-	// One round trip: a batch runs in one implicit transaction.
-	b := &pgx.Batch{}
-	b.Queue(lockRowSQL, s.claim.Key)
-	if s.replaced && s.issued > 1 {
-		b.Queue(withdrawSQL, s.claim.Key, int64(s.issued), s.old[0], s.old[1], s.old[2])
-	} else {
-		b.Queue(withdrawFirstSQL, s.claim.Key)
-	}
-	if err := s.conn.SendBatch(ctx, b).Close(); err != nil {
-		return s.fail("withdraw", err)
-	}
+	s.close(false)
 	return nil
 }
 
@@ -216,17 +170,12 @@ func (s *speculation) readIssued(ctx context.Context) error {
 		return err
 	}
 	for rr.NextRow() {
-		v := rr.Values()
-		t, err := parseToken(v[0])
+		t, err := parseToken(rr.Values()[0])
 		if err != nil {
 			_, _ = rr.Close()
 			return err
 		}
 		s.issued = t
-		s.replaced = v[3] != nil // issued_at is never NULL in a row
-		for i := range s.old {
-			s.old[i] = string(v[i+1]) // copied: v is reused by the next read
-		}
 	}
 	if _, err := rr.Close(); err != nil {
 		return err

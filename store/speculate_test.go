@@ -133,14 +133,16 @@ func TestDB_Speculate(t *testing.T) {
 		wantLast(t, db, "raced", 2, "", "")
 	})
 
+	// An abandoned token stays unused: never withdrawn, so the key's token
+	// never goes back and no number is issued twice.
 	run("AbandonFirst", func(t *testing.T) {
 		s := speculate(t, db, fencing.Claim{Key: "gone", Owner: "E"}, 0)
 		if err := s.Abandon(ctx); err != nil {
 			t.Fatal(err)
 		}
-		wantLast(t, db, "gone", 0, "", "")
-		if got := issue(t, db, "gone"); got != 1 {
-			t.Errorf("Issue after a withdrawn first token = %d; want 1", got)
+		wantLast(t, db, "gone", 1, "E", "")
+		if got := issue(t, db, "gone"); got != 2 {
+			t.Errorf("Issue after an abandoned first token = %d; want 2", got)
 		}
 	})
 
@@ -148,23 +150,33 @@ func TestDB_Speculate(t *testing.T) {
 		if _, err := db.Issue(ctx, fencing.Claim{Key: "back", Owner: "F", Holder: "hf"}); err != nil {
 			t.Fatal(err)
 		}
-		before := wantLast(t, db, "back", 1, "F", "hf")
 		s := speculate(t, db, fencing.Claim{Key: "back", Owner: "G", Holder: "hg"}, 1)
 		if err := s.Abandon(ctx); err != nil {
 			t.Fatal(err)
 		}
-		after := wantLast(t, db, "back", 1, "F", "hf")
-		if !after.IssuedAt.Equal(before.IssuedAt) {
-			t.Errorf("issued_at after withdrawal = %v; want %v restored", after.IssuedAt, before.IssuedAt)
-		}
+		wantLast(t, db, "back", 2, "G", "hg")
 		// A second call is a no-op.
 		if err := s.Abandon(ctx); err != nil {
 			t.Errorf("second Abandon: %v", err)
 		}
-		wantLast(t, db, "back", 1, "F", "hf")
+		wantLast(t, db, "back", 2, "G", "hg")
+		if got := issue(t, db, "back"); got != 3 {
+			t.Errorf("Issue after an abandoned token = %d; want 3", got)
+		}
 	})
 
-	// A withdrawal never undoes a newer token.
+	// An abandoned speculation whose condition did not hold issued nothing.
+	run("AbandonNotIssued", func(t *testing.T) {
+		issue(t, db, "moved")
+		issue(t, db, "moved")
+		s := speculate(t, db, fencing.Claim{Key: "moved", Owner: "J"}, 1)
+		if err := s.Abandon(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantLast(t, db, "moved", 2, "", "")
+	})
+
+	// Abandoning never undoes a newer token.
 	run("AbandonSuperseded", func(t *testing.T) {
 		issue(t, db, "kept")
 		s := speculate(t, db, fencing.Claim{Key: "kept"}, 1)
@@ -178,8 +190,8 @@ func TestDB_Speculate(t *testing.T) {
 		wantLast(t, db, "kept", 3, "", "")
 	})
 
-	// A token a write carried is not withdrawn: it stays burned, so no
-	// later grant gets it again and no older token is accepted after it.
+	// A token a write carried stays the newest once abandoned: no later
+	// grant gets it again and no older token is accepted after it.
 	run("AbandonWritten", func(t *testing.T) {
 		issue(t, db, "written")
 		s := speculate(t, db, fencing.Claim{Key: "written", Owner: "H"}, 1)
@@ -208,7 +220,7 @@ func TestDB_Speculate(t *testing.T) {
 		}
 		wantLast(t, db, "written-first", 1, "I", "")
 		// And a document's token never goes back, even if the token row
-		// did (as a withdrawal before this rule could do).
+		// did (lowered by hand, or by a build that withdrew tokens).
 		issue(t, db, "regress")
 		issue(t, db, "regress")
 		if _, err := db.PutResource(ctx, "regress", 2, []byte(`2`)); err != nil {
@@ -236,6 +248,7 @@ func TestDB_Speculate(t *testing.T) {
 				if err := s.Abandon(ctx); err != nil {
 					t.Fatal(err)
 				}
+				last++ // its token, unused, is the newest
 				continue
 			}
 			tok, err := s.Confirm(ctx)

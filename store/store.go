@@ -115,8 +115,8 @@ type Options struct {
 	// IssueTimeout after it started. The default is 10s.
 	IssueTimeout time.Duration
 	// IssueLockWait bounds how long an issuance statement waits for a row
-	// another transaction holds (a document's write on that name, a
-	// withdrawal, an outside session) before its claims are taken apart: the
+	// another transaction holds (a document's write on that name, an
+	// outside session) before its claims are taken apart: the
 	// others are issued at once, and each claim whose row is held waits on
 	// its own, until its caller's deadline, keeping its name's later claims
 	// queued behind it. These waits use a pool of their own, of
@@ -414,8 +414,7 @@ type Resource = refstore.Resource
 // putSQL writes the document if $2 is the newest token on record. Its one
 // row names, besides what was written (NULLs when nothing was), the token
 // on record it was compared with, read in the same statement: a refusal
-// names the token that refused it, not one a withdrawal queued behind the
-// statement's share lock has put back since.
+// names the token that refused it.
 const putSQL = `
 WITH cur AS (SELECT token FROM redfence_fencing WHERE key = $1 FOR SHARE),
 ins AS (
@@ -497,7 +496,8 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 		}
 		if current <= token {
 			// Refused for the document's own token, newer than the one on
-			// record (written before a withdrawal lowered it).
+			// record (a token row lowered by hand, or by a build that
+			// withdrew speculative tokens).
 			var now int64
 			if err := db.docs.QueryRow(ctx, `SELECT fencing_token FROM redfence_resources WHERE key = $1`, key).Scan(&now); err == nil {
 				current = max(current, fencing.Token(now))

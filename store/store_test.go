@@ -746,47 +746,6 @@ func TestDB_PutResource_Race(t *testing.T) {
 		_, err = db.PutResource(t.Context(), key, old, json.RawMessage(`"late"`))
 		wantStale(t, err, key, old, res.tok)
 	})
-
-	// A speculative token withdrawn while a write carrying it is still
-	// uncommitted: the withdrawal waits for the write, sees it, and leaves
-	// the token burned.
-	t.Run("WriteBeforeWithdraw", func(t *testing.T) {
-		t.Parallel()
-		key := t.Name()
-		old := issue(t, db, key)
-		s := speculate(t, db, fencing.Claim{Key: key, Owner: "spec"}, old)
-		waitToken(t, db, key, old+1)
-		conn := connect(t, url)
-		tx, err := conn.Begin(t.Context())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer tx.Rollback(context.Background())
-		if _, err := tx.Exec(t.Context(), putSQL, key, int64(old+1), []byte(`"with the speculative token"`)); err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() { done <- s.Abandon(t.Context()) }()
-		obs := connect(t, url)
-		testutil.WaitFor(t, waitTimeout, "the withdrawal to wait on the writer's row lock", func() (bool, error) {
-			select {
-			case err := <-done:
-				return false, fmt.Errorf("Abandon returned %v while a write was uncommitted; want it to wait", err)
-			default:
-			}
-			n, err := blockedBy(t.Context(), obs, conn.PgConn().PID())
-			return n > 0, err
-		})
-		if err := tx.Commit(t.Context()); err != nil {
-			t.Fatal(err)
-		}
-		if err := <-done; err != nil {
-			t.Fatal(err)
-		}
-		wantLast(t, db, key, old+1, "spec", "")
-		_, err = db.PutResource(t.Context(), key, old, json.RawMessage(`"older"`))
-		wantStale(t, err, key, old, old+1)
-	})
 }
 
 func TestDB_Unfenced(t *testing.T) {

@@ -30,7 +30,7 @@ type Config struct {
 	RetryDelayMin     time.Duration `split_words:"true" default:"10ms" desc:"shortest random delay between attempts of a waiting acquire when too few nodes answered"`
 	RetryDelayMax     time.Duration `split_words:"true" default:"100ms" desc:"longest random delay between attempts of a waiting acquire when too few nodes answered (a held lock: until its lease ends, at most max(1s, this); a release wakes the waiter)"`
 	IssueTimeout      time.Duration `split_words:"true" default:"2s" desc:"timeout of fencing-token issuance in Postgres"`
-	Speculate         bool          `envconfig:"SPECULATE" default:"true" desc:"let an acquire that runs alone issue its fencing token while its Redis round runs (confirmed after the quorum, withdrawn if the try fails)"`
+	Speculate         bool          `envconfig:"SPECULATE" default:"true" desc:"let an acquire that runs alone issue its fencing token while its Redis round runs (confirmed after the quorum, left unused if the try fails)"`
 	RedisUsername     string        `split_words:"true" desc:"Redis ACL user for every node"`
 	RedisPassword     string        `split_words:"true" desc:"Redis password for every node"`
 	DBMaxConns        int32         `envconfig:"DB_MAX_CONNS" desc:"Postgres pool size of the locks: token issuance, heartbeats, node records, API keys (default: max(4, CPUs))"`
