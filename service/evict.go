@@ -20,6 +20,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -159,6 +161,23 @@ var errNoPolicy = errors.New("info memory: no maxmemory or maxmemory_policy")
 // NodeTimeout, and notes it; then, each within NodeTimeout again, whether a
 // node held durable still is (see checkDurability). A node that does not
 // answer keeps its state.
+// noteCheckReach tells noteReach what a background check of node i found:
+// an answer (a refusal is one too) or none (err a timeout or a connection
+// failure). Nothing is noted once ctx ended (the Locker is closing).
+func (l *Locker) noteCheckReach(ctx context.Context, i int, err error) {
+	var re redis.Error
+	var ne net.Error
+	switch {
+	case ctx.Err() != nil && errors.Is(err, context.Canceled):
+	case err == nil, errors.Is(err, ErrCommandRefused), errors.Is(err, errNoPolicy), errors.As(err, &re):
+		l.noteReach(i, Yes, nil)
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		l.noteReach(i, Timeout, err)
+	default:
+		l.noteReach(i, Failed, err)
+	}
+}
+
 func (l *Locker) checkEviction(ctx context.Context) {
 	l.evictionMu.Lock()
 	defer l.evictionMu.Unlock()
@@ -166,6 +185,7 @@ func (l *Locker) checkEviction(ctx context.Context) {
 	l.eachNode(ctx, func(ctx context.Context, i int, n Node) {
 		if er, ok := n.(evictionReader); ok {
 			policy, evicted, err := er.Eviction(ctx)
+			l.noteCheckReach(ctx, i, err)
 			m := l.members[i]
 			m.mu.Lock()
 			fresh := m.newEvictions(evicted)

@@ -42,6 +42,17 @@ type reach struct {
 	initing bool
 }
 
+// allAnswering reports whether every node answered its last operation, as
+// far as this Locker has seen (see noteReach).
+func (l *Locker) allAnswering() bool {
+	for i := range l.reach.failing {
+		if l.reach.failing[i].Load() {
+			return false
+		}
+	}
+	return true
+}
+
 func newReach(n int) *reach {
 	return &reach{failing: make([]atomic.Bool, n), logged: make([]bool, n), last: make([]time.Time, n)}
 }

@@ -385,3 +385,30 @@ func TestLocker_EvictionPolicyUnknown(t *testing.T) {
 		})
 	}
 }
+
+// TestLocker_EvictionCheckNotesReach: the background eviction check tells
+// whether a node answers, as a round does, so that tries stop speculating
+// on a node gone before any round meets it (and start again once it
+// answers); a refusal is an answer, and so is the node's own error reply.
+func TestLocker_EvictionCheckNotesReach(t *testing.T) {
+	ns, ms := nodes(3)
+	pn := &policyNode{memNode: ms[1]}
+	ns[1] = pn
+	l := newLocker(t, ns, &memIssuer{}, Options{})
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{nil, true},
+		{&net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}, false},
+		{ErrCommandRefused, true},
+		{context.DeadlineExceeded, false},
+		{errNoPolicy, true},
+	} {
+		pn.set("", tc.err)
+		l.checkEviction(t.Context())
+		if got := l.allAnswering(); got != tc.want {
+			t.Errorf("eviction check answered %v: allAnswering = %v; want %v", tc.err, got, tc.want)
+		}
+	}
+}

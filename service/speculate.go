@@ -12,6 +12,9 @@ package service
 //     is batched instead, and a speculation is a commit of its own);
 //   - nobody else in this Locker waits for the key (a contended key would
 //     mostly speculate for tries that lose);
+//   - every node answered its last operation (a round or an eviction check:
+//     see allAnswering), so the try is not likely to fail for want of a
+//     majority and leave its token unused;
 //   - the key's newest token fences out nobody: it is the token of a grant
 //     this Locker made and saw released, or, as far as this Locker knows, the
 //     key never had one. The issuer applies the speculation only if the
@@ -97,7 +100,7 @@ func (l *Locker) speculate(ctx context.Context, c fencing.Claim, queued bool) *p
 // token (see the top of this file). queued says the try's acquire is itself
 // among key's waiters.
 func (l *Locker) speculable(key string, queued bool) (fencing.Token, bool) {
-	if l.speculator == nil || l.tries.Load() != 1 {
+	if l.speculator == nil || l.tries.Load() != 1 || !l.allAnswering() {
 		return 0, false
 	}
 	others := 0

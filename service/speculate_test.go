@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -181,6 +182,48 @@ func TestLocker_Speculation(t *testing.T) {
 		wantCalls(t, iss, "speculate orders 0", "confirm orders")
 		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 4 {
 			t.Fatalf("Acquire after release = %+v, %v; want token 4", g, err)
+		}
+		wantCalls(t, iss, "speculate orders 0", "confirm orders", "speculate orders 3", "confirm orders")
+	})
+
+	// While a node does not answer, tries do not speculate: one that then
+	// failed for want of a majority would leave its token unused. Once it
+	// answers again, they do.
+	t.Run("NodeNotAnswering", func(t *testing.T) {
+		ns, ms := nodes(5)
+		iss := &specIssuer{memIssuer: &memIssuer{}}
+		l := newLocker(t, ns, iss, Options{})
+		var failing atomic.Bool
+		failing.Store(true)
+		ms[4].hook = func(context.Context, string) error {
+			if failing.Load() {
+				return errors.New("connection refused")
+			}
+			return nil
+		}
+		g, err := l.Acquire(ctx, key, req) // speculates: nothing known of node 4 yet
+		if err != nil || g.Fencing != 1 {
+			t.Fatalf("Acquire = %+v, %v; want token 1", g, err)
+		}
+		if err := l.Release(ctx, key, g.Token); err != nil {
+			t.Fatal(err)
+		}
+		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 2 {
+			t.Fatalf("Acquire with node 4 down = %+v, %v; want token 2", g, err)
+		}
+		wantCalls(t, iss, "speculate orders 0", "confirm orders")
+		if err := l.Release(ctx, key, g.Token); err != nil {
+			t.Fatal(err)
+		}
+		failing.Store(false)
+		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 3 { // node 4 answers again: noted
+			t.Fatalf("Acquire = %+v, %v; want token 3", g, err)
+		}
+		if err := l.Release(ctx, key, g.Token); err != nil {
+			t.Fatal(err)
+		}
+		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 4 {
+			t.Fatalf("Acquire = %+v, %v; want token 4", g, err)
 		}
 		wantCalls(t, iss, "speculate orders 0", "confirm orders", "speculate orders 3", "confirm orders")
 	})
