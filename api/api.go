@@ -59,7 +59,7 @@ type granter interface {
 
 // Store is the reference store as the API uses it (*store.DB).
 type Store interface {
-	PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*refstore.Resource, error)
+	PutResourceIf(ctx context.Context, key string, token fencing.Token, data json.RawMessage, cond refstore.Condition) (*refstore.Resource, error)
 	GetResource(ctx context.Context, key string) (*refstore.Resource, error)
 	Ping(ctx context.Context) error
 }
@@ -1385,6 +1385,8 @@ func (h *Handler) doPut(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
+	cond, cerr := putCondition(r)
+	_ = bad.merge(cerr) // an invalid-request, or nil
 	if !bad.unreadable {
 		switch {
 		case bad.has("fencing_token"): // null, not an integer, repeated: said
@@ -1415,10 +1417,11 @@ func (h *Handler) doPut(w http.ResponseWriter, r *http.Request) error {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), h.opts.StoreTimeout)
 	defer cancel()
-	res, err := h.store.PutResource(ctx, key, fencing.Token(*req.FencingToken), req.Data)
+	res, err := h.store.PutResourceIf(ctx, key, fencing.Token(*req.FencingToken), req.Data, cond)
 	if err != nil {
 		return err
 	}
+	setHeader(w, "ETag", etag(res.Version))
 	writeJSON(w, http.StatusOK, resourceJSON(name, res))
 	return nil
 }
@@ -1436,9 +1439,21 @@ func (h *Handler) getResource(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), h.opts.StoreTimeout)
 	defer cancel()
+	// A malformed If-None-Match is refused before the store is asked.
+	inm, err := parseEntityTags(r.Header, "If-None-Match")
+	if err != nil {
+		h.writeError(w, r, err)
+		return
+	}
 	res, err := h.store.GetResource(ctx, key)
 	if err != nil {
 		h.writeError(w, r, err)
+		return
+	}
+	setHeader(w, "ETag", etag(res.Version))
+	if inm.present && inm.noneMatch(res.Version) {
+		setHeader(w, "Cache-Control", "no-store")
+		w.WriteHeader(http.StatusNotModified)
 		return
 	}
 	writeJSON(w, http.StatusOK, resourceJSON(name, res))

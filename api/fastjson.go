@@ -166,6 +166,10 @@ func appendProblem(dst []byte, p *Problem) []byte {
 		dst = append(dst, `,"current_fencing_token":`...)
 		dst = strconv.AppendInt(dst, *p.CurrentFencingToken, 10)
 	}
+	if p.CurrentVersion != nil {
+		dst = append(dst, `,"current_version":`...)
+		dst = strconv.AppendInt(dst, *p.CurrentVersion, 10)
+	}
 	if len(p.InvalidParams) > 0 {
 		dst = append(dst, `,"invalid_params":[`...)
 		for i := range p.InvalidParams {

@@ -109,7 +109,7 @@ func (l *benchFakeLocker) Quorum() int                                { return 2
 // Postgres (without the round trip).
 type benchFakeStore struct{ l *benchFakeLocker }
 
-func (s benchFakeStore) PutResource(context.Context, string, fencing.Token, json.RawMessage) (*refstore.Resource, error) {
+func (s benchFakeStore) PutResourceIf(context.Context, string, fencing.Token, json.RawMessage, refstore.Condition) (*refstore.Resource, error) {
 	return nil, refstore.ErrNotFound
 }
 func (s benchFakeStore) GetResource(context.Context, string) (*refstore.Resource, error) {

@@ -46,6 +46,9 @@ type Problem struct {
 	Nodes []NodeOutcome `json:"nodes,omitempty"`
 	// CurrentFencingToken is the newest token issued (stale-token).
 	CurrentFencingToken *int64 `json:"current_fencing_token,omitempty"`
+	// CurrentVersion is the document's version (precondition-failed; absent
+	// when there is no document).
+	CurrentVersion *int64 `json:"current_version,omitempty"`
 	// InvalidParams lists what was wrong with the request (invalid-request).
 	InvalidParams []InvalidParam `json:"invalid_params,omitempty"`
 }
@@ -89,6 +92,7 @@ var (
 	kLost        = newKind("lock-lost", http.StatusConflict, "The lock is no longer held by this token")
 	kNotHolder   = newKind("not-holder", http.StatusConflict, "The lock is not held by this token")
 	kStale       = newKind("stale-token", http.StatusConflict, "The fencing token is not the newest issued for this name")
+	kPrecond     = newKind("precondition-failed", http.StatusPreconditionFailed, "The document is not in the state the request's If-Match or If-None-Match asks")
 	kQuorum      = newKind("quorum-unavailable", http.StatusServiceUnavailable, "Too few Redis nodes answered to decide")
 	kFencing     = newKind("fencing-unavailable", http.StatusServiceUnavailable, "No fencing token could be issued")
 	kExpired     = newKind("lease-expired", http.StatusServiceUnavailable, "The lease ran out before it could be granted")
@@ -112,7 +116,7 @@ func ProblemTypes() []string {
 	var out []string
 	for _, k := range []kind{kInvalid, kTooLarge, kMediaType, kNotFound, kMethod, kNoResource, kHeld, kWaitTimeout,
 		kLost, kNotHolder, kStale, kQuorum, kFencing, kExpired, kStore, kShutdown, kCancelled, kInternal,
-		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge, kTimeout, kVersion} {
+		kUnauthorized, kForbidden, kRateLimited, kAuthUnavailable, kHeadersTooLarge, kTimeout, kVersion, kPrecond} {
 		out = append(out, k.slug)
 	}
 	return out
@@ -351,6 +355,8 @@ func (t errTree) classify() kind {
 		return kStale
 	case t.is(refstore.ErrNotFound):
 		return kNoResource
+	case t.is(refstore.ErrPrecondition):
+		return kPrecond
 	case t.is(refstore.ErrInvalidData):
 		return kInvalid
 	case t.is(refstore.ErrUnavailable):
@@ -427,6 +433,15 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 			shown.Key = name
 		}
 		p.Detail = strings.TrimPrefix(shown.Error(), "fencing: ")
+	case k == kPrecond:
+		if pe, ok := asErr[*refstore.PreconditionError](tree); ok && pe.Version > 0 {
+			v := pe.Version
+			p.CurrentVersion = &v
+			setHeader(w, "ETag", etag(v))
+			p.Detail = fmt.Sprintf("the document is at version %d (ETag %s): nothing was written; read it again before writing", v, etag(v))
+		} else {
+			p.Detail = "there is no document under this name: nothing was written"
+		}
 	case k == kNoResource:
 		p.Detail = "no document has been written under this name"
 	case tree.is(refstore.ErrInvalidData):

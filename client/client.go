@@ -34,6 +34,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"strconv"
 	"time"
 
 	"github.com/redfence/redfence/client/rest"
@@ -308,6 +309,32 @@ func (r *resourceJSON) resource() *Resource {
 // newest issued for name; otherwise the error matches ErrStale and carries
 // CurrentFencingToken.
 func (c *Client) PutResource(ctx context.Context, name string, token fencing.Token, data any) (*Resource, error) {
+	return c.put(ctx, name, token, data, nil)
+}
+
+// PutResourceIf is PutResource applied only if the document is at version
+// (If-Match), or, with version 0, only if there is no document yet
+// (If-None-Match: *): a compare-and-set for a read-modify-write by several
+// workers sharing one grant. Otherwise nothing is written and the error
+// matches ErrPrecondition and carries CurrentVersion. A stale token is
+// refused first (ErrStale).
+func (c *Client) PutResourceIf(ctx context.Context, name string, token fencing.Token, data any, version int64) (*Resource, error) {
+	if version < 0 {
+		return nil, &Error{Op: "put", Name: name, sentinel: ErrInvalid, cause: fmt.Errorf("version %d: must be at least 0", version)}
+	}
+	params := &rest.PutResourceParams{}
+	if version == 0 {
+		star := "*"
+		params.IfNoneMatch = &star
+	} else {
+		tag := `"` + strconv.FormatInt(version, 10) + `"`
+		params.IfMatch = &tag
+	}
+	return c.put(ctx, name, token, data, params)
+}
+
+// put is PutResource with params (nil: none).
+func (c *Client) put(ctx context.Context, name string, token fencing.Token, data any, params *rest.PutResourceParams) (*Resource, error) {
 	if err := checkName("put", name); err != nil {
 		return nil, err
 	}
@@ -324,7 +351,7 @@ func (c *Client) PutResource(ctx context.Context, name string, token fencing.Tok
 	}
 	ctx, cancel := c.timeout(ctx, 0)
 	defer cancel()
-	resp, err := c.api.PutResourceWithBody(ctx, name, nil, "application/json", bytes.NewReader(body))
+	resp, err := c.api.PutResourceWithBody(ctx, name, params, "application/json", bytes.NewReader(body))
 	b, err := c.exchange(ctx, "put", name, resp, err, http.StatusOK)
 	if err != nil {
 		return nil, err

@@ -376,6 +376,47 @@ func TestPutResource(t *testing.T) {
 	}
 }
 
+// TestPutResourceIf: a conditional write is a compare-and-set on the
+// document's version: version 0 creates only, another applies only at that
+// version; otherwise ErrPrecondition with CurrentVersion, nothing written.
+func TestPutResourceIf(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	c := newClient(t, s.URL)
+	ctx := t.Context()
+	l, err := c.Acquire(ctx, "cas", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Release(ctx)
+	wantPrecondition := func(step string, err error, version int64) {
+		t.Helper()
+		var ce *client.Error
+		if !errors.Is(err, client.ErrPrecondition) || !errors.As(err, &ce) || ce.CurrentVersion != version {
+			t.Errorf("%s = %v; want ErrPrecondition at version %d", step, err, version)
+		}
+	}
+	wantPrecondition("If-Match with no document", errOf(c.PutResourceIf(ctx, "cas", l.FencingToken(), 0, 1)), 0)
+	res, err := c.PutResourceIf(ctx, "cas", l.FencingToken(), 1, 0)
+	if err != nil || res.Version != 1 {
+		t.Fatalf("create-only write = %+v, %v; want version 1", res, err)
+	}
+	wantPrecondition("create-only over version 1", errOf(c.PutResourceIf(ctx, "cas", l.FencingToken(), 2, 0)), 1)
+	if res, err = c.PutResourceIf(ctx, "cas", l.FencingToken(), 2, 1); err != nil || res.Version != 2 {
+		t.Fatalf("write at version 1 = %+v, %v; want version 2", res, err)
+	}
+	wantPrecondition("write at version 1 over version 2", errOf(c.PutResourceIf(ctx, "cas", l.FencingToken(), 3, 1)), 2)
+	if _, err := c.PutResourceIf(ctx, "cas", l.FencingToken(), 3, -1); !errors.Is(err, client.ErrInvalid) {
+		t.Errorf("PutResourceIf with version -1 = %v; want ErrInvalid", err)
+	}
+	if res, err := c.GetResource(ctx, "cas"); err != nil || res.Version != 2 || string(res.Data) != "2" {
+		t.Errorf("document = %+v, %v; want version 2, data 2", res, err)
+	}
+}
+
+// errOf returns the error of a call that returns a value and an error.
+func errOf[T any](_ T, err error) error { return err }
+
 func TestClient_Unreachable(t *testing.T) {
 	t.Parallel()
 	c := newClient(t, "http://127.0.0.1:1") // nothing listens on port 1

@@ -28,6 +28,10 @@ var (
 	// ErrStale: a write carried a fencing token that is not the newest
 	// issued (stale-token).
 	ErrStale = errors.New("client: stale fencing token")
+	// ErrPrecondition: a conditional write (PutResourceIf) found the
+	// document at another version (precondition-failed): nothing was
+	// written. Error.CurrentVersion says which (0: no document).
+	ErrPrecondition = errors.New("client: precondition failed")
 	// ErrUnavailable: the server could not decide (quorum-unavailable,
 	// fencing-unavailable, lease-expired, store-unavailable, shutting-down,
 	// request-timeout, any 5xx or 429)
@@ -68,6 +72,9 @@ type Error struct {
 	RetryAfter time.Duration
 	// CurrentFencingToken is the newest token issued (stale-token).
 	CurrentFencingToken fencing.Token
+	// CurrentVersion is the document's version (precondition-failed); 0
+	// when there is no document.
+	CurrentVersion int64
 	// Nodes is each Redis node's answer in the last round, in node order
 	// (quorum-unavailable, lock-held, ...); nil when the problem lists none.
 	Nodes []NodeOutcome
@@ -138,6 +145,7 @@ var sentinels = map[string]error{
 	"lock-lost":              ErrLost,
 	"not-holder":             ErrLost,
 	"stale-token":            ErrStale,
+	"precondition-failed":    ErrPrecondition,
 	"quorum-unavailable":     ErrUnavailable,
 	"fencing-unavailable":    ErrUnavailable,
 	"lease-expired":          ErrUnavailable,
@@ -187,6 +195,9 @@ func problemError(op, name string, resp *http.Response, body []byte) *Error {
 			}
 			if p.CurrentFencingToken != nil {
 				e.CurrentFencingToken = fencing.Token(*p.CurrentFencingToken)
+			}
+			if p.CurrentVersion != nil {
+				e.CurrentVersion = *p.CurrentVersion
 			}
 			if p.Nodes != nil {
 				e.Nodes = make([]NodeOutcome, len(*p.Nodes))

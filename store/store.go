@@ -411,19 +411,27 @@ type Resource = refstore.Resource
 // the new token and is refused. So a write either lands before the next
 // token is issued (and its holder's successor reads it) or not at all. The
 // document's own token never goes back either, whatever the token row says.
-// putSQL writes the document if $2 is the newest token on record. Its one
-// row names, besides what was written (NULLs when nothing was), the token
-// on record it was compared with, read in the same statement: a refusal
-// names the token that refused it.
+// putSQL writes the document if $2 is the newest token on record, and the
+// document is in the state refstore.Condition asks: $4 it must exist, $5
+// the versions it may have (NULL: any), $6 it must not exist, $7 versions
+// it must not have. An existing document's state is checked on its row,
+// locked (ON CONFLICT's WHERE), so concurrent writes cannot both pass it.
+// Its one row names, besides what was written (NULLs when nothing was), the
+// token on record it was compared with, read in the same statement: a
+// refusal names the token that refused it.
 const putSQL = `
 WITH cur AS (SELECT token FROM redfence_fencing WHERE key = $1 FOR SHARE),
 ins AS (
 INSERT INTO redfence_resources AS r (key, data, fencing_token, version, updated_at)
 SELECT $1, $3, $2, 1, now() FROM cur WHERE cur.token = $2
+   AND (NOT $4::boolean OR EXISTS (SELECT 1 FROM redfence_resources WHERE key = $1))
 ON CONFLICT (key) DO UPDATE
    SET data = excluded.data, fencing_token = excluded.fencing_token,
        version = r.version + 1, updated_at = excluded.updated_at
  WHERE r.fencing_token <= excluded.fencing_token
+   AND NOT $6::boolean
+   AND ($5::bigint[] IS NULL OR r.version = ANY($5::bigint[]))
+   AND NOT (r.version = ANY(coalesce($7::bigint[], '{}')))
 RETURNING data, fencing_token, version, updated_at)
 SELECT (SELECT token FROM cur), ins.data, ins.fencing_token, ins.version, ins.updated_at
   FROM (SELECT) AS one LEFT JOIN ins ON true`
@@ -441,6 +449,15 @@ RETURNING data, fencing_token, version, updated_at`
 // document is kept as sent without its insignificant whitespace: object
 // keys in their order, numbers in their form.
 func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, data json.RawMessage) (*Resource, error) {
+	return db.PutResourceIf(ctx, key, token, data, refstore.Condition{})
+}
+
+// PutResourceIf is PutResource, applied only if the document is in the
+// state cond asks (HTTP's If-Match and If-None-Match on its version).
+// Otherwise it changes nothing and returns a *refstore.PreconditionError;
+// a stale token is refused first, as by PutResource. (Options.Unfenced
+// ignores cond as it ignores the token.)
+func (db *DB) PutResourceIf(ctx context.Context, key string, token fencing.Token, data json.RawMessage, cond refstore.Condition) (*Resource, error) {
 	if err := refstore.CheckJSON(data); err != nil {
 		return nil, fmt.Errorf("store: put %q: %w", key, err)
 	}
@@ -481,7 +498,9 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 				err = tx.QueryRow(ctx, putUnfencedSQL, key, int64(token), []byte(data)).Scan(&r.Data, &tt, &v, &u)
 				t, version, updated = &tt, &v, &u
 			} else {
-				err = tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data)).Scan(&cur, &r.Data, &t, &version, &updated)
+				err = tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data),
+					cond.Exists || cond.Versions != nil, cond.Versions, cond.Absent, cond.NotVersions).
+					Scan(&cur, &r.Data, &t, &version, &updated)
 			}
 			committing = err == nil // BeginFunc commits next
 			return err
@@ -489,21 +508,26 @@ func (db *DB) PutResource(ctx context.Context, key string, token fencing.Token, 
 	})
 	if err == nil && t == nil {
 		// Refused: the token on record is another, or the document's own
-		// is newer.
+		// is newer, or the document is not in the state cond asks.
 		var current fencing.Token
 		if cur != nil {
 			current = fencing.Token(*cur)
 		}
-		if current <= token {
-			// Refused for the document's own token, newer than the one on
-			// record (a token row lowered by hand, or by a build that
-			// withdrew speculative tokens).
-			var now int64
-			if err := db.docs.QueryRow(ctx, `SELECT fencing_token FROM redfence_resources WHERE key = $1`, key).Scan(&now); err == nil {
-				current = max(current, fencing.Token(now))
-			}
+		if current != token {
+			return nil, &fencing.StaleError{Key: key, Got: token, Current: current}
 		}
-		return nil, &fencing.StaleError{Key: key, Got: token, Current: current}
+		var doc, ver int64
+		err := db.docs.QueryRow(ctx, `SELECT fencing_token, version FROM redfence_resources WHERE key = $1`, key).Scan(&doc, &ver)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return nil, fmt.Errorf("store: put %q: refused, and the document could not be read to say why: %w", key, classify(err))
+		}
+		if fencing.Token(doc) > token || !cond.Set() {
+			// The document's own token is newer than the one on record
+			// (a token row lowered by hand, or by a build that withdrew
+			// speculative tokens).
+			return nil, &fencing.StaleError{Key: key, Got: token, Current: max(token, fencing.Token(doc))}
+		}
+		return nil, &refstore.PreconditionError{Key: key, Version: ver}
 	}
 	var pe *pgconn.PgError
 	if err != nil && committing && !errors.As(err, &pe) && !pgconn.SafeToRetry(err) {

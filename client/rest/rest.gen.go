@@ -351,6 +351,11 @@ type Problem struct {
 	// Example: 35
 	CurrentFencingToken *int64 `json:"current_fencing_token,omitempty"`
 
+	// CurrentVersion The document's version (`precondition-failed`); absent when there is no document.
+	//
+	// Example: 4
+	CurrentVersion *int64 `json:"current_version,omitempty"`
+
 	// Detail What happened this time, for humans.
 	Detail *string `json:"detail,omitempty"`
 
@@ -428,6 +433,10 @@ type Problem struct {
 	//   token; acquire again.
 	// - `not-holder` (409): release found the lock held by this token on no
 	//   node.
+	// - `precondition-failed` (412): the document is not at a version
+	//   `If-Match` names, or is at one `If-None-Match` names (or exists,
+	//   with `If-None-Match: *`); see `current_version`. Nothing was
+	//   written.
 	// - `stale-token` (409): the fencing token is not the newest issued for
 	//   this name (or was never issued); see `current_fencing_token`.
 	// - `quorum-unavailable` (503): too few Redis nodes answered to decide;
@@ -546,6 +555,12 @@ type Resource struct {
 	Version int64 `json:"version"`
 }
 
+// IfMatch defines model for IfMatch.
+type IfMatch = string
+
+// IfNoneMatch defines model for IfNoneMatch.
+type IfNoneMatch = string
+
 // LockToken defines model for LockToken.
 type LockToken = string
 
@@ -578,6 +593,10 @@ type LockLost = Problem
 // NotHolder An RFC 9457 problem details document, with Redfence's extension members.
 // Members may be added; as RFC 9457 says, ignore those you do not know.
 type NotHolder = Problem
+
+// PreconditionFailed An RFC 9457 problem details document, with Redfence's extension members.
+// Members may be added; as RFC 9457 says, ignore those you do not know.
+type PreconditionFailed = Problem
 
 // RateLimited An RFC 9457 problem details document, with Redfence's extension members.
 // Members may be added; as RFC 9457 says, ignore those you do not know.
@@ -729,6 +748,12 @@ type ListNodesParams struct {
 
 // GetResourceParams defines parameters for GetResource.
 type GetResourceParams struct {
+	// IfNoneMatch `*`: write only if there is no document yet (read: always 304 when
+	// there is one). Entity tags (`"3"`, a list): write only if the document
+	// is at none of those versions (read: 304 if it is at one). Compared
+	// weakly. A malformed value is refused (400).
+	IfNoneMatch *IfNoneMatch `json:"If-None-Match,omitempty"`
+
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
@@ -741,6 +766,18 @@ type GetResourceParams struct {
 
 // PutResourceParams defines parameters for PutResource.
 type PutResourceParams struct {
+	// IfMatch Write only if the document is at one of these versions: entity tags as
+	// `ETag` gives them (`"3"`, or a comma-separated list), or `*` for any
+	// existing document. Compared strongly: a weak tag (`W/"3"`) never
+	// matches. A malformed value is refused (400).
+	IfMatch *IfMatch `json:"If-Match,omitempty"`
+
+	// IfNoneMatch `*`: write only if there is no document yet (read: always 304 when
+	// there is one). Entity tags (`"3"`, a list): write only if the document
+	// is at none of those versions (read: 304 if it is at one). Compared
+	// weakly. A malformed value is refused (400).
+	IfNoneMatch *IfNoneMatch `json:"If-None-Match,omitempty"`
+
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
@@ -1017,6 +1054,8 @@ type ClientInterface interface {
 	//
 	// Returns the document stored under `name` with the fencing token and
 	// version of its last accepted write. Reading needs no lock and no token.
+	// `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
+	// the answer is 304 without a body.
 	//
 	// Corresponds with GET /v1/resources/{name} (the `GetResource` operationId).
 	GetResource(ctx context.Context, name Name, params *GetResourceParams, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1028,6 +1067,16 @@ type ClientInterface interface {
 	// the same name. Otherwise nothing changes and the answer is 409
 	// `stale-token` with `current_fencing_token` (also for a token that was
 	// never issued). The same token may write any number of times.
+	//
+	// Conditional writes (RFC 9110): the document's entity tag is its
+	// `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+	// `*`: any existing document) the write applies only to a document at one
+	// of those versions; with `If-None-Match: *` only if there is no document
+	// yet (with tags: only if it is not at one of those versions). Otherwise
+	// nothing changes and the answer is 412 `precondition-failed` with
+	// `current_version`. A stale token is refused first (409). So several
+	// writers sharing one grant can read, modify and write without losing
+	// each other's updates.
 	//
 	// Takes any type of body and a specified content type.
 	//
@@ -1041,6 +1090,16 @@ type ClientInterface interface {
 	// the same name. Otherwise nothing changes and the answer is 409
 	// `stale-token` with `current_fencing_token` (also for a token that was
 	// never issued). The same token may write any number of times.
+	//
+	// Conditional writes (RFC 9110): the document's entity tag is its
+	// `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+	// `*`: any existing document) the write applies only to a document at one
+	// of those versions; with `If-None-Match: *` only if there is no document
+	// yet (with tags: only if it is not at one of those versions). Otherwise
+	// nothing changes and the answer is 412 `precondition-failed` with
+	// `current_version`. A stale token is refused first (409). So several
+	// writers sharing one grant can read, modify and write without losing
+	// each other's updates.
 	//
 	// Takes a body of the `application/json` content type.
 	//
@@ -1341,6 +1400,8 @@ func (c *Client) ListNodes(ctx context.Context, params *ListNodesParams, reqEdit
 //
 // Returns the document stored under `name` with the fencing token and
 // version of its last accepted write. Reading needs no lock and no token.
+// `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
+// the answer is 304 without a body.
 //
 // Corresponds with GET /v1/resources/{name} (the `GetResource` operationId).
 func (c *Client) GetResource(ctx context.Context, name Name, params *GetResourceParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -1362,6 +1423,16 @@ func (c *Client) GetResource(ctx context.Context, name Name, params *GetResource
 // the same name. Otherwise nothing changes and the answer is 409
 // `stale-token` with `current_fencing_token` (also for a token that was
 // never issued). The same token may write any number of times.
+//
+// Conditional writes (RFC 9110): the document's entity tag is its
+// `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+// `*`: any existing document) the write applies only to a document at one
+// of those versions; with `If-None-Match: *` only if there is no document
+// yet (with tags: only if it is not at one of those versions). Otherwise
+// nothing changes and the answer is 412 `precondition-failed` with
+// `current_version`. A stale token is refused first (409). So several
+// writers sharing one grant can read, modify and write without losing
+// each other's updates.
 //
 // Takes any type of body and a specified content type.
 //
@@ -1385,6 +1456,16 @@ func (c *Client) PutResourceWithBody(ctx context.Context, name Name, params *Put
 // the same name. Otherwise nothing changes and the answer is 409
 // `stale-token` with `current_fencing_token` (also for a token that was
 // never issued). The same token may write any number of times.
+//
+// Conditional writes (RFC 9110): the document's entity tag is its
+// `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+// `*`: any existing document) the write applies only to a document at one
+// of those versions; with `If-None-Match: *` only if there is no document
+// yet (with tags: only if it is not at one of those versions). Otherwise
+// nothing changes and the answer is 412 `precondition-failed` with
+// `current_version`. A stale token is refused first (409). So several
+// writers sharing one grant can read, modify and write without losing
+// each other's updates.
 //
 // Takes a body of the `application/json` content type.
 //
@@ -1884,15 +1965,26 @@ func NewGetResourceRequest(server string, name Name, params *GetResourceParams) 
 
 	if params != nil {
 
-		if params.XRequestId != nil {
+		if params.IfNoneMatch != nil {
 			var headerParam0 string
 
-			headerParam0, err = runtime.StyleParamWithOptions("simple", false, "X-Request-Id", *params.XRequestId, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			headerParam0, err = runtime.StyleParamWithOptions("simple", false, "If-None-Match", *params.IfNoneMatch, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
 			if err != nil {
 				return nil, err
 			}
 
-			req.Header.Set("X-Request-Id", headerParam0)
+			req.Header.Set("If-None-Match", headerParam0)
+		}
+
+		if params.XRequestId != nil {
+			var headerParam1 string
+
+			headerParam1, err = runtime.StyleParamWithOptions("simple", false, "X-Request-Id", *params.XRequestId, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			if err != nil {
+				return nil, err
+			}
+
+			req.Header.Set("X-Request-Id", headerParam1)
 		}
 
 	}
@@ -1946,15 +2038,37 @@ func NewPutResourceRequestWithBody(server string, name Name, params *PutResource
 
 	if params != nil {
 
-		if params.XRequestId != nil {
+		if params.IfMatch != nil {
 			var headerParam0 string
 
-			headerParam0, err = runtime.StyleParamWithOptions("simple", false, "X-Request-Id", *params.XRequestId, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			headerParam0, err = runtime.StyleParamWithOptions("simple", false, "If-Match", *params.IfMatch, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
 			if err != nil {
 				return nil, err
 			}
 
-			req.Header.Set("X-Request-Id", headerParam0)
+			req.Header.Set("If-Match", headerParam0)
+		}
+
+		if params.IfNoneMatch != nil {
+			var headerParam1 string
+
+			headerParam1, err = runtime.StyleParamWithOptions("simple", false, "If-None-Match", *params.IfNoneMatch, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			if err != nil {
+				return nil, err
+			}
+
+			req.Header.Set("If-None-Match", headerParam1)
+		}
+
+		if params.XRequestId != nil {
+			var headerParam2 string
+
+			headerParam2, err = runtime.StyleParamWithOptions("simple", false, "X-Request-Id", *params.XRequestId, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			if err != nil {
+				return nil, err
+			}
+
+			req.Header.Set("X-Request-Id", headerParam2)
 		}
 
 	}
@@ -2203,6 +2317,8 @@ type ClientWithResponsesInterface interface {
 	//
 	// Returns the document stored under `name` with the fencing token and
 	// version of its last accepted write. Reading needs no lock and no token.
+	// `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
+	// the answer is 304 without a body.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -2217,6 +2333,16 @@ type ClientWithResponsesInterface interface {
 	// `stale-token` with `current_fencing_token` (also for a token that was
 	// never issued). The same token may write any number of times.
 	//
+	// Conditional writes (RFC 9110): the document's entity tag is its
+	// `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+	// `*`: any existing document) the write applies only to a document at one
+	// of those versions; with `If-None-Match: *` only if there is no document
+	// yet (with tags: only if it is not at one of those versions). Otherwise
+	// nothing changes and the answer is 412 `precondition-failed` with
+	// `current_version`. A stale token is refused first (409). So several
+	// writers sharing one grant can read, modify and write without losing
+	// each other's updates.
+	//
 	// Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 	//
 	// Corresponds with PUT /v1/resources/{name} (the `PutResource` operationId).
@@ -2229,6 +2355,16 @@ type ClientWithResponsesInterface interface {
 	// the same name. Otherwise nothing changes and the answer is 409
 	// `stale-token` with `current_fencing_token` (also for a token that was
 	// never issued). The same token may write any number of times.
+	//
+	// Conditional writes (RFC 9110): the document's entity tag is its
+	// `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+	// `*`: any existing document) the write applies only to a document at one
+	// of those versions; with `If-None-Match: *` only if there is no document
+	// yet (with tags: only if it is not at one of those versions). Otherwise
+	// nothing changes and the answer is 412 `precondition-failed` with
+	// `current_version`. A stale token is refused first (409). So several
+	// writers sharing one grant can read, modify and write without losing
+	// each other's updates.
 	//
 	// Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -3399,6 +3535,14 @@ func (r ListNodesResponse) ContentType() string {
 // GetResourceResponse200Headers the declared response headers of an HTTP 200 response for GetResource
 type GetResourceResponse200Headers struct {
 	CacheControl *string
+	ETag         *string
+	XRequestId   *string
+}
+
+// GetResourceResponse304Headers the declared response headers of an HTTP 304 response for GetResource
+type GetResourceResponse304Headers struct {
+	CacheControl *string
+	ETag         *string
 	XRequestId   *string
 }
 
@@ -3469,6 +3613,8 @@ type GetResourceResponse struct {
 	ApplicationproblemJSONDefault *Unexpected
 	// Headers200 the parsed response headers for an HTTP 200 response
 	Headers200 *GetResourceResponse200Headers
+	// Headers304 the parsed response headers for an HTTP 304 response
+	Headers304 *GetResourceResponse304Headers
 	// Headers400 the parsed response headers for an HTTP 400 response
 	Headers400 *GetResourceResponse400Headers
 	// Headers401 the parsed response headers for an HTTP 401 response
@@ -3557,6 +3703,7 @@ func (r GetResourceResponse) ContentType() string {
 // PutResourceResponse200Headers the declared response headers of an HTTP 200 response for PutResource
 type PutResourceResponse200Headers struct {
 	CacheControl *string
+	ETag         *string
 	XRequestId   *string
 }
 
@@ -3590,6 +3737,13 @@ type PutResourceResponse408Headers struct {
 type PutResourceResponse409Headers struct {
 	CacheControl *string
 	RetryAfter   *int
+	XRequestId   *string
+}
+
+// PutResourceResponse412Headers the declared response headers of an HTTP 412 response for PutResource
+type PutResourceResponse412Headers struct {
+	CacheControl *string
+	ETag         *string
 	XRequestId   *string
 }
 
@@ -3641,6 +3795,8 @@ type PutResourceResponse struct {
 	ApplicationproblemJSON408 *RequestTimeout
 	// ApplicationproblemJSON409 the response for an HTTP 409 `application/problem+json` response
 	ApplicationproblemJSON409 *StaleToken
+	// ApplicationproblemJSON412 the response for an HTTP 412 `application/problem+json` response
+	ApplicationproblemJSON412 *PreconditionFailed
 	// ApplicationproblemJSON413 the response for an HTTP 413 `application/problem+json` response
 	ApplicationproblemJSON413 *RequestTooLarge
 	// ApplicationproblemJSON415 the response for an HTTP 415 `application/problem+json` response
@@ -3663,6 +3819,8 @@ type PutResourceResponse struct {
 	Headers408 *PutResourceResponse408Headers
 	// Headers409 the parsed response headers for an HTTP 409 response
 	Headers409 *PutResourceResponse409Headers
+	// Headers412 the parsed response headers for an HTTP 412 response
+	Headers412 *PutResourceResponse412Headers
 	// Headers413 the parsed response headers for an HTTP 413 response
 	Headers413 *PutResourceResponse413Headers
 	// Headers415 the parsed response headers for an HTTP 415 response
@@ -3703,6 +3861,11 @@ func (r PutResourceResponse) GetApplicationproblemJSON408() *RequestTimeout {
 // GetApplicationproblemJSON409 returns the response for an HTTP 409 `application/problem+json` response
 func (r PutResourceResponse) GetApplicationproblemJSON409() *StaleToken {
 	return r.ApplicationproblemJSON409
+}
+
+// GetApplicationproblemJSON412 returns the response for an HTTP 412 `application/problem+json` response
+func (r PutResourceResponse) GetApplicationproblemJSON412() *PreconditionFailed {
+	return r.ApplicationproblemJSON412
 }
 
 // GetApplicationproblemJSON413 returns the response for an HTTP 413 `application/problem+json` response
@@ -4022,6 +4185,8 @@ func (c *ClientWithResponses) ListNodesWithResponse(ctx context.Context, params 
 //
 // Returns the document stored under `name` with the fencing token and
 // version of its last accepted write. Reading needs no lock and no token.
+// `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
+// the answer is 304 without a body.
 //
 // Returns a wrapper object for the known response body format(s).
 //
@@ -4042,6 +4207,16 @@ func (c *ClientWithResponses) GetResourceWithResponse(ctx context.Context, name 
 // `stale-token` with `current_fencing_token` (also for a token that was
 // never issued). The same token may write any number of times.
 //
+// Conditional writes (RFC 9110): the document's entity tag is its
+// `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+// `*`: any existing document) the write applies only to a document at one
+// of those versions; with `If-None-Match: *` only if there is no document
+// yet (with tags: only if it is not at one of those versions). Otherwise
+// nothing changes and the answer is 412 `precondition-failed` with
+// `current_version`. A stale token is refused first (409). So several
+// writers sharing one grant can read, modify and write without losing
+// each other's updates.
+//
 // Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 //
 // Corresponds with PUT /v1/resources/{name} (the `PutResource` operationId).
@@ -4060,6 +4235,16 @@ func (c *ClientWithResponses) PutResourceWithBodyWithResponse(ctx context.Contex
 // the same name. Otherwise nothing changes and the answer is 409
 // `stale-token` with `current_fencing_token` (also for a token that was
 // never issued). The same token may write any number of times.
+//
+// Conditional writes (RFC 9110): the document's entity tag is its
+// `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+// `*`: any existing document) the write applies only to a document at one
+// of those versions; with `If-None-Match: *` only if there is no document
+// yet (with tags: only if it is not at one of those versions). Otherwise
+// nothing changes and the answer is 412 `precondition-failed` with
+// `current_version`. A stale token is refused first (409). So several
+// writers sharing one grant can read, modify and write without losing
+// each other's updates.
 //
 // Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 //
@@ -5820,6 +6005,9 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		response.JSON200 = &dest
 
+	case rsp.StatusCode == 304:
+		break // No content-type
+
 	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 400:
 		var dest InvalidRequest
 		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
@@ -5881,6 +6069,13 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 			}
 			headers.CacheControl = &value
 		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = &value
+		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
 			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
@@ -5889,6 +6084,30 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 			headers.XRequestId = &value
 		}
 		response.Headers200 = &headers
+	case rsp.StatusCode == 304:
+		var headers GetResourceResponse304Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = &value
+		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = &value
+		}
+		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.XRequestId = &value
+		}
+		response.Headers304 = &headers
 	case rsp.StatusCode == 400:
 		var headers GetResourceResponse400Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
@@ -6097,6 +6316,13 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 		}
 		response.ApplicationproblemJSON409 = &dest
 
+	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 412:
+		var dest PreconditionFailed
+		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
+			return nil, err
+		}
+		response.ApplicationproblemJSON412 = &dest
+
 	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 413:
 		var dest RequestTooLarge
 		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
@@ -6143,6 +6369,13 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 				return nil, err
 			}
 			headers.CacheControl = &value
+		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = &value
 		}
 		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
 			var value string
@@ -6258,6 +6491,30 @@ func ParsePutResourceResponse(rsp *http.Response) (*PutResourceResponse, error) 
 			headers.XRequestId = &value
 		}
 		response.Headers409 = &headers
+	case rsp.StatusCode == 412:
+		var headers PutResourceResponse412Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = &value
+		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = &value
+		}
+		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.XRequestId = &value
+		}
+		response.Headers412 = &headers
 	case rsp.StatusCode == 413:
 		var headers PutResourceResponse413Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {

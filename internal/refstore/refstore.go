@@ -29,6 +29,49 @@ var ErrUnavailable = errors.New("store: unavailable")
 // failed without it was not.
 var ErrOutcomeUnknown = errors.New("store: the write's outcome is unknown")
 
+// ErrPrecondition is returned (as a *PreconditionError) when a conditional
+// write (see Condition) found the document in another state: nothing was
+// written.
+var ErrPrecondition = errors.New("store: precondition failed")
+
+// Condition makes a write apply only to a document in a given state, as
+// HTTP's If-Match and If-None-Match do with the document's version as its
+// entity tag. The zero Condition makes none.
+type Condition struct {
+	// Exists: the document must exist (If-Match: * or with tags).
+	Exists bool
+	// Versions, if not nil, are the versions it may have (If-Match with
+	// tags; empty: none can match).
+	Versions []int64
+	// Absent: the document must not exist (If-None-Match: *).
+	Absent bool
+	// NotVersions are versions it must not have (If-None-Match with tags).
+	NotVersions []int64
+}
+
+// Set reports whether c makes any condition.
+func (c Condition) Set() bool {
+	return c.Exists || c.Versions != nil || c.Absent || c.NotVersions != nil
+}
+
+// PreconditionError says that a conditional write found the document in
+// another state. It matches ErrPrecondition with errors.Is.
+type PreconditionError struct {
+	Key string
+	// Version is the document's version then; 0 if there was none.
+	Version int64
+}
+
+func (e *PreconditionError) Error() string {
+	if e.Version == 0 {
+		return fmt.Sprintf("store: precondition failed: no document %q", e.Key)
+	}
+	return fmt.Sprintf("store: precondition failed: document %q is at version %d", e.Key, e.Version)
+}
+
+// Is reports whether target is ErrPrecondition.
+func (e *PreconditionError) Is(target error) bool { return target == ErrPrecondition }
+
 // ErrInvalidData is returned when a document is refused for what it holds
 // (for example a JSON string holding \u0000, which Postgres's JSON functions
 // cannot read).

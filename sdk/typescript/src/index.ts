@@ -29,6 +29,7 @@ export type ErrorKind =
   | "held" // lock-held, wait-timeout
   | "lost" // lock-lost, not-holder, or the lease's deadline passed
   | "stale" // stale-token
+  | "precondition" // precondition-failed: the document is at another version (If-Match, If-None-Match)
   | "unavailable" // quorum-unavailable, fencing-unavailable, lease-expired, store-unavailable, shutting-down, request-timeout, 5xx, 429, network, timeout
   | "invalid" // invalid-request, request-too-large, unsupported-media-type; a request that could not be sent as asked
   | "not-found" // resource-not-found, not-found
@@ -43,6 +44,7 @@ const KINDS: Record<string, ErrorKind> = {
   "lock-lost": "lost",
   "not-holder": "lost",
   "stale-token": "stale",
+  "precondition-failed": "precondition",
   "quorum-unavailable": "unavailable",
   "fencing-unavailable": "unavailable",
   "lease-expired": "unavailable",
@@ -112,6 +114,8 @@ export class RedfenceError extends Error {
   readonly retryAfterMs: number;
   /** The newest fencing token issued (stale-token). */
   readonly currentFencingToken: number | undefined;
+  /** The document's version (precondition-failed); undefined when there is no document. */
+  readonly currentVersion: number | undefined;
 
   constructor(op: string, name: string, status: number, init: ErrorInit = {}) {
     const { cause, detail } = init;
@@ -129,6 +133,7 @@ export class RedfenceError extends Error {
     this.kind = init.kind ?? kindOf(slug, status);
     this.retryAfterMs = problem?.retry_after_ms ?? retryAfterHeader(init.response?.headers.get("Retry-After"));
     this.currentFencingToken = problem?.current_fencing_token;
+    this.currentVersion = problem?.current_version;
   }
 }
 

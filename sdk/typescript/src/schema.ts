@@ -173,6 +173,8 @@ export interface paths {
          * Read a document
          * @description Returns the document stored under `name` with the fencing token and
          *     version of its last accepted write. Reading needs no lock and no token.
+         *     `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
+         *     the answer is 304 without a body.
          */
         get: operations["getResource"];
         /**
@@ -182,6 +184,16 @@ export interface paths {
          *     the same name. Otherwise nothing changes and the answer is 409
          *     `stale-token` with `current_fencing_token` (also for a token that was
          *     never issued). The same token may write any number of times.
+         *
+         *     Conditional writes (RFC 9110): the document's entity tag is its
+         *     `version`, quoted (`ETag: "3"`). With `If-Match` (`"3"`, a list, or
+         *     `*`: any existing document) the write applies only to a document at one
+         *     of those versions; with `If-None-Match: *` only if there is no document
+         *     yet (with tags: only if it is not at one of those versions). Otherwise
+         *     nothing changes and the answer is 412 `precondition-failed` with
+         *     `current_version`. A stale token is refused first (409). So several
+         *     writers sharing one grant can read, modify and write without losing
+         *     each other's updates.
          */
         put: operations["putResource"];
         post?: never;
@@ -681,6 +693,10 @@ export interface components {
              *       token; acquire again.
              *     - `not-holder` (409): release found the lock held by this token on no
              *       node.
+             *     - `precondition-failed` (412): the document is not at a version
+             *       `If-Match` names, or is at one `If-None-Match` names (or exists,
+             *       with `If-None-Match: *`); see `current_version`. Nothing was
+             *       written.
              *     - `stale-token` (409): the fencing token is not the newest issued for
              *       this name (or was never issued); see `current_fencing_token`.
              *     - `quorum-unavailable` (503): too few Redis nodes answered to decide;
@@ -774,6 +790,12 @@ export interface components {
              * @example 35
              */
             current_fencing_token?: number;
+            /**
+             * Format: int64
+             * @description The document's version (`precondition-failed`); absent when there is no document.
+             * @example 4
+             */
+            current_version?: number;
             /**
              * @description What was wrong with the request (`invalid-request`): up to 16
              *     problems; `detail` says how many more there are.
@@ -1042,6 +1064,33 @@ export interface components {
             };
         };
         /**
+         * @description `precondition-failed`: the document is not in the state `If-Match` or
+         *     `If-None-Match` asks; `current_version` (and `ETag`) give its version,
+         *     absent when there is no document. Nothing was written.
+         */
+        PreconditionFailed: {
+            headers: {
+                ETag: components["headers"]["ETag"];
+                "X-Request-Id": components["headers"]["XRequestId"];
+                "Cache-Control": components["headers"]["CacheControl"];
+                [name: string]: unknown;
+            };
+            content: {
+                /**
+                 * @example {
+                 *       "type": "urn:redfence:problem:precondition-failed",
+                 *       "title": "The document is not in the state the request's If-Match or If-None-Match asks",
+                 *       "status": 412,
+                 *       "detail": "the document is at version 4 (ETag \"4\"): nothing was written; read it again before writing",
+                 *       "instance": "/v1/resources/orders:invoice-7",
+                 *       "request_id": "5f2c9a7e1b3d4c6a",
+                 *       "current_version": 4
+                 *     }
+                 */
+                "application/problem+json": components["schemas"]["Problem"];
+            };
+        };
+        /**
          * @description `store-unavailable`: Postgres did not answer in time; a write may or
          *     may not have been applied (only one whose commit was already on its
          *     way can still commit, and a later write waits for it). Or
@@ -1211,6 +1260,22 @@ export interface components {
          */
         Name: string;
         /**
+         * @description Write only if the document is at one of these versions: entity tags as
+         *     `ETag` gives them (`"3"`, or a comma-separated list), or `*` for any
+         *     existing document. Compared strongly: a weak tag (`W/"3"`) never
+         *     matches. A malformed value is refused (400).
+         * @example "3"
+         */
+        IfMatch: string;
+        /**
+         * @description `*`: write only if there is no document yet (read: always 304 when
+         *     there is one). Entity tags (`"3"`, a list): write only if the document
+         *     is at none of those versions (read: 304 if it is at one). Compared
+         *     weakly. A malformed value is refused (400).
+         * @example *
+         */
+        IfNoneMatch: string;
+        /**
          * @description The `lock_token` acquire returned (27 characters of base64url), exactly
          *     once. It is the holder's secret.
          * @example jzocnifUtgU-kaoMf0LY4Vtgw_c
@@ -1248,6 +1313,11 @@ export interface components {
          * @example identity
          */
         AcceptEncodingIdentity: string;
+        /**
+         * @description The document's version, quoted (a strong entity tag), for `If-Match` and `If-None-Match`.
+         * @example "3"
+         */
+        ETag: string;
         /**
          * @description `no-store` (a proxy in between may add directives).
          * @example no-store
@@ -1646,6 +1716,14 @@ export interface operations {
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
+                /**
+                 * @description `*`: write only if there is no document yet (read: always 304 when
+                 *     there is one). Entity tags (`"3"`, a list): write only if the document
+                 *     is at none of those versions (read: 304 if it is at one). Compared
+                 *     weakly. A malformed value is refused (400).
+                 * @example *
+                 */
+                "If-None-Match"?: components["parameters"]["IfNoneMatch"];
             };
             path: {
                 /**
@@ -1665,6 +1743,7 @@ export interface operations {
             /** @description The document and the token of its last write. */
             200: {
                 headers: {
+                    ETag: components["headers"]["ETag"];
                     "X-Request-Id": components["headers"]["XRequestId"];
                     "Cache-Control": components["headers"]["CacheControl"];
                     [name: string]: unknown;
@@ -1685,6 +1764,16 @@ export interface operations {
                      */
                     "application/json": components["schemas"]["Resource"];
                 };
+            };
+            /** @description Not modified: the document is at a version `If-None-Match` names. */
+            304: {
+                headers: {
+                    ETag: components["headers"]["ETag"];
+                    "X-Request-Id": components["headers"]["XRequestId"];
+                    "Cache-Control": components["headers"]["CacheControl"];
+                    [name: string]: unknown;
+                };
+                content?: never;
             };
             400: components["responses"]["InvalidRequest"];
             401: components["responses"]["Unauthorized"];
@@ -1730,6 +1819,22 @@ export interface operations {
                  * @example checkout-7f3a9c
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
+                /**
+                 * @description Write only if the document is at one of these versions: entity tags as
+                 *     `ETag` gives them (`"3"`, or a comma-separated list), or `*` for any
+                 *     existing document. Compared strongly: a weak tag (`W/"3"`) never
+                 *     matches. A malformed value is refused (400).
+                 * @example "3"
+                 */
+                "If-Match"?: components["parameters"]["IfMatch"];
+                /**
+                 * @description `*`: write only if there is no document yet (read: always 304 when
+                 *     there is one). Entity tags (`"3"`, a list): write only if the document
+                 *     is at none of those versions (read: 304 if it is at one). Compared
+                 *     weakly. A malformed value is refused (400).
+                 * @example *
+                 */
+                "If-None-Match"?: components["parameters"]["IfNoneMatch"];
             };
             path: {
                 /**
@@ -1763,6 +1868,7 @@ export interface operations {
             /** @description Written. */
             200: {
                 headers: {
+                    ETag: components["headers"]["ETag"];
                     "X-Request-Id": components["headers"]["XRequestId"];
                     "Cache-Control": components["headers"]["CacheControl"];
                     [name: string]: unknown;
@@ -1789,6 +1895,7 @@ export interface operations {
             403: components["responses"]["Forbidden"];
             408: components["responses"]["RequestTimeout"];
             409: components["responses"]["StaleToken"];
+            412: components["responses"]["PreconditionFailed"];
             413: components["responses"]["RequestTooLarge"];
             415: components["responses"]["UnsupportedMediaType"];
             429: components["responses"]["RateLimited"];
