@@ -1999,14 +1999,8 @@ func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Gran
 	if !l.opts.Now().Before(expires) {
 		return nil, fail(ErrExpired, nil)
 	}
-	if spec != nil {
-		spec.won()
-	}
 	if l.opts.AfterQuorum != nil {
 		l.opts.AfterQuorum(ctx, key)
-	}
-	if spec == nil {
-		l.awaitSpeculation(ctx, key, expires)
 	}
 	if err := ctx.Err(); err != nil {
 		// The caller left before issuance: nothing is issued, and a

@@ -28,8 +28,10 @@ package service
 // but the number; and a try that fails stops speculation on its key until a
 // grant of it here is released (see distrust), so a refused try costs at
 // most one. Another try of this Locker that wins the key while a
-// speculation for it has not yet won its round waits for that speculation
-// to end before it issues, so its token comes after the speculative one.
+// speculation for it is still ending does not wait for it: either the
+// speculative statement committed first, and the winner's token comes after
+// it, or the winner's token did, and the statement (conditional on the
+// older token) issues nothing. Waiting would only spend the winner's lease.
 
 import (
 	"context"
@@ -56,11 +58,6 @@ type pending struct {
 	key  string
 	last fencing.Token // the newest token it was sent for
 	spec fencing.Speculation
-	// done is closed once the speculation is confirmed or abandoned.
-	done chan struct{}
-	// quorum is set (under Locker.specMu) once its try won its quorum:
-	// others do not wait for it then, as it may stall.
-	quorum bool
 }
 
 // speculate starts a speculative issuance for the try of c if it may (see
@@ -71,9 +68,9 @@ func (l *Locker) speculate(ctx context.Context, c fencing.Claim, queued bool) *p
 	if !ok {
 		return nil
 	}
-	// Registered before the statement is sent, so a try that wins the key
-	// meanwhile waits for it (see awaitSpeculation).
-	p := &pending{l: l, key: c.Key, last: last, done: make(chan struct{})}
+	// Registered before the statement is sent, so no other try of this
+	// Locker speculates on the key meanwhile.
+	p := &pending{l: l, key: c.Key, last: last}
 	l.specMu.Lock()
 	if l.pending[c.Key] != nil {
 		// Another try's, started meanwhile: not alone after all.
@@ -124,13 +121,6 @@ func (l *Locker) speculable(key string, queued bool) (fencing.Token, bool) {
 	return g.fencing, g.released
 }
 
-// won records that p's try won its quorum.
-func (p *pending) won() {
-	p.l.specMu.Lock()
-	p.quorum = true
-	p.l.specMu.Unlock()
-}
-
 // abandon ends p's speculation, before the refusal of its try is returned:
 // its token, if issued, stays unused, which fences out no live grant (see
 // fencing.Speculation). The key is not speculated on again until a grant of
@@ -147,37 +137,13 @@ func (p *pending) abandon(ctx context.Context) {
 	p.end()
 }
 
-// end removes p from the running speculations and wakes the tries waiting
-// for it.
+// end removes p from the running speculations.
 func (p *pending) end() {
 	p.l.specMu.Lock()
 	if p.l.pending[p.key] == p {
 		delete(p.l.pending, p.key)
 	}
 	p.l.specMu.Unlock()
-	close(p.done)
-}
-
-// awaitSpeculation waits, before a try that did not speculate issues a token
-// for key, for a speculation on key whose try has not won its quorum: that
-// try is about to fail, and the token issued next comes after its own.
-// The wait is bounded by the issue timeout on its own, so the issuance after
-// it still gets its full budget.
-func (l *Locker) awaitSpeculation(ctx context.Context, key string, expires time.Time) {
-	l.specMu.Lock()
-	p := l.pending[key]
-	wait := p != nil && !p.quorum
-	l.specMu.Unlock()
-	if !wait {
-		return
-	}
-	timer := time.NewTimer(min(l.opts.IssueTimeout, expires.Sub(l.opts.Now())))
-	defer timer.Stop()
-	select {
-	case <-p.done:
-	case <-ctx.Done():
-	case <-timer.C:
-	}
 }
 
 // errLeaseOver reports that a grant's lease ran out before its token was
@@ -186,8 +152,7 @@ var errLeaseOver = errors.New("service: the lease ran out before issuance")
 
 // issue returns the token of a won grant, whose lease ends at expires:
 // spec's, when it is confirmed, else one issued now, unless the lease is
-// over by then (errLeaseOver). A try that did not speculate has called
-// awaitSpeculation first.
+// over by then (errLeaseOver).
 func (l *Locker) issue(ctx context.Context, c fencing.Claim, spec *pending, expires time.Time) (fencing.Token, error) {
 	if spec != nil {
 		ft, err := spec.spec.Confirm(ctx)

@@ -21,6 +21,11 @@ type specIssuer struct {
 	calls []string // "speculate <key> <last>", "confirm <key>", "abandon <key>"
 	// speculated, if set, receives each speculation's key.
 	speculated chan string
+	// abandoning, if set, receives the key of each speculation being
+	// abandoned; gate, if set, holds each Abandon until it is closed (a
+	// speculative statement whose answer is slow to come).
+	abandoning chan string
+	gate       chan struct{}
 }
 
 var _ fencing.Speculator = (*specIssuer)(nil)
@@ -75,6 +80,16 @@ func (sp *memSpeculation) Confirm(ctx context.Context) (fencing.Token, error) {
 
 func (sp *memSpeculation) Abandon(ctx context.Context) error {
 	sp.s.note("abandon %s", sp.key)
+	if sp.s.abandoning != nil {
+		sp.s.abandoning <- sp.key
+	}
+	if sp.s.gate != nil {
+		select {
+		case <-sp.s.gate:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 	return nil
 }
 
@@ -238,15 +253,13 @@ func TestLocker_Speculation(t *testing.T) {
 		wantCalls(t, iss)
 	})
 
-	// Two tries at once: the second does not speculate, and if it wins
-	// the key while the first (speculating) try has not won its round, it
-	// waits for that try to end before it issues: its token comes after
-	// the first try's, which stays unused.
-	t.Run("RaceWaitsForSpeculation", func(t *testing.T) {
+	// Two tries at once: the second does not speculate, and wins the key
+	// while the first (speculating) try has not won its round: its token
+	// comes after the first try's, which stays unused.
+	t.Run("RaceBurnsOne", func(t *testing.T) {
 		ns, ms := nodes(5)
 		iss := &specIssuer{memIssuer: &memIssuer{}, speculated: make(chan string, 1)}
-		// The first try's held SETs time out well within the 1s lease the
-		// second try then waits out its end in.
+		// The first try's held SETs time out well within the 1s lease.
 		l := newLocker(t, ns, iss, Options{NodeTimeout: 250 * time.Millisecond})
 		// The first try's SETs reach node 0 only; on nodes 1-4 they are
 		// held until they time out, and the second try wins those.
@@ -294,5 +307,53 @@ func TestLocker_Speculation(t *testing.T) {
 			t.Errorf("second try's token = %d; want 2 (after the first try's, unused)", b.Fencing)
 		}
 		wantCalls(t, iss, "speculate orders 0", "abandon orders")
+	})
+	// A try that wins the key while a failed try's speculation is still
+	// ending (its statement's answer not yet read) does not wait for it:
+	// the speculative token stays unused either way, and the winner's
+	// token comes after it or makes it a no-op, so waiting would only
+	// spend the winner's lease (here all of it: a grant refused as
+	// lease-expired though it won the quorum).
+	t.Run("RaceDoesNotWaitForAbandon", func(t *testing.T) {
+		ns, ms := nodes(5)
+		iss := &specIssuer{memIssuer: &memIssuer{}, abandoning: make(chan string, 1), gate: make(chan struct{})}
+		var gateOnce sync.Once
+		open := func() { gateOnce.Do(func() { close(iss.gate) }) }
+		t.Cleanup(open)
+		l := newLocker(t, ns, iss, Options{IssueTimeout: time.Hour})
+		// The first try's SETs fail on every node: it fails, and its
+		// speculation is abandoned (held at the gate).
+		var mu sync.Mutex
+		failing := true
+		for _, m := range ms {
+			m.hook = func(ctx context.Context, op string) error {
+				mu.Lock()
+				defer mu.Unlock()
+				if op == "acquire" && failing {
+					return errors.New("connection refused")
+				}
+				return nil
+			}
+		}
+		a := make(chan error, 1)
+		go func() {
+			_, err := l.Acquire(ctx, key, req)
+			a <- err
+		}()
+		<-iss.abandoning
+		mu.Lock()
+		failing = false
+		mu.Unlock()
+		b, err := l.Acquire(ctx, key, req)
+		open()
+		if err != nil {
+			t.Fatalf("second Acquire = %v; want a grant (it won the quorum while the first try's speculation was ending)", err)
+		}
+		if aerr := <-a; !errors.Is(aerr, ErrQuorum) {
+			t.Fatalf("first Acquire = %v; want ErrQuorum", aerr)
+		}
+		if b.Fencing != 2 {
+			t.Errorf("second try's token = %d; want 2 (after the first try's, unused)", b.Fencing)
+		}
 	})
 }
