@@ -307,7 +307,7 @@ func NewObserver(reg prometheus.Registerer) *Observer {
 		})),
 		issued: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: MetricTokensIssued,
-			Help: "Fencing tokens issued. Above granted acquisitions when grants fail after issuance (burned tokens).",
+			Help: "Fencing tokens issued. Above granted acquisitions when grants fail after issuance, or speculative tokens stay unused (burned tokens).",
 		})),
 		issueFailed: register(reg, prometheus.NewCounter(prometheus.CounterOpts{
 			Name: MetricTokenIssueFailures, Help: "Fencing-token issuances that failed (Postgres unavailable or too slow).",
@@ -384,6 +384,22 @@ type countingSpeculation struct {
 	start time.Time
 }
 
+// issuedSpeculation is a fencing.Speculation that tells, once it ended,
+// which token its statement issued (0: none, or not known), as store.DB's
+// does.
+type issuedSpeculation interface {
+	Issued() fencing.Token
+}
+
+// countBurned counts the token of an ended speculation that was not
+// granted, if it issued one: never withdrawn, it is a burned token, which
+// redfence_tokens_issued_total counts above the grants.
+func (s *countingSpeculation) countBurned() {
+	if is, ok := s.Speculation.(issuedSpeculation); ok && is.Issued() != 0 {
+		s.o.issued.Inc()
+	}
+}
+
 func (s *countingSpeculation) Confirm(ctx context.Context) (fencing.Token, error) {
 	t, err := s.Speculation.Confirm(ctx)
 	switch {
@@ -393,8 +409,10 @@ func (s *countingSpeculation) Confirm(ctx context.Context) (fencing.Token, error
 		s.o.issued.Inc()
 	case errors.Is(err, fencing.ErrNotConfirmed):
 		s.o.speculations.WithLabelValues("superseded").Inc()
+		s.countBurned()
 	default:
 		s.o.speculations.WithLabelValues("failed").Inc()
+		s.countBurned()
 	}
 	return t, err
 }
@@ -406,6 +424,7 @@ func (s *countingSpeculation) Abandon(ctx context.Context) error {
 	} else {
 		s.o.speculations.WithLabelValues("abandoned").Inc()
 	}
+	s.countBurned()
 	return err
 }
 

@@ -1,6 +1,8 @@
 package api
 
 import (
+	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -8,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/service"
 )
 
@@ -69,5 +72,59 @@ redfence_node_quarantines_total{node="b:1"} 2
 	o.Quarantine("b:1", time.Time{}) // counted again
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), MetricNodeQuarantined, MetricNodeQuarantines); err != nil {
 		t.Error(err)
+	}
+}
+
+// fakeSpeculator speculates without Postgres: each speculation issues (or
+// not, as told) and reports it as store.DB's does (Issued).
+type fakeSpeculator struct {
+	service.Issuer
+	issue bool
+}
+
+func (f *fakeSpeculator) Speculate(ctx context.Context, c fencing.Claim, last fencing.Token) (fencing.Speculation, error) {
+	s := &fakeSpeculation{}
+	if f.issue {
+		s.issued = last + 1
+	}
+	return s, nil
+}
+
+type fakeSpeculation struct{ issued fencing.Token }
+
+func (s *fakeSpeculation) Confirm(context.Context) (fencing.Token, error) {
+	return 0, fencing.ErrNotConfirmed
+}
+func (s *fakeSpeculation) Abandon(context.Context) error { return nil }
+func (s *fakeSpeculation) Issued() fencing.Token         { return s.issued }
+
+// TestObserver_BurnedSpeculations: a speculative token left unused (its try
+// failed, or a newer token superseded it) was issued and never granted: it
+// counts in redfence_tokens_issued_total, whose excess over grants is the
+// burned tokens (README, dashboard); one whose condition did not hold issued
+// nothing and does not.
+func TestObserver_BurnedSpeculations(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, issue := range []bool{false, true} {
+		o := NewObserver(prometheus.NewRegistry())
+		spec := o.Issuer(&fakeSpeculator{issue: issue}).(fencing.Speculator)
+		s, err := spec.Speculate(ctx, fencing.Claim{Key: "k"}, 1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Abandon(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if s, err = spec.Speculate(ctx, fencing.Claim{Key: "k"}, 1); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Confirm(ctx); !errors.Is(err, fencing.ErrNotConfirmed) {
+			t.Fatal(err)
+		}
+		want := map[bool]float64{false: 0, true: 2}[issue]
+		if got := testutil.ToFloat64(o.issued); got != want {
+			t.Errorf("issued: %v: tokens issued = %v after an abandoned and a superseded speculation; want %v", issue, got, want)
+		}
 	}
 }

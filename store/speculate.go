@@ -159,6 +159,12 @@ func (s *speculation) Abandon(ctx context.Context) error {
 	return nil
 }
 
+// Issued returns the token the conditional statement issued, once Confirm
+// or Abandon read its answer: 0 if the condition did not hold, or if the
+// answer was not read. A token issued and not confirmed stays unused
+// (burned); the metrics count it as issued.
+func (s *speculation) Issued() fencing.Token { return s.issued }
+
 // readIssued reads the conditional statement's answer and the Sync after it.
 func (s *speculation) readIssued(ctx context.Context) error {
 	if s.read {

@@ -155,6 +155,9 @@ func TestDB_Speculate(t *testing.T) {
 			t.Fatal(err)
 		}
 		wantLast(t, db, "back", 2, "G", "hg")
+		if got := s.(*speculation).Issued(); got != 2 {
+			t.Errorf("Issued after Abandon = %d; want 2 (the burned token, for the metrics)", got)
+		}
 		// A second call is a no-op.
 		if err := s.Abandon(ctx); err != nil {
 			t.Errorf("second Abandon: %v", err)
@@ -174,6 +177,9 @@ func TestDB_Speculate(t *testing.T) {
 			t.Fatal(err)
 		}
 		wantLast(t, db, "moved", 2, "", "")
+		if got := s.(*speculation).Issued(); got != 0 {
+			t.Errorf("Issued after Abandon = %d; want 0", got)
+		}
 	})
 
 	// Abandoning never undoes a newer token.
