@@ -712,7 +712,7 @@ func TestDB_PutResource_Race(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer tx.Rollback(context.Background())
-		if _, err := tx.Exec(t.Context(), putSQL, key, int64(old), []byte(`"written first"`)); err != nil {
+		if _, err := tx.Exec(t.Context(), putSQL, key, int64(old), []byte(`"written first"`), false, nil, false, nil); err != nil {
 			t.Fatal(err)
 		}
 
