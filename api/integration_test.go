@@ -430,12 +430,14 @@ func TestAPI_NodeLostMemory(t *testing.T) {
 	if r.status != 409 || p.Type != api.ProblemTypePrefix+"lock-held" || len(p.Nodes) != 5 {
 		t.Fatalf("acquire of a held lock = %d %s; want 409 lock-held with 5 nodes", r.status, r.body)
 	}
-	if n := p.Nodes[0]; n.Outcome != "quarantined" || !strings.Contains(n.Error, "restarted without its data") || strings.Contains(n.Error, "service:") {
-		t.Errorf("the flushed node's outcome = %+v; want quarantined, with the reason and no Go package prefix", n)
+	// A refusal does not wait for the nodes still to answer once enough
+	// said no: those are pending (on a crowded host, any of them).
+	if n := p.Nodes[0]; n.Outcome != "pending" && (n.Outcome != "quarantined" || !strings.Contains(n.Error, "restarted without its data") || strings.Contains(n.Error, "service:")) {
+		t.Errorf("the flushed node's outcome = %+v; want quarantined, with the reason and no Go package prefix (or pending)", n)
 	}
 	for _, n := range p.Nodes[1:] {
-		if n.Outcome != "no" || n.Error != "" {
-			t.Errorf("a node holding the lock: %+v; want outcome no without an error", n)
+		if n.Outcome != "pending" && (n.Outcome != "no" || n.Error != "") {
+			t.Errorf("a node holding the lock: %+v; want outcome no without an error (or pending)", n)
 		}
 	}
 	// /v1/nodes says until when and why; the others are not quarantined.
