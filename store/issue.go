@@ -560,42 +560,13 @@ func (q *issuer) execAround(ctx context.Context, batch []*issueReq) []issueResul
 				free = append(free, r)
 			}
 		}
-		b = &pgx.Batch{}
-		if len(free) > 0 {
-			q.statements.Add(1)
-			q.claims.Add(int64(len(free)))
-			fk := make([]string, len(free))
-			owners := make([]string, len(free))
-			holders := make([]string, len(free))
-			budgets := make([]int64, len(free))
-			for i, r := range free {
-				fk[i], owners[i], holders[i] = r.claim.Key, r.claim.Owner, r.claim.Holder
-				budgets[i] = budget(ctx, r, now)
-			}
-			b.Queue(issueBatchSQL, fk, owners, holders, budgets)
-		}
-		b.Queue("COMMIT")
-		br = conn.SendBatch(ctx, b)
-		if len(free) > 0 {
-			rows, err := br.Query()
-			if err == nil {
-				var k string
-				var t int64
-				_, err = pgx.ForEachRow(rows, []any{&k, &t}, func() error {
-					got[k] = t
-					return nil
-				})
-			}
-			if err != nil {
-				_ = br.Close()
-				return err
-			}
-		}
-		if _, err := br.Exec(); err != nil {
-			_ = br.Close()
+		if len(free) == 0 {
+			_, err := conn.Exec(ctx, "COMMIT")
 			return err
 		}
-		return br.Close()
+		q.statements.Add(1)
+		q.claims.Add(int64(len(free)))
+		return issueCommit(ctx, conn, issueBatchSQL, batchArgs(ctx, free, now), scanTokens(got))
 	})
 	if err != nil && len(free) > 1 && isDataException(err) {
 		// As in run: one claim's data was refused, and nothing changed.
@@ -681,33 +652,15 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []is
 		res[0] = issueResult{tok: fencing.Token(t), err: err}
 		return res
 	}
-	keys := make([]string, len(batch))
-	owners := make([]string, len(batch))
-	holders := make([]string, len(batch))
-	budgets := make([]int64, len(batch))
-	for i, r := range batch {
-		keys[i], owners[i], holders[i] = r.claim.Key, r.claim.Owner, r.claim.Holder
-	}
 	got := make(map[string]int64, len(batch))
 	err := retryPooled(pool, func() error {
 		clear(got) // rows of an attempt that failed were never committed
 		return issueTx(ctx, pool, begin, issueBatchSQL, func(now time.Time) []any {
-			for i, r := range batch {
-				budgets[i] = budget(ctx, r, now)
-			}
-			return []any{keys, owners, holders, budgets}
-		}, func(rows pgx.Rows) error {
-			var k string
-			var t int64
-			_, err := pgx.ForEachRow(rows, []any{&k, &t}, func() error {
-				got[k] = t
-				return nil
-			})
-			return err
-		})
+			return batchArgs(ctx, batch, now)
+		}, scanTokens(got))
 	})
-	for i, k := range keys {
-		res[i] = batchResult(got, k, err)
+	for i, r := range batch {
+		res[i] = batchResult(got, r.claim.Key, err)
 	}
 	return res
 }
@@ -743,8 +696,15 @@ func issueTx(ctx context.Context, pool *pgxpool.Pool, begin, sql string, args fu
 	if _, err := conn.Exec(ctx, begin); err != nil {
 		return err
 	}
+	return issueCommit(ctx, conn, sql, args(time.Now()), scan)
+}
+
+// issueCommit sends, in the transaction open on conn, the statement sql
+// with args, whose rows scan reads, and the COMMIT, together; it returns
+// nil once the COMMIT answered.
+func issueCommit(ctx context.Context, conn *pgxpool.Conn, sql string, args []any, scan func(pgx.Rows) error) error {
 	b := &pgx.Batch{}
-	b.Queue(sql, args(time.Now())...)
+	b.Queue(sql, args...)
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
 	rows, err := br.Query()
@@ -758,6 +718,33 @@ func issueTx(ctx context.Context, pool *pgxpool.Pool, begin, sql string, args fu
 		err = cerr
 	}
 	return err
+}
+
+// batchArgs are issueBatchSQL's arguments for batch (keys distinct and
+// sorted), each claim's budget counted from now.
+func batchArgs(ctx context.Context, batch []*issueReq, now time.Time) []any {
+	keys := make([]string, len(batch))
+	owners := make([]string, len(batch))
+	holders := make([]string, len(batch))
+	budgets := make([]int64, len(batch))
+	for i, r := range batch {
+		keys[i], owners[i], holders[i] = r.claim.Key, r.claim.Owner, r.claim.Holder
+		budgets[i] = budget(ctx, r, now)
+	}
+	return []any{keys, owners, holders, budgets}
+}
+
+// scanTokens reads issueBatchSQL's rows into got, the tokens by key.
+func scanTokens(got map[string]int64) func(pgx.Rows) error {
+	return func(rows pgx.Rows) error {
+		var k string
+		var t int64
+		_, err := pgx.ForEachRow(rows, []any{&k, &t}, func() error {
+			got[k] = t
+			return nil
+		})
+		return err
+	}
 }
 
 // budget is how long r's row may be waited for, in microseconds from now:
