@@ -1439,18 +1439,32 @@ func (h *Handler) getResource(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), h.opts.StoreTimeout)
 	defer cancel()
-	// A malformed If-None-Match is refused before the store is asked.
+	// Malformed conditions are refused before the store is asked.
+	im, err := parseEntityTags(r.Header, "If-Match")
+	if err != nil {
+		h.writeError(w, r, err)
+		return
+	}
 	inm, err := parseEntityTags(r.Header, "If-None-Match")
 	if err != nil {
 		h.writeError(w, r, err)
 		return
 	}
 	res, err := h.store.GetResource(ctx, key)
+	if errors.Is(err, refstore.ErrNotFound) && im.present {
+		// No current representation: If-Match cannot match (RFC 9110 §13.1.1).
+		h.writeError(w, r, &refstore.PreconditionError{Key: key})
+		return
+	}
 	if err != nil {
 		h.writeError(w, r, err)
 		return
 	}
 	setHeader(w, "ETag", etag(res.Version))
+	if im.present && !im.match(res.Version) {
+		h.writeError(w, r, &refstore.PreconditionError{Key: key, Version: res.Version})
+		return
+	}
 	if inm.present && inm.noneMatch(res.Version) {
 		setHeader(w, "Cache-Control", "no-store")
 		w.WriteHeader(http.StatusNotModified)

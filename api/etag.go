@@ -4,10 +4,12 @@ package api
 // entity tag is its version, quoted ("3"), a strong validator (the version
 // changes with every accepted write). PUT honours If-Match and
 // If-None-Match (412 precondition-failed when the document is in another
-// state, and nothing is written); GET honours If-None-Match (304).
+// state, and nothing is written); GET honours If-Match (412) and
+// If-None-Match (304).
 
 import (
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -119,6 +121,12 @@ func putCondition(r *http.Request) (refstore.Condition, error) {
 		}
 	}
 	return c, nil
+}
+
+// match reports whether an If-Match matches a document at version (strong
+// comparison: a weak tag never matches).
+func (et entityTags) match(version int64) bool {
+	return et.any || slices.Contains(et.strong, version)
 }
 
 // noneMatch reports whether a GET's If-None-Match matches a document at

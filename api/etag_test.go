@@ -71,6 +71,11 @@ func TestAPI_ConditionalWrites(t *testing.T) {
 	if r := e.do(e.client, http.MethodGet, path, nil, "If-None-Match", `"3"`); r.status != 200 {
 		t.Errorf("GET with If-None-Match \"3\" at version 4 = %d; want 200", r.status)
 	}
+	wantPrecondition(`GET with If-Match: "3" at version 4`, e.do(e.client, http.MethodGet, path, nil, "If-Match", `"3"`), 4)
+	if r := e.do(e.client, http.MethodGet, path, nil, "If-Match", `"4"`); r.status != 200 {
+		t.Errorf("GET with If-Match \"4\" at version 4 = %d; want 200", r.status)
+	}
+	wantPrecondition("GET with If-Match: * and no document", e.do(e.client, http.MethodGet, "/v1/resources/none", nil, "If-Match", "*"), 0)
 
 	for _, h := range [][2]string{{"If-Match", "4"}, {"If-Match", `"4`}, {"If-None-Match", `"4" "5"`}, {"If-Match", ""}} {
 		if h[1] == "" {

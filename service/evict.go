@@ -161,16 +161,18 @@ var errNoPolicy = errors.New("info memory: no maxmemory or maxmemory_policy")
 // NodeTimeout, and notes it; then, each within NodeTimeout again, whether a
 // node held durable still is (see checkDurability). A node that does not
 // answer keeps its state.
-// noteCheckReach tells noteReach what a background check of node i found:
-// an answer (a refusal is one too) or none (err a timeout or a connection
-// failure). Nothing is noted once ctx ended (the Locker is closing).
+// noteCheckReach tells noteReach when a background check of node i got no
+// answer (err a timeout or a connection failure), so that tries stop
+// speculating before a round meets the node. An answer is not news: a node
+// that answers INFO may still refuse a lock's writes (memory full, writes
+// paused), which only a round finds, and only a round that it answers says
+// it is back. Nothing is noted once ctx ended (the Locker is closing).
 func (l *Locker) noteCheckReach(ctx context.Context, i int, err error) {
 	var re redis.Error
 	var ne net.Error
 	switch {
-	case ctx.Err() != nil && errors.Is(err, context.Canceled):
-	case err == nil, errors.Is(err, ErrCommandRefused), errors.Is(err, errNoPolicy), errors.As(err, &re):
-		l.noteReach(i, Yes, nil)
+	case err == nil, ctx.Err() != nil && errors.Is(err, context.Canceled),
+		errors.Is(err, ErrCommandRefused), errors.Is(err, errNoPolicy), errors.As(err, &re):
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
 		l.noteReach(i, Timeout, err)
 	default:

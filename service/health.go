@@ -42,8 +42,9 @@ type reach struct {
 	initing bool
 }
 
-// allAnswering reports whether every node answered its last operation, as
-// far as this Locker has seen (see noteReach).
+// allAnswering reports whether no node is failing, as far as this Locker
+// has seen (see noteReach): every node answered its last round, and no
+// background check since got no answer (see noteCheckReach).
 func (l *Locker) allAnswering() bool {
 	for i := range l.reach.failing {
 		if l.reach.failing[i].Load() {

@@ -387,9 +387,10 @@ func TestLocker_EvictionPolicyUnknown(t *testing.T) {
 }
 
 // TestLocker_EvictionCheckNotesReach: the background eviction check tells
-// whether a node answers, as a round does, so that tries stop speculating
-// on a node gone before any round meets it (and start again once it
-// answers); a refusal is an answer, and so is the node's own error reply.
+// when a node does not answer, as a round does, so that tries stop
+// speculating on a node gone before any round meets it; an answer (a
+// refusal, the node's own error reply) is no news: a node that answers INFO
+// may refuse a lock's writes, and only a round it answers says it is back.
 func TestLocker_EvictionCheckNotesReach(t *testing.T) {
 	ns, ms := nodes(3)
 	pn := &policyNode{memNode: ms[1]}
@@ -401,14 +402,26 @@ func TestLocker_EvictionCheckNotesReach(t *testing.T) {
 	}{
 		{nil, true},
 		{&net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED}, false},
-		{ErrCommandRefused, true},
-		{context.DeadlineExceeded, false},
-		{errNoPolicy, true},
+		{nil, false}, // answers INFO: not news
+		{ErrCommandRefused, false},
+		{errNoPolicy, false},
 	} {
 		pn.set("", tc.err)
 		l.checkEviction(t.Context())
 		if got := l.allAnswering(); got != tc.want {
 			t.Errorf("eviction check answered %v: allAnswering = %v; want %v", tc.err, got, tc.want)
 		}
+	}
+	// A round the node answers says it is back.
+	if _, err := l.Acquire(t.Context(), key, Request{TTL: time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	if !l.allAnswering() {
+		t.Error("allAnswering = false after a round every node answered")
+	}
+	pn.set("", context.DeadlineExceeded)
+	l.checkEviction(t.Context())
+	if l.allAnswering() {
+		t.Error("allAnswering = true after a check the node did not answer")
 	}
 }

@@ -12,8 +12,9 @@ package service
 //     is batched instead, and a speculation is a commit of its own);
 //   - nobody else in this Locker waits for the key (a contended key would
 //     mostly speculate for tries that lose);
-//   - every node answered its last operation (a round or an eviction check:
-//     see allAnswering), so the try is not likely to fail for want of a
+//   - no node is failing (a round found it not answering or refusing a
+//     lock's writes, or a background check got no answer: see
+//     allAnswering), so the try is not likely to fail for want of a
 //     majority and leave its token unused;
 //   - the key's newest token fences out nobody: it is the token of a grant
 //     this Locker made and saw released, or, as far as this Locker knows, the

@@ -748,6 +748,13 @@ type ListNodesParams struct {
 
 // GetResourceParams defines parameters for GetResource.
 type GetResourceParams struct {
+	// IfMatch Only if the document is at one of these versions (a write is not
+	// applied, a read answers 412 otherwise): entity tags as `ETag` gives
+	// them (`"3"`, or a comma-separated list), or `*` for any existing
+	// document. Compared strongly: a weak tag (`W/"3"`) never matches. A
+	// malformed value is refused (400).
+	IfMatch *IfMatch `json:"If-Match,omitempty"`
+
 	// IfNoneMatch `*`: write only if there is no document yet (read: always 304 when
 	// there is one). Entity tags (`"3"`, a list): write only if the document
 	// is at none of those versions (read: 304 if it is at one). Compared
@@ -766,10 +773,11 @@ type GetResourceParams struct {
 
 // PutResourceParams defines parameters for PutResource.
 type PutResourceParams struct {
-	// IfMatch Write only if the document is at one of these versions: entity tags as
-	// `ETag` gives them (`"3"`, or a comma-separated list), or `*` for any
-	// existing document. Compared strongly: a weak tag (`W/"3"`) never
-	// matches. A malformed value is refused (400).
+	// IfMatch Only if the document is at one of these versions (a write is not
+	// applied, a read answers 412 otherwise): entity tags as `ETag` gives
+	// them (`"3"`, or a comma-separated list), or `*` for any existing
+	// document. Compared strongly: a weak tag (`W/"3"`) never matches. A
+	// malformed value is refused (400).
 	IfMatch *IfMatch `json:"If-Match,omitempty"`
 
 	// IfNoneMatch `*`: write only if there is no document yet (read: always 304 when
@@ -1055,7 +1063,8 @@ type ClientInterface interface {
 	// Returns the document stored under `name` with the fencing token and
 	// version of its last accepted write. Reading needs no lock and no token.
 	// `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
-	// the answer is 304 without a body.
+	// the answer is 304 without a body, and with an `If-Match` that does not
+	// name it (or with one, when there is no document) 412.
 	//
 	// Corresponds with GET /v1/resources/{name} (the `GetResource` operationId).
 	GetResource(ctx context.Context, name Name, params *GetResourceParams, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1401,7 +1410,8 @@ func (c *Client) ListNodes(ctx context.Context, params *ListNodesParams, reqEdit
 // Returns the document stored under `name` with the fencing token and
 // version of its last accepted write. Reading needs no lock and no token.
 // `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
-// the answer is 304 without a body.
+// the answer is 304 without a body, and with an `If-Match` that does not
+// name it (or with one, when there is no document) 412.
 //
 // Corresponds with GET /v1/resources/{name} (the `GetResource` operationId).
 func (c *Client) GetResource(ctx context.Context, name Name, params *GetResourceParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -1965,26 +1975,37 @@ func NewGetResourceRequest(server string, name Name, params *GetResourceParams) 
 
 	if params != nil {
 
-		if params.IfNoneMatch != nil {
+		if params.IfMatch != nil {
 			var headerParam0 string
 
-			headerParam0, err = runtime.StyleParamWithOptions("simple", false, "If-None-Match", *params.IfNoneMatch, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			headerParam0, err = runtime.StyleParamWithOptions("simple", false, "If-Match", *params.IfMatch, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
 			if err != nil {
 				return nil, err
 			}
 
-			req.Header.Set("If-None-Match", headerParam0)
+			req.Header.Set("If-Match", headerParam0)
+		}
+
+		if params.IfNoneMatch != nil {
+			var headerParam1 string
+
+			headerParam1, err = runtime.StyleParamWithOptions("simple", false, "If-None-Match", *params.IfNoneMatch, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			if err != nil {
+				return nil, err
+			}
+
+			req.Header.Set("If-None-Match", headerParam1)
 		}
 
 		if params.XRequestId != nil {
-			var headerParam1 string
+			var headerParam2 string
 
-			headerParam1, err = runtime.StyleParamWithOptions("simple", false, "X-Request-Id", *params.XRequestId, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			headerParam2, err = runtime.StyleParamWithOptions("simple", false, "X-Request-Id", *params.XRequestId, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
 			if err != nil {
 				return nil, err
 			}
 
-			req.Header.Set("X-Request-Id", headerParam1)
+			req.Header.Set("X-Request-Id", headerParam2)
 		}
 
 	}
@@ -2318,7 +2339,8 @@ type ClientWithResponsesInterface interface {
 	// Returns the document stored under `name` with the fencing token and
 	// version of its last accepted write. Reading needs no lock and no token.
 	// `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
-	// the answer is 304 without a body.
+	// the answer is 304 without a body, and with an `If-Match` that does not
+	// name it (or with one, when there is no document) 412.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -3572,6 +3594,13 @@ type GetResourceResponse404Headers struct {
 	XRequestId   *string
 }
 
+// GetResourceResponse412Headers the declared response headers of an HTTP 412 response for GetResource
+type GetResourceResponse412Headers struct {
+	CacheControl *string
+	ETag         *string
+	XRequestId   *string
+}
+
 // GetResourceResponse429Headers the declared response headers of an HTTP 429 response for GetResource
 type GetResourceResponse429Headers struct {
 	CacheControl *string
@@ -3605,6 +3634,8 @@ type GetResourceResponse struct {
 	ApplicationproblemJSON403 *Forbidden
 	// ApplicationproblemJSON404 the response for an HTTP 404 `application/problem+json` response
 	ApplicationproblemJSON404 *Problem
+	// ApplicationproblemJSON412 the response for an HTTP 412 `application/problem+json` response
+	ApplicationproblemJSON412 *PreconditionFailed
 	// ApplicationproblemJSON429 the response for an HTTP 429 `application/problem+json` response
 	ApplicationproblemJSON429 *RateLimited
 	// ApplicationproblemJSON503 the response for an HTTP 503 `application/problem+json` response
@@ -3623,6 +3654,8 @@ type GetResourceResponse struct {
 	Headers403 *GetResourceResponse403Headers
 	// Headers404 the parsed response headers for an HTTP 404 response
 	Headers404 *GetResourceResponse404Headers
+	// Headers412 the parsed response headers for an HTTP 412 response
+	Headers412 *GetResourceResponse412Headers
 	// Headers429 the parsed response headers for an HTTP 429 response
 	Headers429 *GetResourceResponse429Headers
 	// Headers503 the parsed response headers for an HTTP 503 response
@@ -3654,6 +3687,11 @@ func (r GetResourceResponse) GetApplicationproblemJSON403() *Forbidden {
 // GetApplicationproblemJSON404 returns the response for an HTTP 404 `application/problem+json` response
 func (r GetResourceResponse) GetApplicationproblemJSON404() *Problem {
 	return r.ApplicationproblemJSON404
+}
+
+// GetApplicationproblemJSON412 returns the response for an HTTP 412 `application/problem+json` response
+func (r GetResourceResponse) GetApplicationproblemJSON412() *PreconditionFailed {
+	return r.ApplicationproblemJSON412
 }
 
 // GetApplicationproblemJSON429 returns the response for an HTTP 429 `application/problem+json` response
@@ -4186,7 +4224,8 @@ func (c *ClientWithResponses) ListNodesWithResponse(ctx context.Context, params 
 // Returns the document stored under `name` with the fencing token and
 // version of its last accepted write. Reading needs no lock and no token.
 // `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
-// the answer is 304 without a body.
+// the answer is 304 without a body, and with an `If-Match` that does not
+// name it (or with one, when there is no document) 412.
 //
 // Returns a wrapper object for the known response body format(s).
 //
@@ -6036,6 +6075,13 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 		}
 		response.ApplicationproblemJSON404 = &dest
 
+	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 412:
+		var dest PreconditionFailed
+		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
+			return nil, err
+		}
+		response.ApplicationproblemJSON412 = &dest
+
 	case strings.Contains(rsp.Header.Get("Content-Type"), "json") && rsp.StatusCode == 429:
 		var dest RateLimited
 		if err := json.Unmarshal(bodyBytes, &dest); err != nil {
@@ -6190,6 +6236,30 @@ func ParseGetResourceResponse(rsp *http.Response) (*GetResourceResponse, error) 
 			headers.XRequestId = &value
 		}
 		response.Headers404 = &headers
+	case rsp.StatusCode == 412:
+		var headers GetResourceResponse412Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = &value
+		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = &value
+		}
+		if values := rsp.Header.Values("X-Request-Id"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "X-Request-Id", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.XRequestId = &value
+		}
+		response.Headers412 = &headers
 	case rsp.StatusCode == 429:
 		var headers GetResourceResponse429Headers
 		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {

@@ -174,7 +174,8 @@ export interface paths {
          * @description Returns the document stored under `name` with the fencing token and
          *     version of its last accepted write. Reading needs no lock and no token.
          *     `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
-         *     the answer is 304 without a body.
+         *     the answer is 304 without a body, and with an `If-Match` that does not
+         *     name it (or with one, when there is no document) 412.
          */
         get: operations["getResource"];
         /**
@@ -1260,10 +1261,11 @@ export interface components {
          */
         Name: string;
         /**
-         * @description Write only if the document is at one of these versions: entity tags as
-         *     `ETag` gives them (`"3"`, or a comma-separated list), or `*` for any
-         *     existing document. Compared strongly: a weak tag (`W/"3"`) never
-         *     matches. A malformed value is refused (400).
+         * @description Only if the document is at one of these versions (a write is not
+         *     applied, a read answers 412 otherwise): entity tags as `ETag` gives
+         *     them (`"3"`, or a comma-separated list), or `*` for any existing
+         *     document. Compared strongly: a weak tag (`W/"3"`) never matches. A
+         *     malformed value is refused (400).
          * @example "3"
          */
         IfMatch: string;
@@ -1717,6 +1719,15 @@ export interface operations {
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
                 /**
+                 * @description Only if the document is at one of these versions (a write is not
+                 *     applied, a read answers 412 otherwise): entity tags as `ETag` gives
+                 *     them (`"3"`, or a comma-separated list), or `*` for any existing
+                 *     document. Compared strongly: a weak tag (`W/"3"`) never matches. A
+                 *     malformed value is refused (400).
+                 * @example "3"
+                 */
+                "If-Match"?: components["parameters"]["IfMatch"];
+                /**
                  * @description `*`: write only if there is no document yet (read: always 304 when
                  *     there is one). Entity tags (`"3"`, a list): write only if the document
                  *     is at none of those versions (read: 304 if it is at one). Compared
@@ -1799,6 +1810,7 @@ export interface operations {
                     "application/problem+json": components["schemas"]["Problem"];
                 };
             };
+            412: components["responses"]["PreconditionFailed"];
             429: components["responses"]["RateLimited"];
             503: components["responses"]["StoreUnavailable"];
             default: components["responses"]["Unexpected"];
@@ -1820,10 +1832,11 @@ export interface operations {
                  */
                 "X-Request-Id"?: components["parameters"]["RequestId"];
                 /**
-                 * @description Write only if the document is at one of these versions: entity tags as
-                 *     `ETag` gives them (`"3"`, or a comma-separated list), or `*` for any
-                 *     existing document. Compared strongly: a weak tag (`W/"3"`) never
-                 *     matches. A malformed value is refused (400).
+                 * @description Only if the document is at one of these versions (a write is not
+                 *     applied, a read answers 412 otherwise): entity tags as `ETag` gives
+                 *     them (`"3"`, or a comma-separated list), or `*` for any existing
+                 *     document. Compared strongly: a weak tag (`W/"3"`) never matches. A
+                 *     malformed value is refused (400).
                  * @example "3"
                  */
                 "If-Match"?: components["parameters"]["IfMatch"];
