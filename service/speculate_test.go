@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // specIssuer is a memIssuer that speculates with the semantics of
@@ -110,16 +111,21 @@ func TestLocker_Speculation(t *testing.T) {
 	// the token of its own grant once released; not while that grant is
 	// held.
 	t.Run("LoneTries", func(t *testing.T) {
-		ns, _ := nodes(5)
+		ns, ms := nodes(5)
 		iss := &specIssuer{memIssuer: &memIssuer{}}
 		l := newLocker(t, ns, iss, Options{})
 		g, err := l.Acquire(ctx, key, req)
 		if err != nil || g.Fencing != 1 {
 			t.Fatalf("Acquire = %+v, %v; want token 1", g, err)
 		}
+		settle(ms)
 		if _, err := l.Acquire(ctx, key, req); !errors.Is(err, ErrHeld) {
 			t.Fatalf("second Acquire = %v; want ErrHeld", err)
 		}
+		// The refusal does not wait for the last nodes; their SETs must
+		// not land after the release below (the name would look held
+		// until they answer and are deleted).
+		settle(ms)
 		if err := l.Release(ctx, key, g.Token); err != nil {
 			t.Fatal(err)
 		}
@@ -231,12 +237,16 @@ func TestLocker_Speculation(t *testing.T) {
 			t.Fatal(err)
 		}
 		failing.Store(false)
-		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 3 { // node 4 answers again: noted
+		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 3 {
 			t.Fatalf("Acquire = %+v, %v; want token 3", g, err)
 		}
 		if err := l.Release(ctx, key, g.Token); err != nil {
 			t.Fatal(err)
 		}
+		// Node 4's answer (noted when it arrives, maybe after the grant).
+		testutil.WaitFor(t, 10*time.Second, "node 4 noted as answering", func() (bool, error) {
+			return l.allAnswering(), nil
+		})
 		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 4 {
 			t.Fatalf("Acquire = %+v, %v; want token 4", g, err)
 		}
