@@ -132,18 +132,5 @@ func (et entityTags) match(version int64) bool {
 // noneMatch reports whether a GET's If-None-Match matches a document at
 // version (weak comparison): the answer is then 304 Not Modified.
 func (et entityTags) noneMatch(version int64) bool {
-	if et.any {
-		return true
-	}
-	for _, v := range et.strong {
-		if v == version {
-			return true
-		}
-	}
-	for _, v := range et.weak {
-		if v == version {
-			return true
-		}
-	}
-	return false
+	return et.any || slices.Contains(et.strong, version) || slices.Contains(et.weak, version)
 }
