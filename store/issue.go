@@ -220,8 +220,10 @@ type issuer struct {
 	closed bool
 	hooks  issueHooks
 
-	// statements and claims count the statements run and the claims they
-	// served (including claims that got an error).
+	// statements counts the statements run (a claim taken apart around a
+	// held row, or run again alone, is in several); claims counts the
+	// claims that got their result from a statement (a token or an error),
+	// each once.
 	statements, claims atomic.Int64
 	// setAsides counts the claims set aside for a held row.
 	setAsides atomic.Int64
@@ -420,6 +422,7 @@ func (q *issuer) run(batch []*issueReq, hook func([]fencing.Claim)) {
 
 // deliver hands res to r's caller, its error (if any) classified.
 func (q *issuer) deliver(r *issueReq, res issueResult) {
+	q.claims.Add(1)
 	if err := res.err; err != nil {
 		if q.stop.Err() != nil {
 			err = fmt.Errorf("%w: %w", ErrClosed, err)
@@ -565,7 +568,6 @@ func (q *issuer) execAround(ctx context.Context, batch []*issueReq) []issueResul
 			return err
 		}
 		q.statements.Add(1)
-		q.claims.Add(int64(len(free)))
 		return issueCommit(ctx, conn, issueBatchSQL, batchArgs(ctx, free, now), scanTokens(got))
 	})
 	if err != nil && len(free) > 1 && isDataException(err) {
@@ -628,7 +630,6 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []is
 		begin, pool = "BEGIN", q.waits
 	}
 	q.statements.Add(1)
-	q.claims.Add(int64(len(batch)))
 	res := make([]issueResult, len(batch))
 	if len(batch) == 1 {
 		c := batch[0].claim
