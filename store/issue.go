@@ -456,6 +456,11 @@ func (q *issuer) setAside(r *issueReq) {
 		res := q.exec(ctx, []*issueReq{r}, false)[0]
 		stop()
 		cancel()
+		if err := r.ctx.Err(); res.err != nil && err != nil {
+			// Ended by its caller's end: say which (its deadline, or a
+			// cancellation), not the cancellation it caused here.
+			res.err = fmt.Errorf("its caller's context ended: %w (%w)", err, res.err)
+		}
 		q.deliver(r, res)
 		q.mu.Lock()
 		delete(q.inflight, r.claim.Key)
