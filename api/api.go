@@ -1451,12 +1451,10 @@ func (h *Handler) getResource(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	res, err := h.store.GetResource(ctx, key)
-	if errors.Is(err, refstore.ErrNotFound) && im.present {
-		// No current representation: If-Match cannot match (RFC 9110 §13.1.1).
-		h.writeError(w, r, &refstore.PreconditionError{Key: key})
-		return
-	}
 	if err != nil {
+		// With no document the answer is 404 whatever the conditions: a
+		// server ignores them when the request without them would fail
+		// (RFC 9110 §13.2.1), as a GET of nothing does.
 		h.writeError(w, r, err)
 		return
 	}

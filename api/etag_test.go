@@ -75,7 +75,18 @@ func TestAPI_ConditionalWrites(t *testing.T) {
 	if r := e.do(e.client, http.MethodGet, path, nil, "If-Match", `"4"`); r.status != 200 {
 		t.Errorf("GET with If-Match \"4\" at version 4 = %d; want 200", r.status)
 	}
-	wantPrecondition("GET with If-Match: * and no document", e.do(e.client, http.MethodGet, "/v1/resources/none", nil, "If-Match", "*"), 0)
+	// With no document GET answers 404 whatever the conditions: a server
+	// ignores preconditions when the request without them would fail
+	// (RFC 9110 §13.2.1).
+	for _, h := range [][2]string{{"If-Match", "*"}, {"If-Match", `"1"`}, {"If-None-Match", "*"}, {"If-None-Match", `"1"`}} {
+		r := e.do(e.client, http.MethodGet, "/v1/resources/none", nil, h[0], h[1])
+		if p := r.problem(t); r.status != 404 || p.Type != api.ProblemTypePrefix+"resource-not-found" {
+			t.Errorf("GET with %s: %s and no document = %d %s; want 404 resource-not-found", h[0], h[1], r.status, r.body)
+		}
+	}
+	if p := e.do(e.client, http.MethodGet, path, nil, "If-Match", `"3"`).problem(t); p.Detail != `the document is at version 4 (ETag "4")` {
+		t.Errorf("GET with a failing If-Match: detail %q; want it to name the version, and no write", p.Detail)
+	}
 
 	for _, h := range [][2]string{{"If-Match", "4"}, {"If-Match", `"4`}, {"If-None-Match", `"4" "5"`}, {"If-Match", ""}} {
 		if h[1] == "" {

@@ -438,7 +438,10 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 			v := pe.Version
 			p.CurrentVersion = &v
 			setHeader(w, "ETag", etag(v))
-			p.Detail = fmt.Sprintf("the document is at version %d (ETag %s): nothing was written; read it again before writing", v, etag(v))
+			p.Detail = fmt.Sprintf("the document is at version %d (ETag %s)", v, etag(v))
+			if r.Method != http.MethodGet && r.Method != http.MethodHead {
+				p.Detail += ": nothing was written; read it again before writing"
+			}
 		} else {
 			p.Detail = "there is no document under this name: nothing was written"
 		}

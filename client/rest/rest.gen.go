@@ -749,7 +749,8 @@ type ListNodesParams struct {
 // GetResourceParams defines parameters for GetResource.
 type GetResourceParams struct {
 	// IfMatch Only if the document is at one of these versions (a write is not
-	// applied, a read answers 412 otherwise): entity tags as `ETag` gives
+	// applied, a read answers 412 otherwise; a read of a name with no
+	// document answers 404): entity tags as `ETag` gives
 	// them (`"3"`, or a comma-separated list), or `*` for any existing
 	// document. Compared strongly: a weak tag (`W/"3"`) never matches. A
 	// malformed value is refused (400).
@@ -774,7 +775,8 @@ type GetResourceParams struct {
 // PutResourceParams defines parameters for PutResource.
 type PutResourceParams struct {
 	// IfMatch Only if the document is at one of these versions (a write is not
-	// applied, a read answers 412 otherwise): entity tags as `ETag` gives
+	// applied, a read answers 412 otherwise; a read of a name with no
+	// document answers 404): entity tags as `ETag` gives
 	// them (`"3"`, or a comma-separated list), or `*` for any existing
 	// document. Compared strongly: a weak tag (`W/"3"`) never matches. A
 	// malformed value is refused (400).
@@ -1064,7 +1066,9 @@ type ClientInterface interface {
 	// version of its last accepted write. Reading needs no lock and no token.
 	// `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
 	// the answer is 304 without a body, and with an `If-Match` that does not
-	// name it (or with one, when there is no document) 412.
+	// name it 412 (`If-Match` is evaluated first). With no document the
+	// answer is 404 whatever the conditions (RFC 9110 §13.2.1: a request
+	// that fails without them ignores them).
 	//
 	// Corresponds with GET /v1/resources/{name} (the `GetResource` operationId).
 	GetResource(ctx context.Context, name Name, params *GetResourceParams, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1411,7 +1415,9 @@ func (c *Client) ListNodes(ctx context.Context, params *ListNodesParams, reqEdit
 // version of its last accepted write. Reading needs no lock and no token.
 // `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
 // the answer is 304 without a body, and with an `If-Match` that does not
-// name it (or with one, when there is no document) 412.
+// name it 412 (`If-Match` is evaluated first). With no document the
+// answer is 404 whatever the conditions (RFC 9110 §13.2.1: a request
+// that fails without them ignores them).
 //
 // Corresponds with GET /v1/resources/{name} (the `GetResource` operationId).
 func (c *Client) GetResource(ctx context.Context, name Name, params *GetResourceParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -2340,7 +2346,9 @@ type ClientWithResponsesInterface interface {
 	// version of its last accepted write. Reading needs no lock and no token.
 	// `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
 	// the answer is 304 without a body, and with an `If-Match` that does not
-	// name it (or with one, when there is no document) 412.
+	// name it 412 (`If-Match` is evaluated first). With no document the
+	// answer is 404 whatever the conditions (RFC 9110 §13.2.1: a request
+	// that fails without them ignores them).
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -4225,7 +4233,9 @@ func (c *ClientWithResponses) ListNodesWithResponse(ctx context.Context, params 
 // version of its last accepted write. Reading needs no lock and no token.
 // `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
 // the answer is 304 without a body, and with an `If-Match` that does not
-// name it (or with one, when there is no document) 412.
+// name it 412 (`If-Match` is evaluated first). With no document the
+// answer is 404 whatever the conditions (RFC 9110 §13.2.1: a request
+// that fails without them ignores them).
 //
 // Returns a wrapper object for the known response body format(s).
 //

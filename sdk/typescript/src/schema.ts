@@ -175,7 +175,9 @@ export interface paths {
          *     version of its last accepted write. Reading needs no lock and no token.
          *     `ETag` is the version, quoted; with `If-None-Match` naming it (or `*`)
          *     the answer is 304 without a body, and with an `If-Match` that does not
-         *     name it (or with one, when there is no document) 412.
+         *     name it 412 (`If-Match` is evaluated first). With no document the
+         *     answer is 404 whatever the conditions (RFC 9110 §13.2.1: a request
+         *     that fails without them ignores them).
          */
         get: operations["getResource"];
         /**
@@ -1262,7 +1264,8 @@ export interface components {
         Name: string;
         /**
          * @description Only if the document is at one of these versions (a write is not
-         *     applied, a read answers 412 otherwise): entity tags as `ETag` gives
+         *     applied, a read answers 412 otherwise; a read of a name with no
+         *     document answers 404): entity tags as `ETag` gives
          *     them (`"3"`, or a comma-separated list), or `*` for any existing
          *     document. Compared strongly: a weak tag (`W/"3"`) never matches. A
          *     malformed value is refused (400).
@@ -1720,7 +1723,8 @@ export interface operations {
                 "X-Request-Id"?: components["parameters"]["RequestId"];
                 /**
                  * @description Only if the document is at one of these versions (a write is not
-                 *     applied, a read answers 412 otherwise): entity tags as `ETag` gives
+                 *     applied, a read answers 412 otherwise; a read of a name with no
+                 *     document answers 404): entity tags as `ETag` gives
                  *     them (`"3"`, or a comma-separated list), or `*` for any existing
                  *     document. Compared strongly: a weak tag (`W/"3"`) never matches. A
                  *     malformed value is refused (400).
@@ -1833,7 +1837,8 @@ export interface operations {
                 "X-Request-Id"?: components["parameters"]["RequestId"];
                 /**
                  * @description Only if the document is at one of these versions (a write is not
-                 *     applied, a read answers 412 otherwise): entity tags as `ETag` gives
+                 *     applied, a read answers 412 otherwise; a read of a name with no
+                 *     document answers 404): entity tags as `ETag` gives
                  *     them (`"3"`, or a comma-separated list), or `*` for any existing
                  *     document. Compared strongly: a weak tag (`W/"3"`) never matches. A
                  *     malformed value is refused (400).
