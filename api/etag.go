@@ -39,7 +39,9 @@ func parseEntityTags(h http.Header, name string) (entityTags, error) {
 	}
 	et := entityTags{present: true}
 	value := strings.Join(values, ",")
-	if strings.TrimSpace(value) == "*" {
+	// OWS is spaces and tabs only (RFC 9110 §5.6.3): a Unicode space
+	// around "*" (strings.TrimSpace's) makes the field malformed.
+	if strings.Trim(value, " \t") == "*" {
 		et.any = true
 		return et, nil
 	}
