@@ -180,6 +180,17 @@ export interface LockOptions {
   signal?: AbortSignal;
 }
 
+/** Options of a write to the reference store (putResource). */
+export interface PutOptions {
+  /**
+   * Write only if the document is at this version (`If-Match: "<version>"`),
+   * or, with 0, only if there is no document yet (`If-None-Match: *`);
+   * otherwise reject with kind "precondition". Default: write whatever the
+   * version.
+   */
+  version?: number;
+}
+
 type Grant = components["schemas"]["LockResponse"];
 
 /** The reason a lease's signal carries when its holder released it. */
@@ -671,15 +682,29 @@ export class Redfence {
     return result;
   }
 
-  /** Writes data to the reference store with a fencing token; rejects with kind "stale" when a newer token exists. */
-  async putResource(name: string, fencingToken: number, data: JsonValue): Promise<components["schemas"]["Resource"]> {
+  /**
+   * Writes data to the reference store with a fencing token; rejects with
+   * kind "stale" when a newer token exists. With `opts.version` it is a
+   * compare-and-set on the document's version, for a read-modify-write by
+   * several workers sharing one grant: it applies only if the document is
+   * at that version (If-Match), or, with 0, only if there is none yet
+   * (If-None-Match: *); otherwise nothing is written and it rejects with
+   * kind "precondition" and `currentVersion` (undefined: no document). A
+   * stale token is refused first (kind "stale").
+   */
+  async putResource(name: string, fencingToken: number, data: JsonValue, opts: PutOptions = {}): Promise<components["schemas"]["Resource"]> {
     try {
       JSON.stringify(data);
     } catch (cause) {
       throw new RedfenceError("put", name, 0, { cause, detail: "data is not JSON", kind: "invalid" });
     }
+    const { version } = opts;
+    if (version !== undefined && !(Number.isSafeInteger(version) && version >= 0)) {
+      throw new RedfenceError("put", name, 0, { detail: `version ${version}: must be an integer, at least 0`, kind: "invalid" });
+    }
+    const header = version === undefined ? undefined : version === 0 ? { "If-None-Match": "*" } : { "If-Match": `"${version}"` };
     const { data: res, error, response } = await bounded(
-      (signal) => this.api.PUT("/v1/resources/{name}", { params: { path: { name } }, body: { fencing_token: fencingToken, data }, signal }),
+      (signal) => this.api.PUT("/v1/resources/{name}", { params: { path: { name }, header }, body: { fencing_token: fencingToken, data }, signal }),
       this.timeoutMs,
     ).catch((cause: unknown) => {
       throw noAnswer("put", name, cause);

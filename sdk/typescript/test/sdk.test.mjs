@@ -197,6 +197,34 @@ test("a write with a stale fencing token rejects with kind stale", async () => {
   }
 });
 
+test("a conditional write applies only at the version asked, else rejects with kind precondition", async () => {
+  const rf = new Redfence({ baseUrl, apiKey });
+  const lease = await rf.acquire("ts-cas");
+  try {
+    const t = lease.fencingToken;
+    const wantPrecondition = (version) => (err) => {
+      assert.ok(err instanceof RedfenceError, String(err));
+      assert.equal(err.kind, "precondition");
+      assert.equal(err.status, 412);
+      assert.equal(err.currentVersion, version);
+      return true;
+    };
+    await assert.rejects(rf.putResource("ts-cas", t, "x", { version: 1 }), wantPrecondition(undefined));
+    assert.equal((await rf.putResource("ts-cas", t, 1, { version: 0 })).version, 1);
+    await assert.rejects(rf.putResource("ts-cas", t, "x", { version: 0 }), wantPrecondition(1));
+    assert.equal((await rf.putResource("ts-cas", t, 2, { version: 1 })).version, 2);
+    await assert.rejects(rf.putResource("ts-cas", t, "x", { version: 1 }), wantPrecondition(2));
+    for (const version of [-1, 1.5, Number.NaN]) {
+      await assert.rejects(rf.putResource("ts-cas", t, "x", { version }), (err) => err instanceof RedfenceError && err.kind === "invalid");
+    }
+    const { data } = await rf.api.GET("/v1/resources/{name}", { params: { path: { name: "ts-cas" } } });
+    assert.equal(data.version, 2);
+    assert.equal(data.data, 2);
+  } finally {
+    await lease.release();
+  }
+});
+
 test("withLock keeps the process alive while fn waits only on the lease", async () => {
   // A child Node process whose only pending work is fn, resolved by an
   // unref'd timer after two TTLs: without withLock holding the event loop
