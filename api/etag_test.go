@@ -75,6 +75,15 @@ func TestAPI_ConditionalWrites(t *testing.T) {
 	if r := e.do(e.client, http.MethodGet, path, nil, "If-Match", `"4"`); r.status != 200 {
 		t.Errorf("GET with If-Match \"4\" at version 4 = %d; want 200", r.status)
 	}
+	// If-Match is evaluated first (RFC 9110 §13.2.2): a failing one is 412
+	// even where If-None-Match alone would be 304; a passing one leaves the
+	// answer to If-None-Match.
+	wantPrecondition(`GET with If-Match: "3", If-None-Match: "4" at version 4`,
+		e.do(e.client, http.MethodGet, path, nil, "If-Match", `"3"`, "If-None-Match", `"4"`), 4)
+	if r := e.do(e.client, http.MethodGet, path, nil, "If-Match", `"4"`, "If-None-Match", `"4"`); r.status != 304 {
+		t.Errorf("GET with If-Match and If-None-Match both naming version 4 = %d; want 304", r.status)
+	}
+	wantPrecondition(`PUT with If-Match: "4", If-None-Match: W/"4" at version 4`, put("x", "If-Match", `"4"`, "If-None-Match", `W/"4"`), 4)
 	// With no document GET answers 404 whatever the conditions: a server
 	// ignores preconditions when the request without them would fail
 	// (RFC 9110 §13.2.1).
