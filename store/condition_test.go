@@ -9,6 +9,7 @@ import (
 
 	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/internal/refstore"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // TestDB_PutResourceIf: a conditional write applies only to a document in
@@ -103,3 +104,42 @@ func TestDB_PutResourceIf_Concurrent(t *testing.T) {
 
 // errOnly returns the error of a call that returns a value and an error.
 func errOnly[T any](_ T, err error) error { return err }
+
+// TestDB_PutResourceIf_RefusalNamesItsVersion: a write refused by its
+// document's version names the version that refused it, even when another
+// write is made while the refusal is being answered: the refused write holds
+// the document's row until it has read it, so the other write waits for it.
+// (Before, the version was read after the refused write's transaction, and
+// named the other write's version.)
+func TestDB_PutResourceIf_RefusalNamesItsVersion(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{})
+	ctx := t.Context()
+	tok := issue(t, db, "r")
+	put(t, db, "r", tok, `1`)
+	waiting := lockWaiters(t, url)
+	other := make(chan error, 1)
+	db.putRefused = func() {
+		db.putRefused = nil // the other write's own refusals, if any, run free
+		go func() {
+			_, err := db.PutResource(ctx, "r", tok, json.RawMessage(`2`))
+			other <- err
+		}()
+		testutil.WaitFor(t, waitTimeout, "the other write to land or wait for the row", func() (bool, error) {
+			if len(other) > 0 {
+				return true, nil
+			}
+			n, err := waiting()
+			return n > 0, err
+		})
+	}
+	_, err := db.PutResourceIf(ctx, "r", tok, json.RawMessage(`"x"`), refstore.Condition{Exists: true, Versions: []int64{7}})
+	var pe *refstore.PreconditionError
+	if !errors.As(err, &pe) || pe.Version != 1 {
+		t.Fatalf("write refused at version 1 = %v; want a precondition failure naming version 1", err)
+	}
+	if err := <-other; err != nil {
+		t.Fatalf("the other write: %v", err)
+	}
+	wantResource(t, db, "r", `2`, tok, 2)
+}

@@ -143,6 +143,9 @@ type DB struct {
 	waits  *pgxpool.Pool // issuance waiting for held rows (see Options.IssueLockWait)
 	opts   Options
 	issuer *issuer
+	// putRefused, if set (tests), runs when a write was refused by its
+	// document's state, before the document is read to say why.
+	putRefused func()
 }
 
 // Open connects to the Postgres at url (a postgres:// URL or DSN) and checks
@@ -488,6 +491,7 @@ func (db *DB) PutResourceIf(ctx context.Context, key string, token fencing.Token
 	// back) neither; only one whose COMMIT went unanswered may have been
 	// (ErrOutcomeUnknown).
 	committing := false
+	var doc, ver int64 // a refused write's document, as it refused it
 	err := db.retryStalePlan(func() error {
 		committing = false // a retry follows only a try that took no effect
 		return pgx.BeginFunc(ctx, db.docs, func(tx pgx.Tx) error {
@@ -501,6 +505,23 @@ func (db *DB) PutResourceIf(ctx context.Context, key string, token fencing.Token
 				err = tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data),
 					cond.Exists || cond.Versions != nil, cond.Versions, cond.Absent, cond.NotVersions).
 					Scan(&cur, &r.Data, &t, &version, &updated)
+				if err == nil && t == nil && cur != nil && fencing.Token(*cur) == token {
+					// Refused by the document: read it in this
+					// transaction, which holds its row (ON CONFLICT
+					// locks the row it finds even when its WHERE
+					// refuses the update), so the version named is the
+					// one that refused the write, not a later one.
+					if db.putRefused != nil {
+						db.putRefused()
+					}
+					err = tx.QueryRow(ctx, `SELECT fencing_token, version FROM redfence_resources WHERE key = $1`, key).Scan(&doc, &ver)
+					if errors.Is(err, pgx.ErrNoRows) {
+						err = nil
+					} else if err != nil {
+						err = fmt.Errorf("refused, and the document could not be read to say why: %w", err)
+					}
+					return err // nothing was written: a failed COMMIT loses nothing
+				}
 			}
 			committing = err == nil // BeginFunc commits next
 			return err
@@ -515,11 +536,6 @@ func (db *DB) PutResourceIf(ctx context.Context, key string, token fencing.Token
 		}
 		if current != token {
 			return nil, &fencing.StaleError{Key: key, Got: token, Current: current}
-		}
-		var doc, ver int64
-		err := db.docs.QueryRow(ctx, `SELECT fencing_token, version FROM redfence_resources WHERE key = $1`, key).Scan(&doc, &ver)
-		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-			return nil, fmt.Errorf("store: put %q: refused, and the document could not be read to say why: %w", key, classify(err))
 		}
 		if fencing.Token(doc) > token || !cond.Set() {
 			// The document's own token is newer than the one on record
