@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -56,6 +57,18 @@ func TestDB_PutResource_OutcomeUnknownOnlyOnceCommitSent(t *testing.T) {
 	})
 
 	t.Run("CommitHeldUp", func(t *testing.T) {
+		// The write goes through a proxy: once its COMMIT waits in the
+		// trigger, the proxy refuses new connections, so the cancel
+		// request pgx sends as it gives the connection up (asyncClose)
+		// never reaches Postgres, and the COMMIT, left waiting, lands when
+		// the trigger lets it go. Without that the test raced the cancel
+		// request against its own unlock below: the COMMIT was cancelled
+		// (rolled back) when the request came first, and the write did not
+		// land (2 runs in 3 under -race).
+		_, hostPort, _ := strings.Cut(strings.TrimPrefix(url, "postgres://"), "@")
+		hostPort, _, _ = strings.Cut(hostPort, "/")
+		proxy := newHeldProxy(t, hostPort)
+		a := open(t, strings.Replace(url, hostPort, proxy.ln.Addr().String(), 1), Options{MaxConns: 1, DocMaxConns: 1})
 		setup := connect(t, url)
 		for _, q := range []string{
 			`CREATE FUNCTION test_hold_commit() RETURNS trigger LANGUAGE plpgsql AS
@@ -74,7 +87,7 @@ func TestDB_PutResource_OutcomeUnknownOnlyOnceCommitSent(t *testing.T) {
 		ctx, cancel := context.WithCancel(t.Context())
 		done := make(chan error, 1)
 		go func() {
-			_, err := db.PutResource(ctx, "doc", tok, []byte(`{"by":"w2"}`))
+			_, err := a.PutResource(ctx, "doc", tok, []byte(`{"by":"w2"}`))
 			done <- err
 		}()
 		obs := connect(t, url)
@@ -84,6 +97,8 @@ func TestDB_PutResource_OutcomeUnknownOnlyOnceCommitSent(t *testing.T) {
 				WHERE datname = current_database() AND wait_event_type = 'Lock' AND wait_event = 'advisory'`).Scan(&n)
 			return n > 0, err
 		})
+		proxy.hold()
+		defer proxy.release() // A's Terminate and close, kept back until now
 		cancel()
 		if err := <-done; !errors.Is(err, ErrOutcomeUnknown) {
 			t.Fatalf("PutResource whose COMMIT went unanswered = %v; want ErrOutcomeUnknown", err)
