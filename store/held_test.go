@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -236,5 +237,66 @@ func TestDB_Issue_HeldRowCallerLeft(t *testing.T) {
 	// Queued behind the set-aside claim until it ends.
 	if next := issue(t, db, "a"); next != 2 {
 		t.Errorf("next token of a = %d; want 2: the claim whose caller left was issued", next)
+	}
+}
+
+// TestDB_Issue_HeldRowCallerLeftCancelLost: a claim set aside for a held
+// row whose caller leaves is not issued once the row is free, even when
+// the cancel request pgx sends as it gives the connection up does not
+// reach Postgres (a network that stalls, a pooler that drops it): the
+// statement, already at the server and waiting for the row, must not be
+// followed there by its COMMIT. Here the connections go through a proxy
+// that, once the claim waits for its row, refuses new connections (the
+// cancel request's) and keeps back what the client sends (its Terminate).
+func TestDB_Issue_HeldRowCallerLeftCancelLost(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{})
+	_, hostPort, _ := strings.Cut(strings.TrimPrefix(url, "postgres://"), "@")
+	hostPort, _, _ = strings.Cut(hostPort, "/")
+	proxy := newHeldProxy(t, hostPort)
+	a := open(t, strings.Replace(url, hostPort, proxy.ln.Addr().String(), 1),
+		Options{IssueCommitters: 1, IssueTimeout: time.Hour, IssueLockWait: time.Millisecond})
+	issue(t, db, "a")
+	row := holdRow(t, url, "a")
+	ctx, cancel := context.WithCancel(t.Context())
+	ch := issueAsync(ctx, a, fencing.Claim{Key: "a", Holder: "gone"})
+	testutil.WaitFor(t, waitTimeout, "a's claim to be set aside", func() (bool, error) {
+		return a.issuer.setAsides.Load() == 1, nil
+	})
+	waiters := lockWaiters(t, url)
+	testutil.WaitFor(t, waitTimeout, "the set-aside claim to wait for its row", func() (bool, error) {
+		n, err := waiters()
+		return n == 1, err
+	})
+	proxy.hold()
+	released := false
+	defer func() {
+		if !released {
+			proxy.release()
+		}
+	}()
+	cancel()
+	if got := recv(t, ch, "Issue(a)"); !errors.Is(got.err, context.Canceled) {
+		t.Fatalf("Issue(a) whose caller left = %d, %v; want context.Canceled", got.tok, got.err)
+	}
+	if err := row.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	// The set-aside's session gets the row, and runs what it was sent.
+	obs := connect(t, url)
+	testutil.WaitFor(t, waitTimeout, "the set-aside's session to run what it was sent", func() (bool, error) {
+		var n int
+		err := obs.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'redfence' AND state = 'active'`).Scan(&n)
+		return n == 0, err
+	})
+	if last, err := db.Last(t.Context(), "a"); err != nil || last.Token != 1 {
+		t.Fatalf("newest token of a = %+v, %v; want 1: the claim whose caller left was issued", last, err)
+	}
+	// Its session's end, once the network delivers it, rolls it back.
+	released = true
+	proxy.release()
+	if next := issue(t, db, "a"); next != 2 {
+		t.Errorf("next token of a = %d; want 2", next)
 	}
 }

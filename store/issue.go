@@ -630,9 +630,9 @@ func (q *issuer) batchContext(batch []*issueReq) (context.Context, context.Cance
 // rowHeld); otherwise as long as ctx and the claims' budgets allow, on a
 // connection of q.waits (see setAside).
 func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []issueResult {
-	begin, pool := q.begin, q.pool
+	begin, pool, commit := q.begin, q.pool, issueCommit
 	if !limited {
-		begin, pool = "BEGIN", q.waits
+		begin, pool, commit = "BEGIN", q.waits, issueThenCommit
 	}
 	q.statements.Add(1)
 	res := make([]issueResult, len(batch))
@@ -642,7 +642,7 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []is
 		found := false
 		err := retryPooled(pool, func() error {
 			found = false
-			return issueTx(ctx, pool, begin, issueSQL, func(now time.Time) []any {
+			return issueTx(ctx, pool, begin, commit, issueSQL, func(now time.Time) []any {
 				return []any{c.Key, c.Owner, c.Holder, budget(ctx, batch[0], now)}
 			}, func(rows pgx.Rows) error {
 				_, err := pgx.ForEachRow(rows, []any{&t}, func() error {
@@ -661,7 +661,7 @@ func (q *issuer) exec(ctx context.Context, batch []*issueReq, limited bool) []is
 	got := make(map[string]int64, len(batch))
 	err := retryPooled(pool, func() error {
 		clear(got) // rows of an attempt that failed were never committed
-		return issueTx(ctx, pool, begin, issueBatchSQL, func(now time.Time) []any {
+		return issueTx(ctx, pool, begin, commit, issueBatchSQL, func(now time.Time) []any {
 			return batchArgs(ctx, batch, now)
 		}, scanTokens(got))
 	})
@@ -690,10 +690,11 @@ func batchResult(got map[string]int64, key string, err error) issueResult {
 // budgets count from, so that the transaction's timestamp, from which
 // Postgres counts them, comes before it, however long the statement then
 // takes to arrive, be parsed (a table lock) or get its rows; then the
-// statement, whose rows scan reads, and the COMMIT, sent together. The
-// results count only once it returns nil: the COMMIT was durable. A
-// connection left in a failed transaction is closed by the pool.
-func issueTx(ctx context.Context, pool *pgxpool.Pool, begin, sql string, args func(now time.Time) []any, scan func(pgx.Rows) error) error {
+// statement, whose rows scan reads, and the COMMIT, sent by commit
+// (issueCommit or issueThenCommit). The results count only once it returns
+// nil: the COMMIT was durable. A connection left in a transaction (failed,
+// or not committed) is closed by the pool, which rolls it back.
+func issueTx(ctx context.Context, pool *pgxpool.Pool, begin string, commit commitFunc, sql string, args func(now time.Time) []any, scan func(pgx.Rows) error) error {
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
 		return err
@@ -702,8 +703,13 @@ func issueTx(ctx context.Context, pool *pgxpool.Pool, begin, sql string, args fu
 	if _, err := conn.Exec(ctx, begin); err != nil {
 		return err
 	}
-	return issueCommit(ctx, conn, sql, args(time.Now()), scan)
+	return commit(ctx, conn, sql, args(time.Now()), scan)
 }
+
+// commitFunc sends, in the transaction open on conn, the statement sql with
+// args, whose rows scan reads, and the COMMIT; it returns nil once the
+// COMMIT answered.
+type commitFunc func(ctx context.Context, conn *pgxpool.Conn, sql string, args []any, scan func(pgx.Rows) error) error
 
 // issueCommit sends, in the transaction open on conn, the statement sql
 // with args, whose rows scan reads, and the COMMIT, together; it returns
@@ -723,6 +729,30 @@ func issueCommit(ctx context.Context, conn *pgxpool.Conn, sql string, args []any
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
+	return err
+}
+
+// issueThenCommit is issueCommit for a claim set aside (see setAside): it
+// sends the statement alone, and the COMMIT only once the statement
+// answered, and only if ctx has not ended by then (the claim's caller
+// left). Its statement may wait long for its row: sent with it, the COMMIT
+// would already be at the server when the caller leaves, and only the
+// cancel request pgx sends as it gives the connection up (best effort, in
+// the background) would keep the token from being issued for nobody once
+// the row is free. Without its COMMIT, the transaction is rolled back when
+// the connection closes. It costs a round trip, on this path only.
+func issueThenCommit(ctx context.Context, conn *pgxpool.Conn, sql string, args []any, scan func(pgx.Rows) error) error {
+	rows, err := conn.Query(ctx, sql, args...)
+	if err != nil {
+		return err
+	}
+	if err := scan(rows); err != nil { // scan closes rows
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	_, err = conn.Exec(ctx, "COMMIT")
 	return err
 }
 

@@ -209,7 +209,7 @@ func TestDB_Issue_IdleInTransactionRetried(t *testing.T) {
 	var tok int64
 	err := retryPooled(db.pool, func() error {
 		attempts++
-		return issueTx(t.Context(), db.pool, "BEGIN", issueSQL, func(time.Time) []any {
+		return issueTx(t.Context(), db.pool, "BEGIN", issueCommit, issueSQL, func(time.Time) []any {
 			if attempts == 1 {
 				// Paused after BEGIN until Postgres ends the session.
 				testutil.WaitFor(t, waitTimeout, "the session idle in its transaction", func() (bool, error) {
