@@ -7,7 +7,12 @@ package store
 // one conditional statement: issue the next token for the key only if the
 // newest one is the token the caller names (or, with 0, only if none was
 // ever issued). It returns without waiting; Postgres commits it, durably,
-// while the caller's round runs.
+// while the caller's round runs. Like an issuance's batch, the statement
+// waits at most Options.IssueLockWait for the key's row (a lock_timeout set
+// for its implicit transaction): when another transaction holds it (an
+// outside session, a slow document write), it issues nothing, so neither
+// Confirm nor Abandon waits for the row; a grant that was won then issues
+// its token the ordinary way, where a held row waits alone.
 //
 // Confirm, once the grant is won, sends a read of the key's newest token
 // behind that statement on the same connection, so it costs no round trip of
@@ -41,9 +46,14 @@ var _ fencing.Speculator = (*DB)(nil)
 
 // Names of the statements a speculation prepares on its connection.
 const (
-	specStmt    = "redfence_speculate"
-	confirmStmt = "redfence_speculate_confirm"
+	lockWaitStmt = "redfence_speculate_lock_wait"
+	specStmt     = "redfence_speculate"
+	confirmStmt  = "redfence_speculate_confirm"
 )
+
+// lockWaitSQL sets lock_timeout to $1 ms for the transaction it runs in: the
+// implicit one it shares with specSQL, sent with it before the same Sync.
+const lockWaitSQL = `SELECT set_config('lock_timeout', $1, true)`
 
 // specSQL issues the next token for $1 only if the newest is $4 (0: only if
 // the key has no row), and returns it.
@@ -74,7 +84,10 @@ type speculation struct {
 
 	// What the conditional statement returned, once read.
 	read   bool
-	issued fencing.Token // 0: the condition did not hold
+	issued fencing.Token // 0: the condition did not hold, or the row was held
+	// held: the key's row was held by another transaction past the lock
+	// wait, and nothing was issued.
+	held bool
 }
 
 // Speculate implements fencing.Speculator. The statement is sent before it
@@ -90,10 +103,10 @@ func (db *DB) Speculate(ctx context.Context, c fencing.Claim, last fencing.Token
 	if err != nil {
 		return nil, fmt.Errorf("store: speculate token for %q: %w", c.Key, classify(err))
 	}
-	// Prepared once per connection (pgx keeps them by name); both must be
+	// Prepared once per connection (pgx keeps them by name); all must be
 	// in place before the connection enters pipeline mode.
-	var sd [2]*pgconn.StatementDescription
-	for i, st := range [2][2]string{{specStmt, specSQL}, {confirmStmt, confirmSQL}} {
+	var sd [3]*pgconn.StatementDescription
+	for i, st := range [3][2]string{{lockWaitStmt, lockWaitSQL}, {specStmt, specSQL}, {confirmStmt, confirmSQL}} {
 		if sd[i], err = conn.Conn().Prepare(ctx, st[0], st[1]); err != nil {
 			conn.Release()
 			return nil, fmt.Errorf("store: speculate token for %q: %w", c.Key, classify(err))
@@ -102,7 +115,10 @@ func (db *DB) Speculate(ctx context.Context, c fencing.Claim, last fencing.Token
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), db.issuer.timeout)
 	s := &speculation{db: db, claim: c, conn: conn, cancel: cancel}
 	s.pl = conn.Conn().PgConn().StartPipeline(pctx)
-	s.pl.SendQueryStatement(sd[0], [][]byte{
+	// One implicit transaction, up to the Sync: the lock wait's setting
+	// holds for the statement, and ends with it.
+	s.pl.SendQueryStatement(sd[0], [][]byte{db.specLockWait}, nil, nil)
+	s.pl.SendQueryStatement(sd[1], [][]byte{
 		[]byte(c.Key), []byte(c.Owner), []byte(c.Holder), strconv.AppendInt(nil, int64(last), 10),
 	}, nil, nil)
 	if err := s.pl.Sync(); err != nil {
@@ -135,6 +151,8 @@ func (s *speculation) Confirm(ctx context.Context) (tok fencing.Token, err error
 	}
 	broken = false
 	switch {
+	case s.held:
+		return 0, fmt.Errorf("store: confirm token for %q: %w: its row was held by another transaction, and nothing was issued", s.claim.Key, fencing.ErrNotConfirmed)
 	case s.issued == 0:
 		return 0, fmt.Errorf("store: confirm token for %q: %w: the newest token was not the one expected", s.claim.Key, fencing.ErrNotConfirmed)
 	case cur != s.issued:
@@ -165,7 +183,10 @@ func (s *speculation) Abandon(ctx context.Context) error {
 // (burned); the metrics count it as issued.
 func (s *speculation) Issued() fencing.Token { return s.issued }
 
-// readIssued reads the conditional statement's answer and the Sync after it.
+// readIssued reads the lock wait's setting, the conditional statement's
+// answer and the Sync after them. A statement whose lock wait ran out
+// (rowHeld) issued nothing: its transaction rolled back, and the connection
+// is as usable as after any other answer.
 func (s *speculation) readIssued(ctx context.Context) error {
 	if s.read {
 		return nil
@@ -175,16 +196,26 @@ func (s *speculation) readIssued(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	for rr.NextRow() {
-		t, err := parseToken(rr.Values()[0])
-		if err != nil {
-			_, _ = rr.Close()
-			return err
-		}
-		s.issued = t
-	}
 	if _, err := rr.Close(); err != nil {
 		return err
+	}
+	if rr, err = s.results(ctx); err == nil {
+		for rr.NextRow() {
+			t, err := parseToken(rr.Values()[0])
+			if err != nil {
+				_, _ = rr.Close()
+				return err
+			}
+			s.issued = t
+		}
+		_, err = rr.Close()
+	}
+	if err != nil {
+		// The statement's error comes with its result or at its end.
+		if !rowHeld(err) {
+			return err
+		}
+		s.issued, s.held = 0, true
 	}
 	return s.sync()
 }

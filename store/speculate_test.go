@@ -266,3 +266,46 @@ func TestDB_Speculate(t *testing.T) {
 		wantLast(t, db, "reuse", last, "", "")
 	})
 }
+
+// TestDB_Speculate_HeldRow: a speculation whose key's row another
+// transaction holds (an operator's SELECT ... FOR UPDATE, a slow document
+// write) waits for it no longer than an issuance does (IssueLockWait), and
+// issues nothing: a try that lost ends at once (Abandon), and one that won
+// hears ErrNotConfirmed and issues its token the ordinary way, where a held
+// row waits alone. The connection goes back to the pool, usable. (Found by
+// fault injection: a try-lock of a name held through another server, alone
+// on its server, answered 409 lock-held only after REDFENCE_ISSUE_TIMEOUT,
+// its Abandon waiting for the row an operator held, on a connection of the
+// locks' pool.)
+func TestDB_Speculate_HeldRow(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{IssueTimeout: time.Hour, StatementTimeout: time.Hour, IssueLockWait: time.Millisecond})
+	issue(t, db, "a")
+	row := holdRow(t, url, "a")
+	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout) // a guard against a hang
+	defer cancel()
+
+	lost := speculate(t, db, fencing.Claim{Key: "a", Holder: "lost"}, 1)
+	if err := lost.Abandon(ctx); err != nil {
+		t.Fatalf("Abandon while a's row is held: %v; want it to end without waiting for the row", err)
+	}
+	if got := lost.(*speculation).Issued(); got != 0 {
+		t.Errorf("Issued after Abandon = %d; want 0: the row was held", got)
+	}
+	won := speculate(t, db, fencing.Claim{Key: "a", Holder: "won"}, 1)
+	if tok, err := won.Confirm(ctx); !errors.Is(err, fencing.ErrNotConfirmed) {
+		t.Fatalf("Confirm while a's row is held = %d, %v; want ErrNotConfirmed without waiting for the row", tok, err)
+	}
+	if n := db.pool.Stat().AcquiredConns(); n != 0 {
+		t.Errorf("%d connections still acquired", n)
+	}
+
+	if err := row.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	wantLast(t, db, "a", 1, "", "")
+	s := speculate(t, db, fencing.Claim{Key: "a", Holder: "next"}, 1)
+	if tok, err := s.Confirm(ctx); err != nil || tok != 2 {
+		t.Fatalf("Confirm once a's row is free = %d, %v; want 2: nothing was issued while it was held", tok, err)
+	}
+}

@@ -26,6 +26,7 @@ import (
 	"log/slog"
 	"net/url"
 	"regexp"
+	"strconv"
 	"strings"
 	"time"
 
@@ -146,6 +147,9 @@ type DB struct {
 	// putRefused, if set (tests), runs when a write was refused by its
 	// document's state, before the document is read to say why.
 	putRefused func()
+	// specLockWait is Options.IssueLockWait in milliseconds, as text: a
+	// speculation's lock_timeout (see Speculate).
+	specLockWait []byte
 }
 
 // Open connects to the Postgres at url (a postgres:// URL or DSN) and checks
@@ -224,7 +228,8 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 		docs.Close()
 		return nil, fmt.Errorf("store: connect: %w", err)
 	}
-	db := &DB{pool: pool, docs: docs, waits: waits, opts: opts}
+	db := &DB{pool: pool, docs: docs, waits: waits, opts: opts,
+		specLockWait: strconv.AppendInt(nil, max(opts.IssueLockWait.Milliseconds(), 1), 10)}
 	if err := db.Ping(ctx); err != nil {
 		pool.Close()
 		docs.Close()
