@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"fmt"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/redfence/redfence/fencing"
 	"github.com/redfence/redfence/internal/testutil"
@@ -298,5 +301,44 @@ func TestDB_Issue_HeldRowCallerLeftCancelLost(t *testing.T) {
 	proxy.release()
 	if next := issue(t, db, "a"); next != 2 {
 		t.Errorf("next token of a = %d; want 2", next)
+	}
+}
+
+// TestDB_Issue_HeldRowOutlastsStatementTimeout: a claim set aside for a
+// held row waits for it until its caller's deadline (here the issue
+// timeout, an hour), even past the sessions' statement timeout. (Found by
+// fault injection: under REDFENCE_ISSUE_TIMEOUT=30s, a grant whose row an
+// operator held failed after REDFENCE_STATEMENT_TIMEOUT, 5 s, "canceling
+// statement due to statement timeout", where README has it wait up to the
+// issue timeout or the lease.)
+func TestDB_Issue_HeldRowOutlastsStatementTimeout(t *testing.T) {
+	t.Parallel()
+	const stmtTimeout = 200 * time.Millisecond
+	db, url := newDB(t, Options{IssueCommitters: 1, IssueTimeout: time.Hour, StatementTimeout: stmtTimeout, IssueLockWait: time.Millisecond})
+	issue(t, db, "a")
+	row := holdRow(t, url, "a")
+	a := issueAsync(t.Context(), db, fencing.Claim{Key: "a"})
+	waiters := lockWaiters(t, url)
+	testutil.WaitFor(t, waitTimeout, "a's claim to be set aside and wait for its row", func() (bool, error) {
+		n, err := waiters()
+		return n == 1 && db.issuer.setAsides.Load() == 1, err // the batch's statement ended before
+	})
+	// A witness with the sessions' statement timeout waits for the row
+	// since after the claim began to: once it timed out, the claim has
+	// waited longer than the statement timeout.
+	w := connect(t, url)
+	if _, err := w.Exec(t.Context(), fmt.Sprintf("SET statement_timeout = %d", stmtTimeout.Milliseconds())); err != nil {
+		t.Fatal(err)
+	}
+	_, err := w.Exec(t.Context(), `SELECT token FROM redfence_fencing WHERE key = 'a' FOR UPDATE`)
+	if pe := (*pgconn.PgError)(nil); !errors.As(err, &pe) || pe.Code != "57014" {
+		t.Fatalf("witness waiting for a's row = %v; want a statement timeout (57014)", err)
+	}
+	notYet(t, a, "Issue(a)")
+	if err := row.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if got := recv(t, a, "Issue(a)"); got.err != nil || got.tok != 2 {
+		t.Fatalf("Issue(a) once its row is free, after the statement timeout = %d, %v; want 2", got.tok, got.err)
 	}
 }

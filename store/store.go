@@ -197,17 +197,16 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	// lock on its name's token row until its COMMIT, which holds up the
 	// name's token issuance: that pool's sessions end such a transaction
 	// after docIdleInTx.
-	stmt := fmt.Sprint(opts.StatementTimeout.Milliseconds())
-	sessionSetup := func(idle time.Duration) func(context.Context, *pgx.Conn) error {
-		ms := fmt.Sprint(idle.Milliseconds())
+	sessionSetup := func(stmt, idle time.Duration) func(context.Context, *pgx.Conn) error {
+		st, ms := fmt.Sprint(stmt.Milliseconds()), fmt.Sprint(idle.Milliseconds())
 		return func(ctx context.Context, c *pgx.Conn) error {
-			_, err := c.Exec(ctx, sessionSQL, stmt, ms)
+			_, err := c.Exec(ctx, sessionSQL, st, ms)
 			return err
 		}
 	}
-	cfg.AfterConnect = sessionSetup(opts.StatementTimeout)
+	cfg.AfterConnect = sessionSetup(opts.StatementTimeout, opts.StatementTimeout)
 	dcfg := cfg.Copy()
-	dcfg.AfterConnect = sessionSetup(min(docIdleInTx, opts.StatementTimeout))
+	dcfg.AfterConnect = sessionSetup(opts.StatementTimeout, min(docIdleInTx, opts.StatementTimeout))
 	if opts.DocMaxConns > 0 {
 		dcfg.MaxConns = opts.DocMaxConns
 	}
@@ -222,6 +221,9 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	}
 	wcfg := cfg.Copy()
 	wcfg.MaxConns = heldRowConns
+	// A claim set aside waits for its row until its caller's deadline, at
+	// most IssueTimeout: a shorter statement timeout would cut it short.
+	wcfg.AfterConnect = sessionSetup(max(opts.StatementTimeout, opts.IssueTimeout), opts.StatementTimeout)
 	waits, err := pgxpool.NewWithConfig(ctx, wcfg) // connects when first used
 	if err != nil {
 		pool.Close()

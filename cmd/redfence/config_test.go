@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestUnknownSettings: a REDFENCE_* variable nothing reads (a typo) is
@@ -94,4 +95,17 @@ func mustFloat(t *testing.T, s string) float64 {
 		t.Fatal(err)
 	}
 	return f
+}
+
+// TestStoreOptions: the store gets the settings it enforces,
+// REDFENCE_ISSUE_TIMEOUT among them. (Found by fault injection: it was left
+// at the store's default, 10 s, so under REDFENCE_ISSUE_TIMEOUT=30s a grant
+// waiting for a held row was given up after 10 s.)
+func TestStoreOptions(t *testing.T) {
+	t.Parallel()
+	c := &Config{DBMaxConns: 7, DBDocMaxConns: 3, StatementTimeout: 4 * time.Second, IssueTimeout: 30 * time.Second}
+	got := c.storeOptions(nil, true)
+	if got.MaxConns != 7 || got.DocMaxConns != 3 || got.StatementTimeout != 4*time.Second || got.IssueTimeout != 30*time.Second || !got.Unfenced {
+		t.Errorf("storeOptions = %+v; want the pools' sizes, both timeouts and Unfenced from the settings", got)
+	}
 }

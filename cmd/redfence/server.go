@@ -85,9 +85,7 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 		}
 	}()
 
-	db, err := store.Open(ctx, cfg.DatabaseURL, store.Options{
-		MaxConns: cfg.DBMaxConns, DocMaxConns: cfg.DBDocMaxConns, StatementTimeout: cfg.StatementTimeout, Logger: log, Unfenced: opts.Unfenced,
-	})
+	db, err := store.Open(ctx, cfg.DatabaseURL, cfg.storeOptions(log, opts.Unfenced))
 	if err != nil {
 		return nil, err
 	}
@@ -203,6 +201,16 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 	log.Info("redfence serving", slog.String("addr", s.Addr()), slog.String("url", s.URL()), slog.Bool("auth", auth != nil), slog.Int("nodes", len(nodes)),
 		slog.Int("quorum", s.locker.Quorum()), slog.String("max_ttl", cfg.MaxTTL.String()))
 	return s, nil
+}
+
+// storeOptions are the store's settings: its pools, its statements'
+// timeout, and issuance's, which bounds a claim in the store as it does in
+// the service (a claim waiting for a held row, a speculation).
+func (c *Config) storeOptions(log *slog.Logger, unfenced bool) store.Options {
+	return store.Options{
+		MaxConns: c.DBMaxConns, DocMaxConns: c.DBDocMaxConns, StatementTimeout: c.StatementTimeout,
+		IssueTimeout: c.IssueTimeout, Logger: log, Unfenced: unfenced,
+	}
 }
 
 // Addr returns the address the server listens on.
