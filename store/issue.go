@@ -50,12 +50,20 @@ package store
 // its deadline. Its key stays in flight until then, so later claims for it
 // stay queued behind it, while its slot is freed for the other keys.
 //
-// Not guaranteed: that a caller who leaves (its context ends) gets no token
-// issued; once the batch holds its claim's row, the token may be committed
-// and is then burned, as fencing.Issuer allows (its row stays locked until
-// that commit, so later tokens come after it). A caller running a batch
-// inline does not leave before that batch ends (others wait on it): it then
-// returns its own result even if its context ended meanwhile.
+// A caller who leaves (its context is cancelled) while its claim is queued
+// gets no token issued, and Issue returns at once. Once a batch took the
+// claim, the token may still be issued (and is then burned, as
+// fencing.Issuer allows): Issue then waits for the batch's outcome, until
+// the claim's deadline at most. Returning at once would let the caller free
+// its name (its lease) while the batch has not reached the claim's row (it
+// waits for another key's row, or has not sent its statement yet), and
+// another server's grant of the name could then be issued a token before
+// this one, and be fenced out by it. Past the claim's deadline nothing of
+// it is issued that has not locked its row (issueSQL), and a row locked
+// orders later tokens after it. A claim set aside stops waiting for its row
+// when its caller leaves. A caller running a batch inline does not leave
+// before that batch ends (others wait on it): it then returns its own
+// result even if its context ended meanwhile.
 
 import (
 	"context"
@@ -128,9 +136,16 @@ var errLate = fmt.Errorf("its deadline passed while it waited for the row of its
 // durable. Concurrent calls share one statement and one commit (see
 // Options.IssueCommitters); when a committer slot is free, the statement
 // runs on the calling goroutine. When ctx ends first, Issue returns an error
-// wrapping ctx.Err(); the token may still be issued (and is then burned).
+// wrapping ctx.Err() at once if the claim was still queued (nothing is
+// issued) or ctx's deadline passed (the token may still be issued, and is
+// then burned, but only if its row was locked before the deadline, so every
+// token issued after Issue returns comes after it). If ctx was cancelled
+// after a batch took the claim, Issue returns that batch's outcome once it
+// is known (a token then, which the caller who left must not grant: it is
+// burned), or that error at the deadline (see the top of this file).
 // Errors from Postgres match ErrUnavailable or ErrInvalidData; after Close
-// they match ErrClosed; a ctx that ends first gives one matching ctx.Err().
+// they match ErrClosed; a ctx that ends first gives one matching ctx.Err(),
+// but for a token that came in as it ended.
 func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, fmt.Errorf("store: issue token for %q: %w", c.Key, err)
@@ -143,13 +158,33 @@ func (db *DB) Issue(ctx context.Context, c fencing.Claim) (fencing.Token, error)
 	case res := <-r.done:
 		return res.tok, res.err
 	case <-ctx.Done():
-		select {
-		case res := <-r.done: // it came in just now (or ran inline): do not burn it
-			return res.tok, res.err
-		default:
-		}
-		return 0, fmt.Errorf("store: issue token for %q: gave up waiting (the token may still be issued): %w", c.Key, ctx.Err())
 	}
+	select {
+	case res := <-r.done: // it came in just now (or ran inline): do not burn it
+		return res.tok, res.err
+	default:
+	}
+	if !db.issuer.withdraw(r) {
+		return 0, fmt.Errorf("store: issue token for %q: gave up waiting before a batch took it; nothing was issued: %w", c.Key, ctx.Err())
+	}
+	if errors.Is(ctx.Err(), context.Canceled) {
+		db.issuer.leftWaits.Add(1)
+		var deadline <-chan time.Time
+		if d, ok := ctx.Deadline(); ok {
+			t := time.NewTimer(time.Until(d))
+			defer t.Stop()
+			deadline = t.C
+		}
+		select {
+		case res := <-r.done:
+			if res.err != nil && !errors.Is(res.err, ctx.Err()) {
+				res.err = fmt.Errorf("%w (its caller left: %w)", res.err, ctx.Err())
+			}
+			return res.tok, res.err
+		case <-deadline:
+		}
+	}
+	return 0, fmt.Errorf("store: issue token for %q: gave up waiting at its deadline (the token may still be issued): %w", c.Key, ctx.Err())
 }
 
 // issueResult is what a batch hands to a waiting Issue.
@@ -172,6 +207,9 @@ type issueReq struct {
 	// held by another transaction: the claim waits for it on a goroutine
 	// of its own (see issuer.setAside), which frees its key.
 	setAside bool
+	// taken is set, under issuer.mu, when a batch takes the claim: its
+	// result will come on done.
+	taken bool
 }
 
 // issueHooks let tests observe and stall issuance. Set them before the first
@@ -227,6 +265,9 @@ type issuer struct {
 	statements, claims atomic.Int64
 	// setAsides counts the claims set aside for a held row.
 	setAsides atomic.Int64
+	// leftWaits counts the Issue calls whose caller left after a batch
+	// took their claim, and which wait for its outcome (see Issue).
+	leftWaits atomic.Int64
 }
 
 // newIssuer returns an issuer with the given number of slots, issuing over
@@ -284,6 +325,20 @@ func (q *issuer) submit(r *issueReq) error {
 	}
 	q.mu.Unlock()
 	return nil
+}
+
+// withdraw reports whether a batch took r (its result will come); if none
+// did, r is taken out of the queue, if still there, and no batch ever will.
+func (q *issuer) withdraw(r *issueReq) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if r.taken {
+		return true
+	}
+	if i := slices.Index(q.queue, r); i >= 0 {
+		q.queue = slices.Delete(q.queue, i, i+1)
+	}
+	return false
 }
 
 // close fails every queued claim with ErrClosed, ends the running batches
@@ -357,6 +412,7 @@ func (q *issuer) takeLocked() []*issueReq {
 			continue
 		}
 		q.inflight[r.claim.Key] = struct{}{}
+		r.taken = true
 		batch = append(batch, r)
 	}
 	clear(q.queue[len(rest):])

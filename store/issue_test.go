@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/testutil"
 )
 
 // probe watches a DB's issuance through its hooks and holds the first batch
@@ -329,10 +330,12 @@ func TestDB_Issue_KeyOrderAcrossCommitters(t *testing.T) {
 	}
 }
 
-// TestDB_Issue_Cancel checks that a caller waiting on a committer returns at
-// once when its context ends: a queued claim is then dropped, while one in a
-// running batch is still committed (its token burned). (A caller running its
-// batch inline stays to the end: see TestDB_Issue_InlineCancel.)
+// TestDB_Issue_Cancel checks that a caller waiting on a committer whose
+// context is cancelled returns at once if its claim is queued (the claim is
+// then dropped), while one whose claim a running batch took waits for that
+// batch, which still commits it (its token burned): its caller must not
+// free its name before (see TestDB_Issue_CallerLeftInBatch). (A caller
+// running its batch inline stays to the end: see TestDB_Issue_InlineCancel.)
 func TestDB_Issue_Cancel(t *testing.T) {
 	t.Parallel()
 	db, _ := newDB(t, Options{IssueCommitters: 1})
@@ -355,23 +358,28 @@ func TestDB_Issue_Cancel(t *testing.T) {
 	queued := issueAsync(queuedCtx, db, fencing.Claim{Key: "queued"})
 	s.wantQueued(t, fencing.Claim{Key: "queued"}, 1)
 
-	// Both return while the batch is still held.
+	// The queued one returns while the batch is still held; the running
+	// one waits for its batch.
 	cancelQueued()
 	cancelRunning()
-	for _, ch := range []<-chan issued{queued, running} {
-		r := recv(t, ch, "a cancelled Issue to return")
-		if !errors.Is(r.err, context.Canceled) || r.tok != 0 {
-			t.Errorf("cancelled Issue(%q) = %d, %v; want context.Canceled", r.claim.Key, r.tok, r.err)
-		}
+	if r := recv(t, queued, "the cancelled queued Issue to return"); !errors.Is(r.err, context.Canceled) || r.tok != 0 {
+		t.Errorf("cancelled Issue(%q) = %d, %v; want context.Canceled", r.claim.Key, r.tok, r.err)
 	}
 	// A context that ended before the call fails without queueing.
 	if tok, err := db.Issue(queuedCtx, fencing.Claim{Key: "queued"}); !errors.Is(err, context.Canceled) {
 		t.Errorf("Issue(cancelled context) = %d, %v; want context.Canceled", tok, err)
 	}
+	testutil.WaitFor(t, waitTimeout, "the cancelled running Issue to wait for its batch", func() (bool, error) {
+		return db.issuer.leftWaits.Load() == 1, nil
+	})
+	notYet(t, running, "the cancelled Issue(running)")
 
 	s.release("running")
-	// The running batch committed token 1 of "running"; the queued claim
-	// was dropped.
+	// The running batch committed token 1 of "running", which its Issue
+	// returns (burned: its caller left); the queued claim was dropped.
+	if r := recv(t, running, "the cancelled running Issue to return"); r.err != nil || r.tok != 1 {
+		t.Errorf("cancelled Issue(running) = %d, %v; want 1, its batch's outcome", r.tok, r.err)
+	}
 	if tok := issue(t, db, "running"); tok != 2 {
 		t.Errorf("Issue(running) after the cancelled one = %d; want 2 (1 was issued to the caller that left)", tok)
 	}

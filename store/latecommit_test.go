@@ -88,6 +88,81 @@ func TestDB_Issue_LateClaimInBatch(t *testing.T) {
 	}
 }
 
+// TestDB_Issue_CallerLeftInBatch: a caller that leaves (its context
+// cancelled, its deadline still ahead) after a batch took its claim, while
+// the batch waits for another key's row, does not get Issue back before the
+// batch's outcome: once Issue returns, its server frees the name, and
+// another server's grant of it would then be issued a token that this
+// claim's, issued when the batch goes on, fences out. (Found by fault
+// injection: with clients leaving mid-acquire, a holder granted through one
+// server got 409 stale-token on its first write; the token after its own
+// had been committed on the other server for an acquire whose client had
+// left, whose lease that server had deleted at once.)
+func TestDB_Issue_CallerLeftInBatch(t *testing.T) {
+	t.Parallel()
+	// The batch waits for a's row (IssueLockWait) rather than set a aside.
+	db, url := newDB(t, Options{IssueCommitters: 1, IssueLockWait: time.Hour})
+	other := open(t, url, Options{}) // a second server on the same database
+	issue(t, db, "a")
+	issue(t, db, "b")
+	p := newProbe(t, db)
+	tx := holdRow(t, url, "a")
+
+	z := holdFirst(t, t.Context(), db, p, "z") // takes the only slot
+	aCh := issueAsync(t.Context(), db, fencing.Claim{Key: "a", Holder: "A"})
+	p.waitQueued(t, 1)
+	bctx, leave := context.WithCancel(t.Context()) // its lease runs on
+	bCh := issueAsync(bctx, db, fencing.Claim{Key: "b", Holder: "left"})
+	p.waitQueued(t, 2)
+	p.release()
+	recv(t, z, "z")
+	recv(t, p.batches, "z's batch")
+	if got := recv(t, p.batches, "a+b batch"); len(got) != 2 {
+		t.Fatalf("second batch = %v; want [a b]", keysOf(got))
+	}
+	leave()
+	var early *issued
+	testutil.WaitFor(t, waitTimeout, "b's Issue to return or to wait for its batch", func() (bool, error) {
+		select {
+		case got := <-bCh:
+			early = &got
+			return true, nil
+		default:
+		}
+		return db.issuer.leftWaits.Load() == 1, nil
+	})
+	if early != nil {
+		// Its server frees b, and another server grants it.
+		newer, err := other.Issue(t.Context(), fencing.Claim{Key: "b", Holder: "next"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Rollback(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		recv(t, aCh, "a's Issue") // the batch's statement ended
+		last, err := db.Last(t.Context(), "b")
+		t.Fatalf("Issue(b) returned %d, %v while its batch could still issue it; another server then issued %d, and the newest token of b is %+v, %v",
+			early.tok, early.err, newer, last, err)
+	}
+	if err := tx.Rollback(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if a := recv(t, aCh, "a's Issue"); a.err != nil || a.tok != 2 {
+		t.Fatalf("a's Issue = %d, %v; want 2", a.tok, a.err)
+	}
+	// b's token was issued for a caller that left: it is burned, and the
+	// next grant's comes after it.
+	if b := recv(t, bCh, "b's Issue"); b.err != nil || b.tok != 2 {
+		t.Fatalf("b's Issue = %d, %v; want 2, the batch's outcome (burned: its caller left)", b.tok, b.err)
+	}
+	newer, err := other.Issue(t.Context(), fencing.Claim{Key: "b", Holder: "next"})
+	if err != nil || newer != 3 {
+		t.Fatalf("next token of b = %d, %v; want 3", newer, err)
+	}
+	wantLast(t, db, "b", 3, "", "next")
+}
+
 // runBatch runs batch's statement, in a goroutine, with a context that
 // outlasts the test's waits: Postgres, not the client, has to refuse a claim
 // whose deadline passed (as it must when another claim of the batch holds
