@@ -999,6 +999,17 @@ func TestOpen_SynchronousCommit(t *testing.T) {
 			t.Errorf("idle_in_transaction_session_timeout = %q; want %q", v, tc.want)
 		}
 	}
+	// The sessions where claims set aside wait for a held row issue tokens
+	// too: durably, and with a statement timeout of at least the issue
+	// timeout (the default, 10 s), which bounds their wait.
+	var sync, stmt, idle string
+	if err := db.waits.QueryRow(t.Context(), `SELECT current_setting('synchronous_commit'),
+		current_setting('statement_timeout'), current_setting('idle_in_transaction_session_timeout')`).Scan(&sync, &stmt, &idle); err != nil {
+		t.Fatal(err)
+	}
+	if sync != "on" || stmt != "10s" || idle != "5s" {
+		t.Errorf("held-row pool: synchronous_commit %q, statement_timeout %q, idle_in_transaction_session_timeout %q; want on, 10s, 5s", sync, stmt, idle)
+	}
 }
 
 // TestOpen_SynchronousCommitSurvivesReload: a reload of the server's
