@@ -35,7 +35,7 @@ type Config struct {
 	RedisPassword     string        `split_words:"true" desc:"Redis password for every node"`
 	DBMaxConns        int32         `envconfig:"DB_MAX_CONNS" desc:"Postgres pool size of the locks: token issuance, heartbeats, node records, API keys (default: max(4, CPUs))"`
 	DBDocMaxConns     int32         `envconfig:"DB_DOC_MAX_CONNS" desc:"Postgres pool size of the reference store's documents, kept apart from the locks' (default: REDFENCE_DB_MAX_CONNS's)"`
-	StatementTimeout  time.Duration `split_words:"true" default:"5s" desc:"Postgres statement_timeout of Redfence's sessions, and their idle_in_transaction_session_timeout (the documents' pool: 500ms at most)"`
+	StatementTimeout  time.Duration `split_words:"true" default:"5s" desc:"Postgres statement_timeout of Redfence's sessions (those waiting for a name's row held by another transaction: at least REDFENCE_ISSUE_TIMEOUT), and their idle_in_transaction_session_timeout (the documents' pool: 500ms at most)"`
 	StoreTimeout      time.Duration `split_words:"true" default:"2s" desc:"timeout of each reference-store call (PUT and GET /v1/resources), including the wait for a pooled connection"`
 	MaxBodyBytes      int64         `split_words:"true" default:"1048576" desc:"largest request body accepted"`
 	MaxHeaderBytes    int           `split_words:"true" default:"65536" desc:"largest request line plus headers accepted (431 above)"`
