@@ -3,8 +3,8 @@ package store
 import (
 	"context"
 	"errors"
-	"strings"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
