@@ -517,7 +517,7 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		case kExpired:
 			p.Detail = "a majority was won but the lease ran out before the fencing token was issued; nothing was granted"
 		case kShutdown:
-			p.Detail = "this server is shutting down, so the wait ended while the lock was still taken; nothing was granted: retry, on another server if there is one"
+			p.Detail = "this server is shutting down, so the waiting acquire stopped before it was granted; nothing was granted: retry, on another server if there is one"
 		case kLost:
 			p.Detail = "the lease expired or was superseded; acquire again to get a new fencing token"
 		case kNotHolder:

@@ -1518,7 +1518,7 @@ export interface operations {
              *     `fencing-unavailable` (Postgres did not issue a token in time) or
              *     `lease-expired` (the lease ran out before the token was issued), or
              *     `shutting-down` (the server began shutting down during `wait_ms`
-             *     while the lock was still taken). Retry after `Retry-After`
+             *     before the acquire was granted). Retry after `Retry-After`
              *     seconds (after `shutting-down`, on another server if there is one).
              *     `auth-unavailable`: the API key could not be checked (Postgres did not answer).
              */
