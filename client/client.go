@@ -57,7 +57,9 @@ type Options struct {
 	// deadline too); a request that times out fails with ErrUnavailable.
 	// The default is 30s.
 	RequestTimeout time.Duration
-	// APIKey, if set, is sent as "Authorization: Bearer <APIKey>".
+	// APIKey, if set, is sent as "Authorization: Bearer <APIKey>". New
+	// refuses one holding a control character (ErrInvalid), such as a
+	// line break read with it: no request could carry it.
 	APIKey string
 	// Owner labels the leases this client acquires (shown by GET and in the
 	// server's audit log) unless LockOptions.Owner is set. The default is none.
@@ -95,6 +97,13 @@ func New(baseURL string, opts Options) (*Client, error) {
 	if u, err := url.Parse(baseURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("%w: server URL %q: want http://host:port or https://host:port", ErrInvalid, baseURL)
 	}
+	if bad := badKeyByte(opts.APIKey); bad >= 0 {
+		// Refused here, as a bad URL is: every request would fail before
+		// it is sent, as an outage (ErrUnavailable) an acquire with a
+		// Wait keeps retrying. The key itself is not echoed.
+		return nil, fmt.Errorf("%w: the API key holds a control character (byte %d of %d): it cannot be sent in an Authorization header (a line break read from a file or secret with it?)",
+			ErrInvalid, bad+1, len(opts.APIKey))
+	}
 	// A transport of its own by default: a request that times out closes
 	// the idle connections of its client's transport (see exchange), which
 	// must not be every idle connection of the process.
@@ -128,6 +137,17 @@ func New(baseURL string, opts Options) (*Client, error) {
 		return nil, fmt.Errorf("client: client for %q: %w", baseURL, err)
 	}
 	return &Client{api: api, opts: opts}, nil
+}
+
+// badKeyByte returns the index of the first byte of key that no HTTP header
+// value may hold (a control character other than tab, RFC 9110 §5.5), or -1.
+func badKeyByte(key string) int {
+	for i := 0; i < len(key); i++ {
+		if c := key[i]; c < ' ' && c != '\t' || c == 0x7f {
+			return i
+		}
+	}
+	return -1
 }
 
 // REST returns the generated low-level client, for the operations this

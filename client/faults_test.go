@@ -329,6 +329,30 @@ func TestNew_BadURL(t *testing.T) {
 	}
 }
 
+// TestNew_BadAPIKey: an API key no header can carry (a line break read from
+// a file or a secret with it) is refused at once, as invalid, without
+// echoing it: every request would otherwise fail before it is sent, as an
+// outage (ErrUnavailable) that an acquire with a Wait kept retrying until
+// its wait ran out.
+func TestNew_BadAPIKey(t *testing.T) {
+	t.Parallel()
+	const key = "rf_0123456789abcdef_AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+	for _, k := range []string{key + "\n", key + "\r\n", "\n" + key, key + "\r\nX-Injected: 1", key + "\x00", key + "\x7f"} {
+		_, err := client.New("http://127.0.0.1:8080", client.Options{APIKey: k})
+		if !errors.Is(err, client.ErrInvalid) || errors.Is(err, client.ErrUnavailable) {
+			t.Errorf("New(APIKey %q) = %v; want ErrInvalid", k, err)
+		}
+		if err != nil && strings.Contains(err.Error(), key[len(key)-8:]) {
+			t.Errorf("New(APIKey %q) = %v; the error shows the key", k, err)
+		}
+	}
+	for _, k := range []string{"", key} {
+		if _, err := client.New("http://127.0.0.1:8080", client.Options{APIKey: k}); err != nil {
+			t.Errorf("New(APIKey %q) = %v", k, err)
+		}
+	}
+}
+
 // TestAcquire_MaxHoldBelowTTL: a MaxHold shorter than the lease is
 // refused: before asking when the TTL is given (no token burned), on the
 // grant, which is released, when it is the server's default.
