@@ -54,7 +54,7 @@ type Config struct {
 	RateBurst         int           `split_words:"true" default:"200" desc:"requests an API key may send at once (the token bucket's size; it refills at REDFENCE_RATE_LIMIT)"`
 	TLSCertFile       string        `envconfig:"TLS_CERT_FILE" desc:"PEM certificate chain: serve HTTPS (with REDFENCE_TLS_KEY_FILE); reloaded when the file changes"`
 	TLSKeyFile        string        `envconfig:"TLS_KEY_FILE" desc:"PEM private key of REDFENCE_TLS_CERT_FILE"`
-	TLSClientCAFile   string        `envconfig:"TLS_CLIENT_CA_FILE" desc:"PEM CA certificates: require client certificates signed by them (mTLS)"`
+	TLSClientCAFile   string        `envconfig:"TLS_CLIENT_CA_FILE" desc:"PEM CA certificates: require client certificates signed by them (mTLS; read at start)"`
 	RedisTLS          bool          `envconfig:"REDIS_TLS" default:"false" desc:"connect to the Redis nodes over TLS"`
 	RedisTLSCAFile    string        `envconfig:"REDIS_TLS_CA_FILE" desc:"PEM CA certificates of the Redis nodes (default: the system's roots)"`
 	RedisTLSCertFile  string        `envconfig:"REDIS_TLS_CERT_FILE" desc:"PEM client certificate for Redis nodes that verify clients (tls-auth-clients)"`
