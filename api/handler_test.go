@@ -476,6 +476,13 @@ func TestRequestIDs(t *testing.T) {
 		{"rf_0123456789abcde", ""},          // (a key id cut short)
 		{"XO-BHVUBfJCMQRnPhNlbb6nNeSU", ""}, // a lock token's shape
 		{"XO-BHVUBfJCMQRnPhNlbb6nNeS", "XO-BHVUBfJCMQRnPhNlbb6nNeS"}, // 26 characters: a plain ID
+		// Without the Authorization header that would give it away: an
+		// API key with its prefix cut off (the id is public), and a
+		// secret alone (its id is logged with every action).
+		{benchAPIKey[len(apikey.Prefix):], ""},
+		{"x." + benchAPIKey[len(apikey.Prefix):], ""},
+		{benchAPIKey[len(benchAPIKey)-43:], ""},
+		{"0123456789abcdef_retry-1", "0123456789abcdef_retry-1"}, // a span id and more: plain
 	} {
 		w := e.do(e.h, http.MethodPost, "/v1/locks/"+itoa(len(tc.sent))+"x", `{}`, RequestIDHeader, tc.sent)
 		got := w.Header().Get(RequestIDHeader)

@@ -205,10 +205,12 @@ func sharesRun(s, secret string, n int) bool {
 // validRequestID accepts a client's ID only if it is short and plain, so it
 // is safe to log and echo, and cannot be a secret pasted by mistake: it
 // does not start with an API key's prefix (rf_), holds no API key, whole or
-// cut short (rf_ and a key id, anywhere in it), and is not of a lock token's
-// shape (27 characters of base64url).
+// cut short (rf_ and a key id, anywhere in it), nor one without its prefix
+// (a key id, _ and a whole secret), is not a key's secret alone (43
+// characters of base64url: the id that makes it a key is logged with it)
+// and is not of a lock token's shape (27 characters of base64url).
 func validRequestID(s string) bool {
-	if s == "" || len(s) > 64 || strings.HasPrefix(s, apikey.Prefix) || holdsKey(s) || len(s) == lockTokenLen && base64URL(s) {
+	if s == "" || len(s) > 64 || strings.HasPrefix(s, apikey.Prefix) || holdsKey(s) || apikey.HoldsBare(s) || len(s) == lockTokenLen && base64URL(s) {
 		return false
 	}
 	for i := 0; i < len(s); i++ {

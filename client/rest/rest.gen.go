@@ -635,7 +635,9 @@ type HealthzParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -647,7 +649,9 @@ type MetricsParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -659,7 +663,9 @@ type OpenapiParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -671,7 +677,9 @@ type ReadyzParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -687,7 +695,9 @@ type ReleaseLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -699,7 +709,9 @@ type GetLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -711,7 +723,9 @@ type AcquireLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -727,7 +741,9 @@ type ExtendLockParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -739,7 +755,9 @@ type ListNodesParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -765,7 +783,9 @@ type GetResourceParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.
@@ -791,7 +811,9 @@ type PutResourceParams struct {
 	// XRequestId Your ID for this request, echoed in the `X-Request-Id` response header,
 	// in error bodies and in the server's logs. A value that does not match the
 	// pattern, or that is shaped like a secret (starting with `rf_`, holding
-	// `rf_` and an API key's id anywhere, 27
+	// `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+	// of base64url (a key without its prefix), 43 characters of base64url
+	// like a key's secret, 27
 	// characters of base64url like a lock token, or sharing 8 characters in
 	// a row with the request's `Lock-Token` or `Authorization` header), is
 	// not refused: it is replaced by a generated ID.

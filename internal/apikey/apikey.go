@@ -175,6 +175,33 @@ func secretChar(c byte) bool {
 	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_'
 }
 
+// HoldsBare reports whether s holds an API key without its prefix: a key
+// id, "_" and a whole secret anywhere in s (the key with its constant
+// "rf_" cut off), or s is a secret alone (43 characters of base64url). With
+// the id, which is public (logged with every action), a secret alone is
+// the key.
+func HoldsBare(s string) bool {
+	if len(s) == secretLen && secretRun(s) == secretLen {
+		return true
+	}
+	for i := 0; i+idLen+1+secretLen <= len(s); i++ {
+		if s[i+idLen] == '_' && ValidID(s[i:i+idLen]) && secretRun(s[i+idLen+1:]) >= secretLen {
+			return true
+		}
+	}
+	return false
+}
+
+// secretRun is the number of characters a secret may hold at the start of
+// s.
+func secretRun(s string) int {
+	n := 0
+	for n < len(s) && secretChar(s[n]) {
+		n++
+	}
+	return n
+}
+
 // FindID returns the id of the first API key in s, whole or cut short: the
 // first key prefix in s followed by a key id. ok is false if s holds none.
 func FindID(s string) (id string, ok bool) {

@@ -12,7 +12,9 @@ export interface paths {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -87,7 +89,9 @@ export interface paths {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -148,7 +152,9 @@ export interface paths {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -214,7 +220,9 @@ export interface paths {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -252,7 +260,9 @@ export interface paths {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -284,7 +294,9 @@ export interface paths {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -321,7 +333,9 @@ export interface paths {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -355,7 +369,9 @@ export interface paths {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1290,7 +1306,9 @@ export interface components {
          * @description Your ID for this request, echoed in the `X-Request-Id` response header,
          *     in error bodies and in the server's logs. A value that does not match the
          *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-         *     `rf_` and an API key's id anywhere, 27
+         *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+         *     of base64url (a key without its prefix), 43 characters of base64url
+         *     like a key's secret, 27
          *     characters of base64url like a lock token, or sharing 8 characters in
          *     a row with the request's `Lock-Token` or `Authorization` header), is
          *     not refused: it is replaced by a generated ID.
@@ -1378,7 +1396,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1443,7 +1463,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1544,7 +1566,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1613,7 +1637,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1714,7 +1740,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1828,7 +1856,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -1929,7 +1959,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -2002,7 +2034,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -2042,7 +2076,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -2123,7 +2159,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
@@ -2168,7 +2206,9 @@ export interface operations {
                  * @description Your ID for this request, echoed in the `X-Request-Id` response header,
                  *     in error bodies and in the server's logs. A value that does not match the
                  *     pattern, or that is shaped like a secret (starting with `rf_`, holding
-                 *     `rf_` and an API key's id anywhere, 27
+                 *     `rf_` and an API key's id anywhere, or a key id, `_` and 43 characters
+                 *     of base64url (a key without its prefix), 43 characters of base64url
+                 *     like a key's secret, 27
                  *     characters of base64url like a lock token, or sharing 8 characters in
                  *     a row with the request's `Lock-Token` or `Authorization` header), is
                  *     not refused: it is replaced by a generated ID.
