@@ -7,13 +7,17 @@ import (
 	"fmt"
 	"net/http"
 	"slices"
+	"strings"
 )
 
 // RequireOptions tunes Require. The zero value is usable.
 type RequireOptions struct {
-	// Methods lists the HTTP methods that must carry a token. The default is
-	// POST, PUT, PATCH and DELETE: reads pass without one (TokenFrom then
-	// reports false).
+	// Methods lists the HTTP methods that must carry a token, compared
+	// without regard to case (a handler may treat "put" as PUT). The
+	// default (nil) is every method but the safe ones of RFC 9110, GET,
+	// HEAD, OPTIONS and TRACE, spelled exactly so: reads pass without one
+	// (TokenFrom then reports false), and a method the handler may take
+	// for a write (PUT, "put", MERGE, PROPPATCH, ...) needs one.
 	Methods []string
 	// Last, if set, returns the newest token already applied to the resource
 	// r addresses (0 if none). A request carrying an older token is then
@@ -30,6 +34,11 @@ type RequireOptions struct {
 	Max Token
 }
 
+// safeMethods are the methods RFC 9110 defines as safe (read-only): by
+// default the only ones Require lets through without a token. Methods
+// are case-sensitive: "get" is not GET, and needs a token.
+var safeMethods = []string{http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace}
+
 type tokenKey struct{}
 
 // WithToken returns a copy of ctx carrying t.
@@ -45,16 +54,22 @@ func TokenFrom(ctx context.Context) (Token, bool) {
 }
 
 // Require returns middleware that admits a request only when it carries
-// exactly one valid Fencing-Token header (methods in opts.Methods), and puts
+// exactly one valid Fencing-Token header (methods in opts.Methods; by
+// default every method but GET, HEAD, OPTIONS and TRACE), and puts
 // the token in the request's context for TokenFrom. Otherwise it answers with
 // an RFC 9457 problem document, in the same form as Redfence's own API:
 // 400 urn:redfence:problem:invalid-request for a missing or malformed token,
 // 409 urn:redfence:problem:stale-token when opts.Last reports a newer one,
 // 503 urn:redfence:problem:fencing-unavailable when opts.Last fails.
 func Require(opts RequireOptions) func(http.Handler) http.Handler {
-	methods := opts.Methods
-	if methods == nil {
-		methods = []string{http.MethodPost, http.MethodPut, http.MethodPatch, http.MethodDelete}
+	needs := func(method string) bool { // the default: all but the safe methods
+		return !slices.Contains(safeMethods, method)
+	}
+	if opts.Methods != nil {
+		methods := slices.Clone(opts.Methods)
+		needs = func(method string) bool {
+			return slices.ContainsFunc(methods, func(m string) bool { return strings.EqualFold(m, method) })
+		}
 	}
 	limit := opts.Max
 	if limit <= 0 {
@@ -62,7 +77,7 @@ func Require(opts RequireOptions) func(http.Handler) http.Handler {
 	}
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if !slices.Contains(methods, r.Method) {
+			if !needs(r.Method) {
 				next.ServeHTTP(w, r)
 				return
 			}

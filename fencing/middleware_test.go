@@ -99,13 +99,33 @@ func TestRequire(t *testing.T) {
 
 func TestRequire_Methods(t *testing.T) {
 	t.Parallel()
-	h := Require(RequireOptions{Methods: []string{http.MethodGet}})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
-	for method, want := range map[string]int{http.MethodGet: 400, http.MethodPut: 200} {
-		rec := httptest.NewRecorder()
-		h.ServeHTTP(rec, httptest.NewRequest(method, "/", nil))
-		if rec.Code != want {
-			t.Errorf("%s without a token = %d; want %d", method, rec.Code, want)
-		}
+	ok := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {})
+	for _, tc := range []struct {
+		name    string
+		methods []string
+		want    map[string]int // method without a token: status
+	}{
+		{"Listed", []string{http.MethodGet}, map[string]int{http.MethodGet: 400, "get": 400, http.MethodPut: 200}},
+		// By default only the safe methods pass without a token: a handler
+		// that takes any other method for a write (one that does not
+		// route by method, a lower-case "put", WebDAV's PROPPATCH) never
+		// sees one without a token.
+		{"Default", nil, map[string]int{
+			http.MethodGet: 200, http.MethodHead: 200, http.MethodOptions: 200, http.MethodTrace: 200,
+			http.MethodPut: 400, http.MethodPost: 400, http.MethodPatch: 400, http.MethodDelete: 400,
+			"put": 400, "Put": 400, "get": 400, "MERGE": 400, "PROPPATCH": 400,
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := Require(RequireOptions{Methods: tc.methods})(ok)
+			for method, want := range tc.want {
+				rec := httptest.NewRecorder()
+				h.ServeHTTP(rec, httptest.NewRequest(method, "/", nil))
+				if rec.Code != want {
+					t.Errorf("%s without a token = %d; want %d", method, rec.Code, want)
+				}
+			}
+		})
 	}
 }
 
