@@ -213,7 +213,12 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	absorbed := make(chan os.Signal, 1)
 	signal.Notify(absorbed, syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU, syscall.SIGPIPE)
 	defer signal.Stop(absorbed)
-	ev := &lockEvents{w: stderr, verbose: f.verbose}
+	// Its own lines never wait for stderr: one that takes nothing must
+	// hold up neither the renewals nor the signals to the command once
+	// the lease is lost (COMMAND writes to stderr directly).
+	diag := newDiagWriter(stderr)
+	defer diag.Close(time.Second)
+	ev := &lockEvents{w: diag, verbose: f.verbose}
 	hc, err := f.httpClient()
 	if err != nil {
 		return err
@@ -240,7 +245,7 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err != nil {
 		select {
 		case sig := <-stopped:
-			fmt.Fprintf(stderr, "redfence lock: %v while acquiring %q: no lock taken\n", sig, name)
+			fmt.Fprintf(diag, "redfence lock: %v while acquiring %q: no lock taken\n", sig, name)
 			return &exitError{code: 128 + int(sig.(syscall.Signal))}
 		default:
 		}
@@ -248,14 +253,14 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	ev.printf("acquired %q: fencing token %d, valid until %s", name, lease.FencingToken(), stamp(lease.Deadline()))
 
-	status, lost := runLocked(ctx, lease, f, command, stdout, stderr, ev)
+	status, lost := runLocked(ctx, lease, f, command, stdout, stderr, diag, ev)
 
 	// Past the deadline the keys are expiring by themselves: the release
 	// only tidies up, and gets a second at most.
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), min(10*time.Second, max(time.Until(lease.Deadline()), time.Second)))
 	defer cancel()
 	if err := lease.ReleaseRetrying(rctx); err != nil && !lost {
-		fmt.Fprintf(stderr, "redfence lock: releasing %q: %v (it expires by itself within %v)\n", name, err, f.ttl)
+		fmt.Fprintf(diag, "redfence lock: releasing %q: %v (it expires by itself within %v)\n", name, err, f.ttl)
 	} else if err == nil {
 		ev.printf("released %q", name)
 	}
@@ -269,8 +274,9 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 }
 
 // runLocked runs command while lease lasts and returns its exit status, and
-// whether the lease was lost (and the command therefore stopped).
-func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command []string, stdout, stderr io.Writer, ev *lockEvents) (status int, lost bool) {
+// whether the lease was lost (and the command therefore stopped). The
+// command's output goes to stdout and stderr, redfence lock's own to diag.
+func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command []string, stdout, stderr io.Writer, diag *diagWriter, ev *lockEvents) (status int, lost bool) {
 	cmd := exec.Command(command[0], command[1:]...)
 	cmd.Env = append(os.Environ(),
 		"REDFENCE_LOCK_NAME="+lease.Name(),
@@ -292,15 +298,18 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	defer signal.Stop(sigs)
 
 	if err := lease.Err(); err != nil { // the grant came too late to use
-		fmt.Fprintf(stderr, "redfence lock: lease on %q ended before the command could start (%v)\n", lease.Name(), err)
+		fmt.Fprintf(diag, "redfence lock: lease on %q ended before the command could start (%v)\n", lease.Name(), err)
 		return 1, true
 	}
+	// What was printed before (the grant) is out before the command runs,
+	// unless stderr takes nothing.
+	diag.flush(250 * time.Millisecond)
 	// childproc keeps the thread that forked the command alive until the
 	// command is reaped: the parent-death signal (commandAttr) follows that
 	// thread, not the process.
 	exited, err := childproc.Start(cmd)
 	if err != nil {
-		fmt.Fprintf(stderr, "redfence lock: %v\n", err)
+		fmt.Fprintf(diag, "redfence lock: %v\n", err)
 		if errors.Is(err, fs.ErrPermission) || errors.Is(err, syscall.EISDIR) {
 			return 126, false
 		}
@@ -309,12 +318,13 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	pgid := cmd.Process.Pid
 	signalGroup := func(s syscall.Signal) {
 		if err := syscall.Kill(-pgid, s); err != nil && !errors.Is(err, syscall.ESRCH) {
-			fmt.Fprintf(stderr, "redfence lock: sending %v: %v\n", s, err)
+			fmt.Fprintf(diag, "redfence lock: sending %v: %v\n", s, err)
 		}
 	}
 	safety := lockSafety(f.ttl)
 	var kill <-chan time.Time
 	var killedAt time.Time // when SIGKILL was sent
+	var graceGiven time.Duration
 	// stop sends SIGTERM now and schedules SIGKILL after the grace period,
 	// and in any case before the lease's deadline (less the safety).
 	stop := func() {
@@ -322,8 +332,8 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 			return
 		}
 		signalGroup(syscall.SIGTERM)
-		d := min(f.grace, time.Until(lease.Deadline().Add(-safety)))
-		kill = time.After(max(d, 0))
+		graceGiven = max(min(f.grace, time.Until(lease.Deadline().Add(-safety))), 0)
+		kill = time.After(graceGiven)
 	}
 	// Once COMMAND has exited, what is left of its process group (children
 	// it started in the background) is stopped the same way before the
@@ -386,14 +396,18 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 			if exitedStatus >= 0 {
 				target = "what is left of the command's process group"
 			}
-			fmt.Fprintf(stderr, "redfence lock: lease on %q lost (%v): sending SIGTERM to %s\n", lease.Name(), lease.Err(), target)
-			ev.printf("sent SIGTERM; lease deadline %s", stamp(lease.Deadline()))
 			stop()
+			fmt.Fprintf(diag, "redfence lock: lease on %q lost (%v): sent SIGTERM to %s\n", lease.Name(), lease.Err(), target)
+			ev.printf("sent SIGTERM; lease deadline %s", stamp(lease.Deadline()))
 		case <-kill:
 			kill = nil
-			fmt.Fprintf(stderr, "redfence lock: the command's process group did not exit within --grace %v: sending SIGKILL\n", f.grace)
 			signalGroup(syscall.SIGKILL)
 			killedAt = time.Now()
+			within := fmt.Sprintf("--grace %v", f.grace)
+			if graceGiven < f.grace {
+				within = fmt.Sprintf("%v (--grace %v, cut short to end before the lease's deadline)", graceGiven.Round(time.Millisecond), f.grace)
+			}
+			fmt.Fprintf(diag, "redfence lock: the command's process group did not exit within %s: sent SIGKILL\n", within)
 			ev.printf("sent SIGKILL")
 		}
 	}
@@ -417,8 +431,8 @@ func exitStatus(ps *os.ProcessState, err error) int {
 // stamp formats a time for lock events: wall clock, UTC, nanoseconds.
 func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) }
 
-// lockEvents prints redfence lock's events to stderr: with -v, every event,
-// each line prefixed with its time.
+// lockEvents prints redfence lock's events to its diagWriter (stderr): with
+// -v, every event, each line prefixed with its time.
 type lockEvents struct {
 	mu      sync.Mutex
 	w       io.Writer

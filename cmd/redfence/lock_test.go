@@ -588,6 +588,68 @@ func TestLock_NotStoppedAlone(t *testing.T) {
 	}
 }
 
+// fullPipe returns the write end of a pipe that nobody reads and that is
+// full: a stderr that takes nothing (a pipe whose reader hangs, a stopped
+// log collector). Closing the read end at the test's end frees writers.
+func fullPipe(t *testing.T) *os.File {
+	t.Helper()
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pr.Close(); pw.Close() })
+	chunk := make([]byte, 64<<10)
+	for {
+		// The deadline tells a full pipe (the write waits) from one with
+		// room (it returns at once); it synchronises nothing.
+		if err := pw.SetWriteDeadline(time.Now().Add(100 * time.Millisecond)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pw.Write(chunk); errors.Is(err, os.ErrDeadlineExceeded) {
+			break
+		} else if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := pw.SetWriteDeadline(time.Time{}); err != nil {
+		t.Fatal(err)
+	}
+	return pw
+}
+
+// TestLock_StuckStderr: a stderr that takes nothing holds up neither the
+// renewals nor the signals to the command: when the lease is lost the
+// command is still stopped, and redfence lock exits. (It used to block
+// printing the loss, before sending SIGTERM, while the command ran on past
+// the lease.)
+func TestLock_StuckStderr(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	stderr := fullPipe(t)
+	pidFile := filepath.Join(t.TempDir(), "pid")
+	t.Cleanup(func() {
+		if b, err := os.ReadFile(pidFile); err == nil {
+			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
+				_ = syscall.Kill(-pid, syscall.SIGKILL) // still running after a failure
+			}
+		}
+	})
+	script := `trap 'exit 143' TERM; echo $$ > "$1.tmp"; mv "$1.tmp" "$1"; while :; do sleep 0.05; done`
+	r := &lockRun{done: make(chan struct{})}
+	go func() {
+		defer close(r.done)
+		r.err = run(t.Context(), []string{"lock", "--server", s.URL, "--ttl", "3s", "--grace", "300ms", "lock-stuck-stderr", "--",
+			"sh", "-c", script, "sh", pidFile}, &r.stdout, stderr)
+	}()
+	waitForFile(t, pidFile, r)
+	s.DeleteLock(t, "lock-stuck-stderr", 3)
+	// Stopped by SIGTERM, or by SIGKILL after --grace (were it blocked
+	// writing to the same stderr).
+	if code := r.wait(t); code != 143 && code != 128+9 {
+		t.Errorf("exit status %d (%v); want 143 or 137: the command stopped", code, r.err)
+	}
+}
+
 // TestLock_CommandDiesWithIt: when redfence lock is killed (SIGKILL cannot be
 // caught), its command is killed too rather than run on with the token.
 func TestLock_CommandDiesWithIt(t *testing.T) {
