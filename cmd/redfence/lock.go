@@ -173,6 +173,12 @@ func (f *lockFlags) httpClient() (*http.Client, error) {
 // dead: a tenth of the TTL, at most 1s.
 func lockSafety(ttl time.Duration) time.Duration { return min(ttl/10, time.Second) }
 
+// lockDiagBytes bounds redfence lock's own lines waiting for stderr: a
+// Write never waits (those beyond are dropped, and counted), so a stderr
+// that takes nothing holds up neither the renewals nor, once the lease is
+// lost, the signals to the command (which writes to stderr directly).
+const lockDiagBytes = 64 << 10
+
 func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	f, name, command, err := parseLockArgs(args, stdout, stderr)
 	if err != nil {
@@ -216,8 +222,11 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	// Its own lines never wait for stderr: one that takes nothing must
 	// hold up neither the renewals nor the signals to the command once
 	// the lease is lost (COMMAND writes to stderr directly).
-	diag := newDiagWriter(stderr)
-	defer diag.Close(time.Second)
+	diag := newAsyncWriterBounds(stderr, lockDiagBytes, 0, time.Second)
+	diag.reportDrops(func(n int) {
+		fmt.Fprintf(diag, "redfence lock: %d lines of its own dropped: stderr took none for a while\n", n)
+	})
+	defer diag.Close()
 	ev := &lockEvents{w: diag, verbose: f.verbose}
 	hc, err := f.httpClient()
 	if err != nil {
@@ -276,7 +285,7 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 // runLocked runs command while lease lasts and returns its exit status, and
 // whether the lease was lost (and the command therefore stopped). The
 // command's output goes to stdout and stderr, redfence lock's own to diag.
-func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command []string, stdout, stderr io.Writer, diag *diagWriter, ev *lockEvents) (status int, lost bool) {
+func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command []string, stdout, stderr io.Writer, diag *asyncWriter, ev *lockEvents) (status int, lost bool) {
 	cmd := exec.Command(command[0], command[1:]...)
 	cmd.Env = append(os.Environ(),
 		"REDFENCE_LOCK_NAME="+lease.Name(),
@@ -431,7 +440,7 @@ func exitStatus(ps *os.ProcessState, err error) int {
 // stamp formats a time for lock events: wall clock, UTC, nanoseconds.
 func stamp(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) }
 
-// lockEvents prints redfence lock's events to its diagWriter (stderr): with
+// lockEvents prints redfence lock's events to its asyncWriter (stderr): with
 // -v, every event, each line prefixed with its time.
 type lockEvents struct {
 	mu      sync.Mutex

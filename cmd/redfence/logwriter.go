@@ -64,12 +64,25 @@ type asyncWriter struct {
 	// onDrop, if set, is told how many lines were dropped, on the
 	// goroutine, once the destination takes lines again; it may Write.
 	onDrop func(n int)
+	// idle is closed while nothing is buffered or being written (see
+	// flush); a Write into an idle writer replaces it.
+	idle chan struct{}
 }
 
-// newAsyncWriter starts an asyncWriter in front of w. Close it.
+// newAsyncWriter starts an asyncWriter in front of w, with the server's
+// bounds (maxPendingLog, maxLogWait, maxLogClose). Close it.
 func newAsyncWriter(w io.Writer) *asyncWriter {
-	a := &asyncWriter{w: w, limit: maxPendingLog, wait: maxLogWait, closeWait: maxLogClose, done: make(chan struct{}),
-		wake: make(chan struct{}, 1), room: make(chan struct{})}
+	return newAsyncWriterBounds(w, maxPendingLog, maxLogWait, maxLogClose)
+}
+
+// newAsyncWriterBounds starts an asyncWriter that holds up to limit bytes,
+// makes a Write wait at most wait for room (0: a Write never waits; lines
+// beyond limit are dropped at once), and whose Close waits at most
+// closeWait. Close it.
+func newAsyncWriterBounds(w io.Writer, limit int, wait, closeWait time.Duration) *asyncWriter {
+	a := &asyncWriter{w: w, limit: limit, wait: wait, closeWait: closeWait, done: make(chan struct{}),
+		wake: make(chan struct{}, 1), room: make(chan struct{}), idle: make(chan struct{})}
+	close(a.idle)
 	go a.run()
 	return a
 }
@@ -98,6 +111,10 @@ func (a *asyncWriter) Write(p []byte) (int, error) {
 	defer a.mu.Unlock()
 	var timer *time.Timer
 	for len(a.pending) >= a.limit && !a.stopped && !a.dropping {
+		if a.wait <= 0 {
+			a.dropping = true
+			break
+		}
 		if timer == nil {
 			timer = time.NewTimer(a.wait)
 			defer timer.Stop()
@@ -118,6 +135,9 @@ func (a *asyncWriter) Write(p []byte) (int, error) {
 	if a.dropping {
 		a.dropped++
 		return len(p), nil // dropped: an error would tell slog nothing more
+	}
+	if len(p) > 0 && chanClosed(a.idle) {
+		a.idle = make(chan struct{})
 	}
 	a.pending = append(a.pending, p...)
 	if !a.woken {
@@ -152,6 +172,31 @@ func (a *asyncWriter) Close() error {
 	}
 }
 
+// flush waits until the lines written before it have been written out, or
+// for max at most (a destination that takes nothing).
+func (a *asyncWriter) flush(max time.Duration) {
+	a.mu.Lock()
+	idle := a.idle
+	a.mu.Unlock()
+	t := time.NewTimer(max)
+	defer t.Stop()
+	select {
+	case <-idle:
+	case <-t.C:
+	}
+}
+
+// chanClosed reports whether c is closed (c is only ever closed, never sent
+// on).
+func chanClosed(c chan struct{}) bool {
+	select {
+	case <-c:
+		return true
+	default:
+		return false
+	}
+}
+
 func (a *asyncWriter) run() {
 	defer close(a.done)
 	var out []byte
@@ -178,6 +223,9 @@ func (a *asyncWriter) run() {
 				}
 			}
 			if len(out) == 0 {
+				if len(a.pending) == 0 && !chanClosed(a.idle) {
+					close(a.idle) // all written (flush)
+				}
 				break
 			}
 			a.mu.Unlock()

@@ -201,3 +201,62 @@ func TestWriteBounded(t *testing.T) {
 		t.Errorf("written %q", got)
 	}
 }
+
+// TestAsyncWriter_NeverWaits: with no wait (redfence lock's own lines), a
+// Write finding the buffer full drops its line at once instead of waiting
+// for a destination that takes nothing, and the drops are reported once it
+// takes lines again.
+func TestAsyncWriter_NeverWaits(t *testing.T) {
+	t.Parallel()
+	dst := &gatedWriter{gate: make(chan struct{}), entered: make(chan struct{}, 1)}
+	a := newAsyncWriterBounds(dst, 16, 0, time.Hour)
+	a.reportDrops(func(n int) { fmt.Fprintf(a, "dropped %d\n", n) })
+	if _, err := a.Write([]byte("first\n")); err != nil {
+		t.Fatal(err)
+	}
+	<-dst.entered // the goroutine is stuck writing "first"
+	full := strings.Repeat("a", 16) + "\n"
+	for _, line := range []string{full, "x\n", "y\n", "z\n"} { // a wait here would hang the test
+		if n, err := a.Write([]byte(line)); n != len(line) || err != nil {
+			t.Fatalf("Write(%q) = %d, %v; want %d, nil", line, n, err, len(line))
+		}
+	}
+	close(dst.gate)
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := dst.String(), "first\n"+full+"dropped 3\n"; got != want {
+		t.Errorf("written %q; want %q", got, want)
+	}
+}
+
+// TestAsyncWriter_Flush: flush returns once the lines written before it
+// are out, not before.
+func TestAsyncWriter_Flush(t *testing.T) {
+	t.Parallel()
+	dst := &gatedWriter{gate: make(chan struct{}), entered: make(chan struct{}, 1)}
+	a := newAsyncWriter(dst)
+	a.flush(time.Hour) // nothing written: returns at once
+	if _, err := a.Write([]byte("line\n")); err != nil {
+		t.Fatal(err)
+	}
+	flushed := make(chan struct{})
+	go func() {
+		a.flush(time.Hour)
+		close(flushed)
+	}()
+	<-dst.entered // the line is being written, and cannot be done yet
+	select {
+	case <-flushed:
+		t.Fatal("flush returned while its line was still being written")
+	default:
+	}
+	close(dst.gate)
+	<-flushed
+	if got := dst.String(); got != "line\n" { // written before flush returned
+		t.Errorf("written %q after flush; want %q", got, "line\n")
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
