@@ -240,9 +240,12 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		return err
 	}
 	// A signal that ends the acquire (main's context) ends redfence lock
-	// as it would have ended the command: 128+N.
+	// as it would have ended the command: 128+N. So does one that comes
+	// after the grant, before runLocked forwards them (see early there):
+	// stopped stays set up until then.
 	stopped := make(chan os.Signal, 1)
 	signal.Notify(stopped, shutdownSignals()...)
+	defer signal.Stop(stopped)
 	lease, err := c.Acquire(ctx, name, &client.LockOptions{
 		TTL: f.ttl, Wait: f.wait, MaxHold: f.maxHold,
 		// Done closes early enough for SIGTERM, the grace period and the
@@ -250,7 +253,6 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		Margin:  f.grace + safety,
 		OnRenew: func(d time.Time) { ev.printf("renewed %q until %s", name, stamp(d)) },
 	})
-	signal.Stop(stopped)
 	if err != nil {
 		select {
 		case sig := <-stopped:
@@ -262,7 +264,7 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	}
 	ev.printf("acquired %q: fencing token %d, valid until %s", name, lease.FencingToken(), stamp(lease.Deadline()))
 
-	status, lost := runLocked(ctx, lease, f, command, stdout, stderr, diag, ev)
+	status, lost := runLocked(ctx, lease, f, command, stdout, stderr, diag, ev, stopped)
 
 	// Past the deadline the keys are expiring by themselves: the release
 	// only tidies up, and gets a second at most.
@@ -285,7 +287,11 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 // runLocked runs command while lease lasts and returns its exit status, and
 // whether the lease was lost (and the command therefore stopped). The
 // command's output goes to stdout and stderr, redfence lock's own to diag.
-func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command []string, stdout, stderr io.Writer, diag *asyncWriter, ev *lockEvents) (status int, lost bool) {
+// early is the channel the caller's signals (shutdownSignals) went to until
+// now: one there, or one that comes before the command starts, ends
+// redfence lock (128+N) without starting it, as it would have ended the
+// command.
+func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command []string, stdout, stderr io.Writer, diag *asyncWriter, ev *lockEvents, early chan os.Signal) (status int, lost bool) {
 	cmd := exec.Command(command[0], command[1:]...)
 	cmd.Env = append(os.Environ(),
 		"REDFENCE_LOCK_NAME="+lease.Name(),
@@ -305,6 +311,16 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, append(shutdownSignals(), syscall.SIGQUIT)...)
 	defer signal.Stop(sigs)
+	// From here on sigs gets every signal: one that came before (between
+	// the grant and the line above, when only early was set up) would
+	// otherwise go unforwarded, and the command run to its end.
+	select {
+	case s := <-early:
+		fmt.Fprintf(diag, "redfence lock: %v before the command started: not run\n", s)
+		return 128 + int(s.(syscall.Signal)), false
+	default:
+	}
+	signal.Stop(early)
 
 	if err := lease.Err(); err != nil { // the grant came too late to use
 		fmt.Fprintf(diag, "redfence lock: lease on %q ended before the command could start (%v)\n", lease.Name(), err)

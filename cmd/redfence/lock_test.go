@@ -879,3 +879,42 @@ func TestCheckInterpreter_EnvFindsInWorkingDir(t *testing.T) {
 		t.Errorf("%v; want nil: env runs it", err)
 	}
 }
+
+// TestLock_SignalBeforeCommandStarts: a signal that came after the grant
+// but before runLocked set up its own forwarding (caught only by the
+// acquire's channel) ends redfence lock with 128+N without starting the
+// command, which would otherwise never be told of it and run to its end.
+// (The client fault hunt found the gap; it is microseconds wide, so the
+// test hands runLocked a channel holding the signal.)
+func TestLock_SignalBeforeCommandStarts(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	c, err := client.New(s.URL, client.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease, err := c.Acquire(t.Context(), "early-signal", &client.LockOptions{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lease.Release(context.Background())
+	ran := filepath.Join(t.TempDir(), "ran")
+	early := make(chan os.Signal, 1)
+	early <- syscall.SIGTERM
+	var diagOut testutil.Buffer
+	diag := newAsyncWriter(&diagOut)
+	f := &lockFlags{ttl: time.Minute, grace: time.Second}
+	status, lost := runLocked(t.Context(), lease, f, []string{"sh", "-c", "touch " + ran}, io.Discard, io.Discard, diag, &lockEvents{w: diag}, early)
+	if err := diag.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if status != 128+int(syscall.SIGTERM) || lost {
+		t.Errorf("runLocked with a SIGTERM already caught = %d, lost %v; want %d, false", status, lost, 128+int(syscall.SIGTERM))
+	}
+	if _, err := os.Stat(ran); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the command ran (stat: %v); want it not started", err)
+	}
+	if !strings.Contains(diagOut.String(), "before the command started: not run") {
+		t.Errorf("redfence lock said %q; want it to say the command was not run", diagOut.String())
+	}
+}
