@@ -69,7 +69,11 @@ type Options struct {
 	// server's REDFENCE_MAX_WAIT. The default is 30s.
 	MaxServerWait time.Duration
 	// Logger receives watchdog events (renewal failures). The default
-	// discards them.
+	// discards them. It is called on a lease's watchdog goroutine, so it
+	// must not block, as LockOptions.OnRenew must not: a handler writing
+	// to a destination that takes nothing (a full pipe nobody reads) would
+	// hold up the watchdog, and Done would close late, past the lease's
+	// deadline (Err still checks the deadline itself).
 	Logger *slog.Logger
 }
 
@@ -149,6 +153,12 @@ func badKeyByte(key string) int {
 	}
 	return -1
 }
+
+// CloseIdleConnections closes the connections the client keeps open for
+// reuse, as http.Client.CloseIdleConnections does (those of the transport
+// of Options.HTTPClient, if one was given). It ends no lease: a lease's
+// next renewal opens a connection again.
+func (c *Client) CloseIdleConnections() { c.opts.HTTPClient.CloseIdleConnections() }
 
 // REST returns the generated low-level client, for the operations this
 // package does not wrap (GET /v1/locks/{name}, /v1/nodes, ...).

@@ -589,3 +589,38 @@ func TestClient_TimeoutKeepsOtherIdleConns(t *testing.T) {
 		t.Errorf("a Redfence request timeout closed an idle connection of http.DefaultTransport (%d connections); want it kept", n)
 	}
 }
+
+// TestClient_CloseIdleConnections: CloseIdleConnections reaches the
+// transport of the client's HTTP client (the one given in Options too), and
+// the client goes on working.
+func TestClient_CloseIdleConnections(t *testing.T) {
+	t.Parallel()
+	s := clienttest.Start(t, clienttest.Options{})
+	tr := &closeCounter{RoundTripper: http.DefaultTransport.(*http.Transport).Clone()}
+	c, err := client.New(s.URL, client.Options{HTTPClient: &http.Client{Transport: tr}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+	if _, err := c.GetResource(ctx, "idle"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("GetResource = %v; want ErrNotFound", err)
+	}
+	c.CloseIdleConnections()
+	if n := tr.closes.Load(); n != 1 {
+		t.Errorf("transport told to close its idle connections %d times; want 1", n)
+	}
+	if _, err := c.GetResource(ctx, "idle"); !errors.Is(err, client.ErrNotFound) {
+		t.Fatalf("GetResource after CloseIdleConnections = %v; want ErrNotFound", err)
+	}
+}
+
+// closeCounter is a transport that counts its CloseIdleConnections calls.
+type closeCounter struct {
+	http.RoundTripper
+	closes atomic.Int64
+}
+
+func (c *closeCounter) CloseIdleConnections() {
+	c.closes.Add(1)
+	c.RoundTripper.(interface{ CloseIdleConnections() }).CloseIdleConnections()
+}
