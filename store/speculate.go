@@ -56,7 +56,10 @@ const (
 // the statement): the insert, and so its wait for the key's row, comes
 // after it (set_config is volatile: it runs as the statement does, not when
 // it is planned). One statement, not a SET before it: about 4% of the lone
-// acquire's latency.
+// acquire's latency. (A lock on the whole table, which only a migration or
+// an operator's LOCK TABLE takes, is waited for as the statement starts,
+// before the setting: up to the issue timeout, while every issuance waits
+// for it too.)
 const specSQL = `
 INSERT INTO redfence_fencing AS f (key, token, owner, holder, issued_at)
 SELECT $1::text, 1, $2::text, $3::text, now() FROM (SELECT set_config('lock_timeout', $5::text, true)) AS lock_wait
