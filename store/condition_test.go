@@ -143,3 +143,48 @@ func TestDB_PutResourceIf_RefusalNamesItsVersion(t *testing.T) {
 	}
 	wantResource(t, db, "r", `2`, tok, 2)
 }
+
+// TestDB_PutResourceIf_RefusalForNoDocument: a write that asks for an
+// existing document (If-Match) and is refused because there is none says
+// so (version 0: no document), even when another write creates the
+// document while the refusal is being answered. Nothing held a row for the
+// refused write (it found none to lock), so the document read after its
+// statement was the other write's, version 1: a state the refused write was
+// never compared with, which a client could take as the version to write
+// over without reading it.
+func TestDB_PutResourceIf_RefusalForNoDocument(t *testing.T) {
+	t.Parallel()
+	db, url := newDB(t, Options{})
+	ctx := t.Context()
+	waiting := lockWaiters(t, url)
+	for key, cond := range map[string]refstore.Condition{
+		"any":     {Exists: true},                       // If-Match: *
+		"version": {Exists: true, Versions: []int64{7}}, // If-Match: "7"
+	} {
+		tok := issue(t, db, key)
+		other := make(chan error, 1)
+		db.putRefused = func() {
+			db.putRefused = nil // the other write's own refusals, if any, run free
+			go func() {
+				_, err := db.PutResource(ctx, key, tok, json.RawMessage(`2`))
+				other <- err
+			}()
+			testutil.WaitFor(t, waitTimeout, "the other write to land or wait for the row", func() (bool, error) {
+				if len(other) > 0 {
+					return true, nil
+				}
+				n, err := waiting()
+				return n > 0, err
+			})
+		}
+		_, err := db.PutResourceIf(ctx, key, tok, json.RawMessage(`"x"`), cond)
+		var pe *refstore.PreconditionError
+		if !errors.As(err, &pe) || pe.Version != 0 {
+			t.Errorf("write %+v refused for want of a document = %v; want a precondition failure naming no version", cond, err)
+		}
+		if err := <-other; err != nil {
+			t.Fatalf("the other write: %v", err)
+		}
+		wantResource(t, db, key, `2`, tok, 1)
+	}
+}

@@ -429,7 +429,9 @@ type Resource = refstore.Resource
 // locked (ON CONFLICT's WHERE), so concurrent writes cannot both pass it.
 // Its one row names, besides what was written (NULLs when nothing was), the
 // token on record it was compared with, read in the same statement: a
-// refusal names the token that refused it.
+// refusal names the token that refused it; and whether the document
+// existed as the statement saw it (its snapshot, as $4's check), so a
+// write refused for want of a document (no row was locked) says so.
 const putSQL = `
 WITH cur AS (SELECT token FROM redfence_fencing WHERE key = $1 FOR SHARE),
 ins AS (
@@ -444,7 +446,8 @@ ON CONFLICT (key) DO UPDATE
    AND ($5::bigint[] IS NULL OR r.version = ANY($5::bigint[]))
    AND NOT (r.version = ANY(coalesce($7::bigint[], '{}')))
 RETURNING data, fencing_token, version, updated_at)
-SELECT (SELECT token FROM cur), ins.data, ins.fencing_token, ins.version, ins.updated_at
+SELECT (SELECT token FROM cur), ins.data, ins.fencing_token, ins.version, ins.updated_at,
+       EXISTS (SELECT 1 FROM redfence_resources WHERE key = $1)
   FROM (SELECT) AS one LEFT JOIN ins ON true`
 
 const putUnfencedSQL = `
@@ -502,6 +505,7 @@ func (db *DB) PutResourceIf(ctx context.Context, key string, token fencing.Token
 	var doc, ver int64 // a refused write's document, as it refused it
 	err := db.retryStalePlan(func() error {
 		committing = false // a retry follows only a try that took no effect
+		doc, ver = 0, 0
 		return pgx.BeginFunc(ctx, db.docs, func(tx pgx.Tx) error {
 			var err error
 			if db.opts.Unfenced {
@@ -510,18 +514,26 @@ func (db *DB) PutResourceIf(ctx context.Context, key string, token fencing.Token
 				err = tx.QueryRow(ctx, putUnfencedSQL, key, int64(token), []byte(data)).Scan(&r.Data, &tt, &v, &u)
 				t, version, updated = &tt, &v, &u
 			} else {
+				exists := cond.Exists || cond.Versions != nil
+				var existed bool
 				err = tx.QueryRow(ctx, putSQL, key, int64(token), []byte(data),
-					cond.Exists || cond.Versions != nil, cond.Versions, cond.Absent, cond.NotVersions).
-					Scan(&cur, &r.Data, &t, &version, &updated)
+					exists, cond.Versions, cond.Absent, cond.NotVersions).
+					Scan(&cur, &r.Data, &t, &version, &updated, &existed)
 				if err == nil && t == nil && cur != nil && fencing.Token(*cur) == token {
+					if db.putRefused != nil {
+						db.putRefused()
+					}
+					if exists && !existed {
+						// Refused for want of a document: there was
+						// no row to lock, and one written since is
+						// not what refused it.
+						return nil
+					}
 					// Refused by the document: read it in this
 					// transaction, which holds its row (ON CONFLICT
 					// locks the row it finds even when its WHERE
 					// refuses the update), so the version named is the
 					// one that refused the write, not a later one.
-					if db.putRefused != nil {
-						db.putRefused()
-					}
 					err = tx.QueryRow(ctx, `SELECT fencing_token, version FROM redfence_resources WHERE key = $1`, key).Scan(&doc, &ver)
 					if errors.Is(err, pgx.ErrNoRows) {
 						err = nil
