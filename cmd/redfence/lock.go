@@ -254,6 +254,11 @@ func cmdLock(ctx context.Context, args []string, stdout, stderr io.Writer) error
 		OnRenew: func(d time.Time) { ev.printf("renewed %q until %s", name, stamp(d)) },
 	})
 	if err != nil {
+		// A signal goes to each channel in turn: main's context may have
+		// been cancelled by it (ending the acquire) before it reached
+		// stopped. Stop waits for that delivery to end (see
+		// signal.Stop), so it is in stopped by now.
+		signal.Stop(stopped)
 		select {
 		case sig := <-stopped:
 			fmt.Fprintf(diag, "redfence lock: %v while acquiring %q: no lock taken\n", sig, name)
@@ -313,14 +318,15 @@ func runLocked(ctx context.Context, lease *client.Lease, f *lockFlags, command [
 	defer signal.Stop(sigs)
 	// From here on sigs gets every signal: one that came before (between
 	// the grant and the line above, when only early was set up) would
-	// otherwise go unforwarded, and the command run to its end.
+	// otherwise go unforwarded, and the command run to its end. Stop
+	// first: it waits for a signal being delivered to reach early.
+	signal.Stop(early)
 	select {
 	case s := <-early:
 		fmt.Fprintf(diag, "redfence lock: %v before the command started: not run\n", s)
 		return 128 + int(s.(syscall.Signal)), false
 	default:
 	}
-	signal.Stop(early)
 
 	if err := lease.Err(); err != nil { // the grant came too late to use
 		fmt.Fprintf(diag, "redfence lock: lease on %q ended before the command could start (%v)\n", lease.Name(), err)
