@@ -25,6 +25,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"sync"
 	"syscall"
@@ -46,7 +47,10 @@ var shutdownSignals = sync.OnceValue(func() []os.Signal {
 	if !signal.Ignored(syscall.SIGHUP) {
 		sigs = append(sigs, syscall.SIGHUP)
 	}
-	return sigs
+	// Clipped: the slice is shared, and a caller appending to it (runLocked
+	// adds SIGQUIT) must get a copy, not write into the spare capacity
+	// other goroutines' appends write into too.
+	return slices.Clip(sigs)
 })
 
 // lastSignal returns a context cancelled at the next shutdown signal, from

@@ -1058,3 +1058,19 @@ func TestShutdownSignals_Nohup(t *testing.T) {
 		t.Fatalf("helper: %q; want first", l)
 	}
 }
+
+// TestShutdownSignals_Shared: shutdownSignals' slice is shared (computed
+// once), so appending to it, as runLocked does to add SIGQUIT, must copy
+// it: two appends made by concurrent runLocked calls wrote into the same
+// spare capacity (a data race go test -race reported from TestLock's
+// parallel subtests), and one could change what the other registered.
+func TestShutdownSignals_Shared(t *testing.T) {
+	a := append(shutdownSignals(), syscall.SIGQUIT)
+	b := append(shutdownSignals(), syscall.SIGUSR1)
+	if got := a[len(a)-1]; got != syscall.SIGQUIT {
+		t.Errorf("append(shutdownSignals(), SIGQUIT) ends with %v after another append; want SIGQUIT (shared backing array)", got)
+	}
+	if got := b[len(b)-1]; got != syscall.SIGUSR1 {
+		t.Errorf("append(shutdownSignals(), SIGUSR1) ends with %v; want SIGUSR1", got)
+	}
+}
