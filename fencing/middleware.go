@@ -34,10 +34,16 @@ type RequireOptions struct {
 	Max Token
 }
 
-// safeMethods are the methods RFC 9110 defines as safe (read-only): by
-// default the only ones Require lets through without a token. Methods
-// are case-sensitive: "get" is not GET, and needs a token.
-var safeMethods = []string{http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace}
+// safeMethod reports whether method is one RFC 9110 defines as safe
+// (read-only): by default the only ones Require lets through without a
+// token. Methods are case-sensitive: "get" is not GET, and needs a token.
+func safeMethod(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return true
+	}
+	return false
+}
 
 type tokenKey struct{}
 
@@ -63,7 +69,7 @@ func TokenFrom(ctx context.Context) (Token, bool) {
 // 503 urn:redfence:problem:fencing-unavailable when opts.Last fails.
 func Require(opts RequireOptions) func(http.Handler) http.Handler {
 	needs := func(method string) bool { // the default: all but the safe methods
-		return !slices.Contains(safeMethods, method)
+		return !safeMethod(method)
 	}
 	if opts.Methods != nil {
 		methods := slices.Clone(opts.Methods)

@@ -291,8 +291,8 @@ var quoted = regexp.MustCompile(`"(?:[^"\\]|\\.)*"`)
 // Close stops token issuance and closes the pools. Issue calls still waiting
 // fail with ErrClosed, later ones too (a statement running for them is
 // cancelled, best effort: one that commits all the same issues a token that
-// is never granted, as a caller that left does), and the committer goroutines have returned when Close does. It
-// may be called more than once.
+// is never granted, as a caller that left does), and the committer
+// goroutines have returned when Close does. It may be called more than once.
 func (db *DB) Close() {
 	db.issuer.close()
 	db.pool.Close()
