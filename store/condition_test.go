@@ -117,22 +117,7 @@ func TestDB_PutResourceIf_RefusalNamesItsVersion(t *testing.T) {
 	ctx := t.Context()
 	tok := issue(t, db, "r")
 	put(t, db, "r", tok, `1`)
-	waiting := lockWaiters(t, url)
-	other := make(chan error, 1)
-	db.putRefused = func() {
-		db.putRefused = nil // the other write's own refusals, if any, run free
-		go func() {
-			_, err := db.PutResource(ctx, "r", tok, json.RawMessage(`2`))
-			other <- err
-		}()
-		testutil.WaitFor(t, waitTimeout, "the other write to land or wait for the row", func() (bool, error) {
-			if len(other) > 0 {
-				return true, nil
-			}
-			n, err := waiting()
-			return n > 0, err
-		})
-	}
+	other := writeWhenRefused(t, db, lockWaiters(t, url), "r", tok)
 	_, err := db.PutResourceIf(ctx, "r", tok, json.RawMessage(`"x"`), refstore.Condition{Exists: true, Versions: []int64{7}})
 	var pe *refstore.PreconditionError
 	if !errors.As(err, &pe) || pe.Version != 1 {
@@ -162,21 +147,7 @@ func TestDB_PutResourceIf_RefusalForNoDocument(t *testing.T) {
 		"version": {Exists: true, Versions: []int64{7}}, // If-Match: "7"
 	} {
 		tok := issue(t, db, key)
-		other := make(chan error, 1)
-		db.putRefused = func() {
-			db.putRefused = nil // the other write's own refusals, if any, run free
-			go func() {
-				_, err := db.PutResource(ctx, key, tok, json.RawMessage(`2`))
-				other <- err
-			}()
-			testutil.WaitFor(t, waitTimeout, "the other write to land or wait for the row", func() (bool, error) {
-				if len(other) > 0 {
-					return true, nil
-				}
-				n, err := waiting()
-				return n > 0, err
-			})
-		}
+		other := writeWhenRefused(t, db, waiting, key, tok)
 		_, err := db.PutResourceIf(ctx, key, tok, json.RawMessage(`"x"`), cond)
 		var pe *refstore.PreconditionError
 		if !errors.As(err, &pe) || pe.Version != 0 {
@@ -187,4 +158,29 @@ func TestDB_PutResourceIf_RefusalForNoDocument(t *testing.T) {
 		}
 		wantResource(t, db, key, `2`, tok, 1)
 	}
+}
+
+// writeWhenRefused arms db's refusal hook: when a write is next refused by
+// its document, another write of `2` under key with tok is made, and the
+// refused write goes on once that one has landed or waits for the row
+// (waiting counts the store's sessions waiting for a lock). The other
+// write's error comes on the channel returned.
+func writeWhenRefused(t *testing.T, db *DB, waiting func() (int, error), key string, tok fencing.Token) <-chan error {
+	t.Helper()
+	other := make(chan error, 1)
+	db.putRefused = func() {
+		db.putRefused = nil // the other write's own refusals, if any, run free
+		go func() {
+			_, err := db.PutResource(t.Context(), key, tok, json.RawMessage(`2`))
+			other <- err
+		}()
+		testutil.WaitFor(t, waitTimeout, "the other write to land or wait for the row", func() (bool, error) {
+			if len(other) > 0 {
+				return true, nil
+			}
+			n, err := waiting()
+			return n > 0, err
+		})
+	}
+	return other
 }
