@@ -30,6 +30,27 @@ func holdRow(t *testing.T, url, key string) pgx.Tx {
 	return tx
 }
 
+// queueBehindHeldRow sets up the scenario of the tests below: a DB with
+// one committer whose batches wait for held rows (IssueLockWait) rather
+// than set claims aside, a second DB on the same database (another server),
+// a's and b's first tokens issued, a's row held by another transaction
+// (another server's issuance, a slow document write's COMMIT...), z's
+// claim holding the only slot at the probe, and a's claim queued behind it.
+// The test queues b's claim next and releases the probe.
+func queueBehindHeldRow(t *testing.T) (db, other *DB, p *probe, tx pgx.Tx, z, aCh <-chan issued) {
+	t.Helper()
+	db, url := newDB(t, Options{IssueCommitters: 1, IssueLockWait: time.Hour})
+	other = open(t, url, Options{})
+	issue(t, db, "a")
+	issue(t, db, "b")
+	p = newProbe(t, db)
+	tx = holdRow(t, url, "a")
+	z = holdFirst(t, t.Context(), db, p, "z") // takes the only slot
+	aCh = issueAsync(t.Context(), db, fencing.Claim{Key: "a", Holder: "A"})
+	p.waitQueued(t, 1)
+	return db, other, p, tx, z, aCh
+}
+
 // TestDB_Issue_LateClaimInBatch: a claim whose caller gave up (its lease
 // ended) while its batch waited on another key's row is not issued when the
 // batch reaches its row later. Committed then, its token would come after
@@ -38,20 +59,7 @@ func holdRow(t *testing.T, url, key string) pgx.Tx {
 // deadline of its claims.)
 func TestDB_Issue_LateClaimInBatch(t *testing.T) {
 	t.Parallel()
-	// The batch waits for a's row (IssueLockWait) rather than set a aside.
-	db, url := newDB(t, Options{IssueCommitters: 1, IssueLockWait: time.Hour})
-	other := open(t, url, Options{}) // a second server on the same database
-	issue(t, db, "a")
-	issue(t, db, "b")
-
-	p := newProbe(t, db)
-	// Something else holds a's row for a while (another server's issuance
-	// for a, a document write whose COMMIT is slow...).
-	tx := holdRow(t, url, "a")
-
-	z := holdFirst(t, t.Context(), db, p, "z") // takes the only slot
-	aCh := issueAsync(t.Context(), db, fencing.Claim{Key: "a", Holder: "A"})
-	p.waitQueued(t, 1)
+	db, other, p, tx, z, aCh := queueBehindHeldRow(t)
 	bctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond) // b's lease
 	defer cancel()
 	bCh := issueAsync(bctx, db, fencing.Claim{Key: "b", Holder: "old"})
@@ -100,17 +108,7 @@ func TestDB_Issue_LateClaimInBatch(t *testing.T) {
 // left, whose lease that server had deleted at once.)
 func TestDB_Issue_CallerLeftInBatch(t *testing.T) {
 	t.Parallel()
-	// The batch waits for a's row (IssueLockWait) rather than set a aside.
-	db, url := newDB(t, Options{IssueCommitters: 1, IssueLockWait: time.Hour})
-	other := open(t, url, Options{}) // a second server on the same database
-	issue(t, db, "a")
-	issue(t, db, "b")
-	p := newProbe(t, db)
-	tx := holdRow(t, url, "a")
-
-	z := holdFirst(t, t.Context(), db, p, "z") // takes the only slot
-	aCh := issueAsync(t.Context(), db, fencing.Claim{Key: "a", Holder: "A"})
-	p.waitQueued(t, 1)
+	db, other, p, tx, z, aCh := queueBehindHeldRow(t)
 	bctx, leave := context.WithCancel(t.Context()) // its lease runs on
 	bCh := issueAsync(bctx, db, fencing.Claim{Key: "b", Holder: "left"})
 	p.waitQueued(t, 2)
