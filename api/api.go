@@ -552,6 +552,14 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 		// told before it uploads (net/http sends 100 on the first read).
 		return nil, &requestError{kind: kTooLarge, detail: fmt.Sprintf("the body exceeds %d bytes", h.opts.MaxBodyBytes)}
 	}
+	if r.ContentLength > 0 {
+		// A body declared non-empty is refused for its encoding or media
+		// type unread too, for the same reason; a chunked one only once
+		// read, since an empty body takes the defaults whatever its type.
+		if err := mediaTypeError(r); err != nil {
+			return nil, err
+		}
+	}
 	body, err := readBody((*buf)[:0], r.Body, h.opts.MaxBodyBytes)
 	*buf = body
 	if err != nil {
@@ -565,24 +573,9 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 		}
 		return nil, unreadableBody("a JSON body is required", "required", nil)
 	}
-	if ce := r.Header["Content-Encoding"]; len(ce) > 0 && !(len(ce) == 1 && strings.EqualFold(strings.TrimSpace(ce[0]), "identity")) {
-		// RFC 9110 §15.5.16: 415 for a content coding the server does
-		// not take, and Accept-Encoding names the ones it does.
-		return nil, &requestError{kind: kMediaType, detail: "the body must be sent without Content-Encoding (identity)", identityOnly: true}
-	}
-	if len(r.Header["Content-Type"]) > 1 {
-		return nil, &requestError{kind: kMediaType, detail: "the request has more than one Content-Type header"}
-	}
-	ct := header(r.Header, "Content-Type")
-	if ct != "application/json" { // what ParseMediaType would accept at once
-		mt, params, err := mime.ParseMediaType(ct)
-		if err != nil || !jsonMediaType(mt) {
-			// The header's value is not quoted: it is the client's, and
-			// could be anything, a secret pasted by mistake included.
-			return nil, &requestError{kind: kMediaType, detail: "the Content-Type is not application/json"}
-		}
-		if cs, ok := params["charset"]; ok && !utf8Label(cs) {
-			return nil, &requestError{kind: kMediaType, detail: "the Content-Type names a charset other than UTF-8; JSON is UTF-8 (RFC 8259)"}
+	if r.ContentLength <= 0 { // else checked before the read
+		if err := mediaTypeError(r); err != nil {
+			return nil, err
 		}
 	}
 	if bytes.HasPrefix(body, utf8BOM) {
@@ -603,6 +596,34 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 		return nil, unreadableBody("the body must be a JSON object", "must be a JSON object", nil)
 	}
 	return body, nil
+}
+
+// mediaTypeError returns the 415 for a non-empty body of r that is not
+// plain JSON: one with a Content-Encoding other than identity, more than
+// one Content-Type, or a Content-Type that is not JSON or names a charset
+// other than UTF-8; or nil.
+func mediaTypeError(r *http.Request) error {
+	if ce := r.Header["Content-Encoding"]; len(ce) > 0 && !(len(ce) == 1 && strings.EqualFold(strings.TrimSpace(ce[0]), "identity")) {
+		// RFC 9110 §15.5.16: 415 for a content coding the server does
+		// not take, and Accept-Encoding names the ones it does.
+		return &requestError{kind: kMediaType, detail: "the body must be sent without Content-Encoding (identity)", identityOnly: true}
+	}
+	if len(r.Header["Content-Type"]) > 1 {
+		return &requestError{kind: kMediaType, detail: "the request has more than one Content-Type header"}
+	}
+	ct := header(r.Header, "Content-Type")
+	if ct != "application/json" { // what ParseMediaType would accept at once
+		mt, params, err := mime.ParseMediaType(ct)
+		if err != nil || !jsonMediaType(mt) {
+			// The header's value is not quoted: it is the client's, and
+			// could be anything, a secret pasted by mistake included.
+			return &requestError{kind: kMediaType, detail: "the Content-Type is not application/json"}
+		}
+		if cs, ok := params["charset"]; ok && !utf8Label(cs) {
+			return &requestError{kind: kMediaType, detail: "the Content-Type names a charset other than UTF-8; JSON is UTF-8 (RFC 8259)"}
+		}
+	}
+	return nil
 }
 
 // utf8BOM is the UTF-8 encoding of U+FEFF, the byte-order mark.

@@ -1147,6 +1147,49 @@ func TestBodyTooLarge(t *testing.T) {
 	}
 }
 
+// TestMediaTypeRefusedUnread: a body declared non-empty (Content-Length)
+// whose Content-Encoding or Content-Type the server refuses is refused
+// before a byte of it is read, as one above the size limit is: a client
+// that sent Expect: 100-continue gets the 415 instead of being told to
+// upload it. Nothing is taken or written.
+func TestMediaTypeRefusedUnread(t *testing.T) {
+	e := newFakeEnv(t, false)
+	srv := httptest.NewServer(e.h)
+	t.Cleanup(srv.Close)
+	for _, tc := range []struct {
+		method, path, body, hdr string
+		identity                bool
+	}{
+		{http.MethodPost, "/v1/locks/mt", `{"ttl_ms":1000}`, "Content-Type: text/plain", false},
+		{http.MethodPost, "/v1/locks/mt", `{"ttl_ms":1000}`, "Content-Type: application/json\r\nContent-Encoding: gzip", true},
+		{http.MethodPost, "/v1/locks/mt/extend", `{"ttl_ms":1000}`, "Content-Type: application/json; charset=latin1\r\nLock-Token: " + strings.Repeat("A", lockTokenLen), false},
+		{http.MethodPut, "/v1/resources/mt", `{"fencing_token":1,"data":1}`, "Content-Type: application/xml", false},
+	} {
+		conn, err := net.Dial("tcp", srv.Listener.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(conn, "%s %s HTTP/1.1\r\nHost: x\r\n%s\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n",
+			tc.method, tc.path, tc.hdr, len(tc.body))
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		conn.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusUnsupportedMediaType || (resp.Header.Get("Accept-Encoding") == "identity") != tc.identity {
+			t.Errorf("%s %s (%q) with Expect: 100-continue = %d, Accept-Encoding %q; want 415 at once, before any upload",
+				tc.method, tc.path, tc.hdr, resp.StatusCode, resp.Header.Get("Accept-Encoding"))
+		}
+	}
+	if w := e.do(e.h, http.MethodGet, "/v1/locks/mt", ""); !strings.Contains(w.Body.String(), `"held":false`) {
+		t.Errorf("GET /v1/locks/mt after the refusals = %d %s; want not held", w.Code, w.Body)
+	}
+	if w := e.do(e.h, http.MethodGet, "/v1/resources/mt", ""); w.Code != http.StatusNotFound {
+		t.Errorf("GET /v1/resources/mt after the refusals = %d %s; want 404", w.Code, w.Body)
+	}
+}
+
 // TestLongPathCut: a problem and the access line quote a path over
 // maxShownPath cut there, never through a %XX escape, whatever the status.
 func TestLongPathCut(t *testing.T) {
