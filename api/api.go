@@ -332,9 +332,15 @@ func (h *Handler) newRouter() *chi.Mux {
 			notFound(w, req)
 			return
 		}
+		method := req.Method
+		if method == http.MethodHead {
+			// HEAD is answered as GET would be, without the body: its
+			// Content-Length must be the GET answer's (RFC 9110 §8.6).
+			method = http.MethodGet
+		}
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeProblem(w, req, &Problem{Type: kMethod.typ, Title: kMethod.title, Status: kMethod.status,
-			Detail:   fmt.Sprintf("%s is not allowed here; use %s", req.Method, strings.Join(allow, ", ")),
+			Detail:   fmt.Sprintf("%s is not allowed here; use %s", method, strings.Join(allow, ", ")),
 			Instance: instance(req), RequestID: requestID(req.Context())})
 	})
 

@@ -1064,6 +1064,14 @@ func TestHead(t *testing.T) {
 	if w.Code != http.StatusMethodNotAllowed || w.Header().Get("Allow") != "POST" {
 		t.Errorf("HEAD /v1/locks/x/extend = %d, Allow %q; want 405, Allow POST", w.Code, w.Header().Get("Allow"))
 	}
+	// A HEAD answer's Content-Length is the GET's (RFC 9110 §8.6), even
+	// where both are refused: the problem a HEAD is not sent is the GET's.
+	hdr := []string{"X-Request-Id", "same-id"}
+	get, head := e.do(e.h, http.MethodGet, "/v1/locks/x/extend", "", hdr...), e.do(e.h, http.MethodHead, "/v1/locks/x/extend", "", hdr...)
+	if get.Header().Get("Content-Length") == "" || head.Header().Get("Content-Length") != get.Header().Get("Content-Length") {
+		t.Errorf("HEAD /v1/locks/x/extend: Content-Length %q; GET's %q (%s); want the same",
+			head.Header().Get("Content-Length"), get.Header().Get("Content-Length"), get.Body)
+	}
 	if w := e.do(e.h, http.MethodPut, "/v1/locks/x", ""); w.Header().Get("Allow") != "GET, HEAD, POST, DELETE" {
 		t.Errorf("PUT /v1/locks/x: Allow %q; want GET, HEAD, POST, DELETE", w.Header().Get("Allow"))
 	}
