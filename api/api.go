@@ -332,8 +332,8 @@ func (h *Handler) newRouter() *chi.Mux {
 			notFound(w, req)
 			return
 		}
-		method := req.Method
-		if method == http.MethodHead {
+		method := shownMethod(req)
+		if req.Method == http.MethodHead {
 			// HEAD is answered as GET would be, without the body: its
 			// Content-Length must be the GET answer's (RFC 9110 §8.6).
 			method = http.MethodGet

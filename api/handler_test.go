@@ -1244,6 +1244,35 @@ func TestLongPathCut(t *testing.T) {
 	}
 }
 
+// TestLongMethodCut: a 405's detail and the access line quote a method
+// over maxShownPath cut there, as a path is, not whole (up to the header
+// limit).
+func TestLongMethodCut(t *testing.T) {
+	e := newFakeEnv(t, false)
+	for _, method := range []string{strings.Repeat("M", 3000), strings.Repeat("N", maxShownPath)} {
+		e.logs.Reset()
+		w := e.do(e.h, method, "/healthz", "")
+		var p Problem
+		if err := json.Unmarshal(w.Body.Bytes(), &p); err != nil || w.Code != http.StatusMethodNotAllowed {
+			t.Fatalf("%.20s... /healthz = %d %.200s; want a 405 problem", method, w.Code, w.Body)
+		}
+		lines := e.lines(t, "http request")
+		if len(lines) != 1 {
+			t.Fatalf("%d access lines; want 1", len(lines))
+		}
+		shown, _, _ := strings.Cut(p.Detail, " is not allowed here")
+		want := method
+		if len(method) > maxShownPath {
+			want = method[:maxShownPath] + "..."
+		}
+		for what, got := range map[string]string{"detail": shown, "access line's method": fmt.Sprint(lines[0]["method"])} {
+			if got != want {
+				t.Errorf("%s quotes the %d-byte method as %.30s... (%d bytes); want %d bytes", what, len(method), got, len(got), len(want))
+			}
+		}
+	}
+}
+
 // TestEmptyNameNotFound: a {name} route with an empty name is a path no
 // operation serves: 404 not-found, before authorization and before the
 // body is looked at, labelled unmatched in the log.

@@ -307,7 +307,7 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 	}
 	h.logRecord(r.Context(), end, nil, level, "http request",
 		slog.String("request_id", id),
-		slog.String("method", redact(r, r.Method)),
+		slog.String("method", shownMethod(r)),
 		slog.String("path", instance(r)),
 		slog.String("route", route),
 		slog.Int("status", status),

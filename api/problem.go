@@ -596,6 +596,18 @@ func redact(r *http.Request, s string) string {
 // it back whole (up to MaxHeaderBytes, 64 KiB by default) helps nobody.
 const maxShownPath = 1024
 
+// shownMethod is the request's method as a problem's detail and the access
+// log quote it: redacted (see redact) and, like the path, cut after
+// maxShownPath bytes and ended in "...". A method is a token (ASCII), so
+// the cut splits no character.
+func shownMethod(r *http.Request) string {
+	m := redact(r, r.Method)
+	if len(m) > maxShownPath {
+		m = m[:maxShownPath] + "..."
+	}
+	return m
+}
+
 // instance is the problem's instance, and the path the access log shows:
 // the request's path as sent, with the secret of an API key in it redacted,
 // even when the path spells part of the key percent-encoded. A path longer
