@@ -1273,6 +1273,32 @@ func TestLongMethodCut(t *testing.T) {
 	}
 }
 
+// TestAcceptNotNegotiated: an answer is JSON, or a problem, whatever
+// Accept lists (no 406), as README and openapi.yaml say; only /metrics
+// picks its format by Accept.
+func TestAcceptNotNegotiated(t *testing.T) {
+	e := newFakeEnv(t, false)
+	for _, accept := range []string{"text/html", "application/xml", "application/json;q=0", "*/*;q=0"} {
+		for _, tc := range []struct {
+			path, ct string
+			status   int
+		}{
+			{"/v1/locks/x", "application/json", http.StatusOK},
+			{"/v1/locks/bad!", "application/problem+json", http.StatusBadRequest},
+			{"/nope", "application/problem+json", http.StatusNotFound},
+		} {
+			w := e.do(e.h, http.MethodGet, tc.path, "", "Accept", accept)
+			if w.Code != tc.status || w.Header().Get("Content-Type") != tc.ct {
+				t.Errorf("GET %s, Accept %q = %d %q; want %d %q", tc.path, accept, w.Code, w.Header().Get("Content-Type"), tc.status, tc.ct)
+			}
+		}
+	}
+	w := e.do(e.h, http.MethodGet, "/metrics", "", "Accept", "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited")
+	if !strings.HasPrefix(w.Header().Get("Content-Type"), "application/vnd.google.protobuf") {
+		t.Errorf("GET /metrics asking for protobuf: Content-Type %q; want protobuf", w.Header().Get("Content-Type"))
+	}
+}
+
 // TestEmptyNameNotFound: a {name} route with an empty name is a path no
 // operation serves: 404 not-found, before authorization and before the
 // body is looked at, labelled unmatched in the log.
