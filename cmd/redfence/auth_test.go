@@ -383,3 +383,36 @@ func TestLoadConfig_ParseError(t *testing.T) {
 		t.Errorf("loadConfig with REDFENCE_MAX_TTL=abc = %v", err)
 	}
 }
+
+// TestConfig_RedisAddrWithCredentials: a Redis URL, or any entry with a
+// user or password in it, is refused without quoting it (the error is
+// logged), and a password@host:port that splits as host:port is refused
+// too rather than logged, labelled and shown as a node's address.
+func TestConfig_RedisAddrWithCredentials(t *testing.T) {
+	t.Parallel()
+	const pw = "s3cr3tRedisPW"
+	for _, addr := range []string{
+		"redis://:" + pw + "@10.0.0.1:6379",
+		"rediss://redfence:" + pw + "@redis-1:6380/0",
+		"redfence:" + pw + "@redis-1:6379",
+		pw + "@10.0.0.1:6379",
+		"redis-1:6379?password=" + pw,
+	} {
+		c := testConfig(t, nil, "")
+		c.RedisAddrs = []string{"10.0.0.2:6379", addr}
+		err := c.validate()
+		if err == nil {
+			t.Errorf("validate with REDFENCE_REDIS_ADDRS entry %q = nil; want an error", addr)
+			continue
+		}
+		if msg := err.Error(); strings.Contains(msg, pw) || !strings.Contains(msg, "REDFENCE_REDIS_ADDRS: entry 2") ||
+			!strings.Contains(msg, "REDFENCE_REDIS_PASSWORD") {
+			t.Errorf("validate with REDFENCE_REDIS_ADDRS entry %q = %q; want entry 2 named, REDFENCE_REDIS_PASSWORD advised, the password not quoted", addr, msg)
+		}
+	}
+	c := testConfig(t, nil, "")
+	c.RedisAddrs = []string{"redis-1:http"}
+	if err := c.validate(); err == nil || !strings.Contains(err.Error(), `"redis-1:http" is not host:port`) {
+		t.Errorf("validate with a bad port = %v; want the entry quoted", err)
+	}
+}

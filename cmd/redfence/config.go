@@ -149,9 +149,8 @@ func (c *Config) validate() error {
 	}
 	for i, a := range c.RedisAddrs {
 		c.RedisAddrs[i] = strings.TrimSpace(a)
-		_, port, err := net.SplitHostPort(c.RedisAddrs[i])
-		if n, perr := strconv.ParseUint(port, 10, 16); err != nil || perr != nil || n == 0 {
-			errs = append(errs, fmt.Errorf("REDFENCE_REDIS_ADDRS: %q is not host:port (port 1-65535)", c.RedisAddrs[i]))
+		if err := checkRedisAddr(c.RedisAddrs[i]); err != nil {
+			errs = append(errs, fmt.Errorf("REDFENCE_REDIS_ADDRS: entry %d: %w", i+1, err))
 		}
 	}
 	errs = append(errs, c.validateSecurity()...)
@@ -163,6 +162,31 @@ func (c *Config) validate() error {
 		return fmt.Errorf("%d invalid settings:\n  %s", len(errs), strings.Join(msgs, "\n  "))
 	}
 	return errors.Join(errs...)
+}
+
+// checkRedisAddr returns an error unless addr is host:port (port 1-65535).
+// An address is logged, labels metrics and is shown in /v1/nodes and in
+// lock errors' nodes, so one holding any character a host and port are not
+// spelled with is refused, and not quoted: it may be a Redis URL with a user
+// and password (redis://user:password@host:6379), and the error is logged.
+func checkRedisAddr(addr string) error {
+	_, port, err := net.SplitHostPort(addr)
+	n, perr := strconv.ParseUint(port, 10, 16)
+	switch {
+	case strings.ContainsFunc(addr, notHostPortChar):
+		return errors.New("not host:port (not quoted: it holds characters no host:port has, such as a Redis URL's user and password; " +
+			"give the nodes as host:port and their credentials in REDFENCE_REDIS_USERNAME and REDFENCE_REDIS_PASSWORD)")
+	case err != nil || perr != nil || n == 0:
+		return fmt.Errorf("%q is not host:port (port 1-65535)", addr)
+	}
+	return nil
+}
+
+// notHostPortChar reports whether c cannot be in host:port: letters,
+// digits, "." "-" "_" of host names, ":" "[" "]" of IPv6 addresses and "%"
+// of their zones.
+func notHostPortChar(c rune) bool {
+	return !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.ContainsRune(".-_:[]%", c))
 }
 
 // isFinite reports whether v, the value of the float setting name, is a
