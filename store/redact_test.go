@@ -23,6 +23,10 @@ func TestOpen_BadURLSaysWhyWithoutPassword(t *testing.T) {
 		{"URLSpace", "postgres://u:pa/ss " + pw + "@h/db", "failed to parse as URL"},
 		{"URLPercent", "postgres://u:pa/" + pw + "%CR@h/db", "failed to parse as URL"},
 		{"URLSpaceNoHost", "postgres://u:" + pw + " x/db", "failed to parse as URL"},
+		// An "@" not percent-encoded in the password: pgx takes what
+		// follows it for the host, which connection errors would name.
+		{"URLAtInPassword", "postgres://u:pa@" + pw + "@127.0.0.1:5432/db", "percent-encode"},
+		{"URLAtInPasswordHosts", "postgres://u:pa@" + pw + "@127.0.0.1:5432,127.0.0.2:5432/db", "percent-encode"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -177,6 +177,9 @@ func Open(ctx context.Context, url string, opts Options) (*DB, error) {
 	if err != nil {
 		return nil, fmt.Errorf("store: parse database URL: %w", redactErr(err))
 	}
+	if err := checkHosts(&cfg.ConnConfig.Config); err != nil {
+		return nil, fmt.Errorf("store: parse database URL: %w", err)
+	}
 	if opts.MaxConns > 0 {
 		cfg.MaxConns = opts.MaxConns
 	}
@@ -283,6 +286,25 @@ func redactErr(err error) error {
 		return errors.New("invalid connection string")
 	}
 	return fmt.Errorf("invalid connection string: %s", msg)
+}
+
+// checkHosts refuses a host name holding "@". pgx splits a URL's user
+// information from its hosts at the first "@", so a password holding an
+// "@" that is not percent-encoded (postgres://u:pa@ss@db/x) leaves the rest
+// of the password in the host name, and every error of a connection to it
+// ("lookup ss@db: no such host") would log that. No host name or IP
+// address holds one; a Unix socket directory (starting with "/") may.
+func checkHosts(cfg *pgconn.Config) error {
+	hosts := []string{cfg.Host}
+	for _, fb := range cfg.Fallbacks {
+		hosts = append(hosts, fb.Host)
+	}
+	for _, h := range hosts {
+		if !strings.HasPrefix(h, "/") && strings.Contains(h, "@") {
+			return errors.New(`invalid connection string: a host holds "@" (not quoted: it may be part of the password); percent-encode an "@" in the user name or password as %40`)
+		}
+	}
+	return nil
 }
 
 // quoted matches a Go-quoted string (%q): redactErr cuts them.
