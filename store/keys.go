@@ -66,7 +66,7 @@ func (db *DB) createKey(ctx context.Context, tenant string, scopes []string, cre
 		host, pid = &creator.Host, &creator.PID
 	}
 	if reason := apikey.ValidTenant(tenant); reason != "" {
-		return "", nil, fmt.Errorf("store: tenant %q: %s", tenant, reason)
+		return "", nil, fmt.Errorf("store: tenant %q: %s", apikey.Redact(tenant), reason)
 	}
 	scopes, err := apikey.CanonicalScopes(scopes)
 	if err != nil {

@@ -230,6 +230,12 @@ func TestRun_Keys(t *testing.T) {
 	}
 	gamma := strings.TrimSpace(out)
 	gammaID, _ := apikey.ParseID(gamma)
+	// A key pasted as the tenant: refused, and not echoed (a tenant is
+	// logged with every request of its keys).
+	if _, errOut, err := keys("create", "--tenant", gamma); !errors.Is(err, errUsage) ||
+		strings.Contains(errOut, gamma[len(gamma)-20:]) || !strings.Contains(errOut, "must not hold an API key") {
+		t.Errorf("keys create --tenant <key> = %v, stderr %q; want errUsage saying a tenant holds no key, without its secret", err, errOut)
+	}
 
 	list := func() [][]string {
 		t.Helper()

@@ -121,7 +121,7 @@ locks (the /v1/locks calls), resources (/v1/resources), admin (/v1/nodes and
 		scope = strings.Join(scopeList, ",")
 	}
 	if reason := apikey.ValidTenant(*tenant); reason != "" {
-		fmt.Fprintf(stderr, "--tenant %q: %s\n", *tenant, reason)
+		fmt.Fprintf(stderr, "--tenant %q: %s\n", apikey.Redact(*tenant), reason)
 		return errUsage
 	}
 	scopes, err := apikey.ParseScopes(scope)

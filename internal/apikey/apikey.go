@@ -276,13 +276,19 @@ func checkScope(s string) error {
 }
 
 // ValidTenant reports why tenant cannot name a tenant, or "" when it can: 1
-// to 200 characters of A-Z a-z 0-9 . _ - : (a keyspace namespace).
+// to 200 characters of A-Z a-z 0-9 . _ - : (a keyspace namespace) that hold
+// no API key, whole or cut short (an API key pasted into --tenant by
+// mistake): the tenant is logged with every request of its keys and listed
+// by redfence keys list.
 func ValidTenant(tenant string) string {
 	if tenant == "" {
 		return "must not be empty"
 	}
 	if !keyspace.ValidNamespace(tenant) {
 		return keyspace.ValidName(tenant)
+	}
+	if Redact(tenant) != tenant {
+		return "must not hold an API key, whole or cut short (rf_, a key id, _ and part of the secret: the tenant is logged with every request)"
 	}
 	return ""
 }

@@ -129,7 +129,8 @@ func TestValidTenant(t *testing.T) {
 			t.Errorf("ValidTenant(%q) = %q; want \"\"", ok, reason)
 		}
 	}
-	for _, bad := range []string{"", "a/b", "..", strings.Repeat("t", 201), "a b"} {
+	key, _ := New()
+	for _, bad := range []string{"", "a/b", "..", strings.Repeat("t", 201), "a b", key, key[:Len-10], "t-" + key} {
 		if ValidTenant(bad) == "" {
 			t.Errorf("ValidTenant(%q) = \"\"; want a reason", bad)
 		}
