@@ -99,7 +99,7 @@ func (c *Client) wallNow() time.Time {
 // (e.g. "http://127.0.0.1:8080").
 func New(baseURL string, opts Options) (*Client, error) {
 	if u, err := url.Parse(baseURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("%w: server URL %q: want http://host:port or https://host:port", ErrInvalid, baseURL)
+		return nil, fmt.Errorf("%w: server URL %s: want http://host:port or https://host:port", ErrInvalid, quoteURL(baseURL))
 	}
 	if bad := badKeyByte(opts.APIKey); bad >= 0 {
 		// Refused here, as a bad URL is: every request would fail before
@@ -138,9 +138,21 @@ func New(baseURL string, opts Options) (*Client, error) {
 	}
 	api, err := rest.NewClient(baseURL, rest.WithHTTPClient(opts.HTTPClient), rest.WithRequestEditorFn(editor))
 	if err != nil {
-		return nil, fmt.Errorf("client: client for %q: %w", baseURL, err)
+		return nil, fmt.Errorf("client: client for %s: %w", quoteURL(baseURL), err)
 	}
 	return &Client{api: api, opts: opts}, nil
+}
+
+// quoteURL quotes the server URL s for an error, with the password of its
+// user information replaced by "xxxxx" (url.URL.Redacted): errors are
+// logged. One that does not parse is not quoted, as it may hold a password
+// that cannot be told apart.
+func quoteURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil {
+		return "(not quoted: it does not parse, and may hold a password)"
+	}
+	return strconv.Quote(u.Redacted())
 }
 
 // badKeyByte returns the index of the first byte of key that no HTTP header

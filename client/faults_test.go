@@ -327,6 +327,14 @@ func TestNew_BadURL(t *testing.T) {
 			t.Errorf("New(%q) = %v", u, err)
 		}
 	}
+	// Errors are logged: a password in the URL is not quoted.
+	const pw = "s3cr3tProxyPW"
+	for _, u := range []string{"ftp://user:" + pw + "@127.0.0.1:8080", "htp://user:" + pw + "@h", "http://user:" + pw + "%zz@h"} {
+		_, err := client.New(u, client.Options{})
+		if !errors.Is(err, client.ErrInvalid) || strings.Contains(err.Error(), pw) {
+			t.Errorf("New(%q) = %v; want ErrInvalid without the password", u, err)
+		}
+	}
 }
 
 // TestNew_BadAPIKey: an API key no header can carry (a line break read from
