@@ -674,7 +674,8 @@ func TestPastedKeyNotLogged(t *testing.T) {
 		if strings.Contains(p.Detail, secret) || strings.Contains(fmt.Sprint(p.InvalidParams), secret) || w.Code >= 400 && strings.Contains(w.Body.String(), secret) {
 			t.Errorf("%s %.30s… %.30s…: the error quotes the key's secret: %s", tc.method, tc.path, tc.body, w.Body)
 		}
-		if w.Code >= 400 && strings.Contains(tc.path, id[1:]) && !strings.Contains(p.Instance, apikey.Prefix+id+"_[redacted]") {
+		// (A prefix spelt percent-encoded, %72f_, may stay so.)
+		if w.Code >= 400 && strings.Contains(tc.path, id[1:]) && !strings.Contains(p.Instance, id+"_[redacted]") {
 			t.Errorf("%s %.30s…: instance %q; want the path with the key as %s_[redacted]", tc.method, tc.path, p.Instance, apikey.Prefix+id)
 		}
 	}
@@ -736,6 +737,31 @@ func TestPastedKeyNotLogged(t *testing.T) {
 	w := e.do(e.h, http.MethodGet, "/v1/nope/"+enc, "", auth...)
 	if strings.Contains(w.Body.String(), cut[26:36]) || strings.Contains(e.logs.String(), cut[26:36]) {
 		t.Errorf("GET /v1/nope/<cut key, partly encoded>: the answer or the log quotes its secret: %s\n%s", w.Body, e.logs)
+	}
+
+	// Without its prefix (a key id, _ and a whole secret) it is the key
+	// all the same, the id being public: refused as an owner or a name,
+	// and redacted wherever it is quoted or logged.
+	e.logs.Reset()
+	bare := key[len(apikey.Prefix):]
+	for _, tc := range []struct{ method, path, body string }{
+		{http.MethodPost, "/v1/locks/orders-bare", `{"owner":"` + bare + `"}`},
+		{http.MethodPost, "/v1/locks/orders-bare", `{"owner":"by ` + bare + `!"}`},
+		{http.MethodPost, "/v1/locks/" + bare, ""},
+		{http.MethodGet, "/v1/locks/jobs:" + bare, ""},
+		{http.MethodPut, "/v1/resources/" + bare, `{"fencing_token":1,"data":1}`},
+	} {
+		w := e.do(e.h, tc.method, tc.path, tc.body, auth...)
+		if w.Code != http.StatusBadRequest || !strings.Contains(w.Body.String(), "must not hold an API key") {
+			t.Errorf("%s %.40s… %.40s…: %d %s; want 400: must not hold an API key", tc.method, tc.path, tc.body, w.Code, w.Body)
+		}
+		if strings.Contains(w.Body.String(), secret) {
+			t.Errorf("%s %.40s…: the answer quotes the key's secret: %s", tc.method, tc.path, w.Body)
+		}
+	}
+	e.do(e.h, http.MethodGet, "/v1/nope/"+bare, "", auth...)
+	if l := e.logs.String(); strings.Contains(l, secret) || !strings.Contains(l, id+"_[redacted]") {
+		t.Errorf("the log holds a key's secret without its prefix, or does not name it by its id:\n%s", l)
 	}
 }
 

@@ -646,7 +646,7 @@ func redactedPath(r *http.Request) string {
 		}
 		p = strings.ReplaceAll(p, t, "[redacted]")
 	}
-	if !strings.Contains(r.URL.Path, apikey.Prefix) { // the decoded path holds any key the sent one does
+	if apikey.Redact(r.URL.Path) == r.URL.Path { // the decoded path holds any key the sent one does
 		return p
 	}
 	red := apikey.Redact(p)

@@ -134,9 +134,16 @@ func ParseID(key string) (string, bool) {
 // the key), for text a client sent that is logged or echoed: a key pasted
 // into a path or a field name by mistake. A key is cut short when its prefix
 // and id are followed by "_" and fewer base64url characters than a secret
-// has: what is left of the secret still gives most of it away. s is
-// returned as is if it holds none.
+// has: what is left of the secret still gives most of it away. A key without
+// its prefix, a key id, "_" and a whole secret (see HoldsBare), is the key
+// too, the id being public: its secret is redacted as well. s is returned as
+// is if it holds none.
 func Redact(s string) string {
+	return redactBare(redactPrefixed(s))
+}
+
+// redactPrefixed is Redact for the keys with their prefix.
+func redactPrefixed(s string) string {
 	if !strings.Contains(s, Prefix) {
 		return s
 	}
@@ -167,6 +174,31 @@ func Redact(s string) string {
 		return s
 	}
 	b.WriteString(rest)
+	return b.String()
+}
+
+// redactBare is Redact for the keys without their prefix: a key id, "_"
+// and a whole secret, of which the secret's length is redacted.
+func redactBare(s string) string {
+	if len(s) < idLen+1+secretLen || strings.IndexByte(s, '_') < 0 {
+		return s
+	}
+	var b strings.Builder
+	done := 0 // s[:done] is in b
+	for i := 0; i+idLen+1+secretLen <= len(s); i++ {
+		head := i + idLen + 1 // past "<id>_"
+		if s[head-1] != '_' || !ValidID(s[i:head-1]) || secretRun(s[head:]) < secretLen {
+			continue
+		}
+		b.WriteString(s[done:head])
+		b.WriteString("[redacted]")
+		done = head + secretLen
+		i = done - 1
+	}
+	if done == 0 {
+		return s
+	}
+	b.WriteString(s[done:])
 	return b.String()
 }
 

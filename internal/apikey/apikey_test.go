@@ -156,6 +156,10 @@ func TestRedact(t *testing.T) {
 		{Prefix + id + "_", Prefix + id + "_"},
 		{Prefix + id + "_ x", Prefix + id + "_ x"},
 		{"rf_0123456789ABCDEF_abc", "rf_0123456789ABCDEF_abc"}, // not a key id
+		// Without its prefix: a key id, _ and a whole secret.
+		{key[len(Prefix):], id + "_[redacted]"},
+		{"/v1/locks/x" + key[len(Prefix):] + "/y", "/v1/locks/x" + id + "_[redacted]/y"},
+		{key[len(Prefix) : Len-1], key[len(Prefix) : Len-1]}, // cut short, without the prefix: not told apart
 	} {
 		if got := Redact(tc.in); got != tc.want {
 			t.Errorf("Redact(%q) = %q; want %q", tc.in, got, tc.want)
