@@ -254,6 +254,21 @@ function noAnswer(op: string, name: string, cause: unknown, outer?: AbortSignal)
   return new RedfenceError(op, name, 0, { cause });
 }
 
+/**
+ * baseUrl (base, parsed) quoted for an error, without the user name and
+ * password it may hold: errors are logged. One that holds an "@" but did not
+ * parse into them is not quoted.
+ */
+function quoteBaseUrl(baseUrl: string, base: URL | undefined): string {
+  if (base && (base.username || base.password)) {
+    const shown = new URL(base.href);
+    shown.username = "";
+    shown.password = "";
+    return `${JSON.stringify(shown.href)} (user name and password not shown)`;
+  }
+  return baseUrl.includes("@") ? "(not quoted: it may hold a password)" : JSON.stringify(baseUrl);
+}
+
 /** The error of an acquire of name refused before it was sent, or of a grant refused on arrival. */
 function invalidAcquire(name: string, detail: string): RedfenceError {
   return new RedfenceError("acquire", name, 0, { detail, kind: "invalid" });
@@ -555,7 +570,12 @@ export class Redfence {
     if (!base || (base.protocol !== "http:" && base.protocol !== "https:")) {
       // Caught here: fetch's failure would read as an unreachable server
       // (kind "unavailable"), and an acquire would retry it while it waits.
-      throw new TypeError(`redfence: baseUrl must be an absolute http or https URL, like "http://127.0.0.1:8080", not ${JSON.stringify(opts.baseUrl)}`);
+      throw new TypeError(`redfence: baseUrl must be an absolute http or https URL, like "http://127.0.0.1:8080", not ${quoteBaseUrl(opts.baseUrl, base)}`);
+    }
+    if (base.username || base.password) {
+      // fetch refuses every request to such a URL, with an error quoting
+      // it, password and all, that would read as an unreachable server.
+      throw new TypeError(`redfence: baseUrl must not hold a user name or password (fetch refuses such a URL): ${quoteBaseUrl(opts.baseUrl, base)}`);
     }
     const headers: Record<string, string> = {};
     if (opts.apiKey) {

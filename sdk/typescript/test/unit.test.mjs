@@ -273,6 +273,12 @@ test("bad options are refused before anything is sent", async () => {
   for (const baseUrl of ["localhost:8080", "127.0.0.1:8080", "/v1", "", "ftp://host"]) {
     assert.throws(() => new Redfence({ baseUrl }), (e) => e instanceof TypeError && /absolute http or https URL/.test(e.message), baseUrl);
   }
+  // So is one with a user name or password (fetch refuses it on every
+  // request, quoting it whole), and the error never quotes the password.
+  for (const baseUrl of ["http://u:s3cretPW@127.0.0.1:8080", "https://:s3cretPW@h", "ftp://u:s3cretPW@h", "u:s3cretPW@h:1"]) {
+    assert.throws(() => new Redfence({ baseUrl }), (e) => e instanceof TypeError && !e.message.includes("s3cretPW"), baseUrl);
+  }
+  assert.throws(() => new Redfence({ baseUrl: "http://u:s3cretPW@h" }), (e) => /must not hold a user name or password/.test(e.message));
   // A cap below the server's default TTL is found on the grant, which is released.
   const { rf: rf2, count } = scripted((kind) => (kind === "acquire" ? grant(60_000) : noContent()));
   await assert.rejects(rf2.acquire("n", { maxHoldMs: 1000 }), (e) => e.kind === "invalid");
