@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strings"
 	"sync"
 	"time"
 )
@@ -41,9 +42,34 @@ func (c *Config) validateSecurity() []error {
 	return errs
 }
 
+// readPEM reads the PEM file file. A setting meant to name a file that
+// holds the PEM data itself (a key pasted into REDFENCE_TLS_KEY_FILE) is
+// not a file name: the error says so without quoting it, as the error of
+// opening it would, private key and all, into the log.
+func readPEM(file string) ([]byte, error) {
+	data, err := os.ReadFile(file)
+	if err != nil && (strings.Contains(file, "-----BEGIN") || strings.ContainsAny(file, "\r\n")) {
+		return nil, errors.New("not quoted: it holds PEM data or a line break, not a file name (give the path of a file that holds the PEM data)")
+	}
+	return data, err
+}
+
+// loadKeyPair is tls.LoadX509KeyPair, reading the files with readPEM.
+func loadKeyPair(certFile, keyFile string) (tls.Certificate, error) {
+	certPEM, err := readPEM(certFile)
+	if err != nil {
+		return tls.Certificate{}, err
+	}
+	keyPEM, err := readPEM(keyFile)
+	if err != nil {
+		return tls.Certificate{}, err
+	}
+	return tls.X509KeyPair(certPEM, keyPEM)
+}
+
 // certPool reads PEM certificates from file into a new pool.
 func certPool(variable, file string) (*x509.CertPool, error) {
-	pem, err := os.ReadFile(file)
+	pem, err := readPEM(file)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", variable, err)
 	}
@@ -102,7 +128,7 @@ func clientTLS(caName, caFile, certName, certFile, keyFile string) (*tls.Config,
 		cfg.RootCAs = pool
 	}
 	if certFile != "" || keyFile != "" {
-		cert, err := tls.LoadX509KeyPair(certFile, keyFile)
+		cert, err := loadKeyPair(certFile, keyFile)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", certName, err)
 		}
@@ -139,11 +165,11 @@ func newKeyPair(certFile, keyFile string, log *slog.Logger) (*keyPair, error) {
 
 // reload reads both files and, if they changed, loads the pair from them.
 func (kp *keyPair) reload() (changed bool, err error) {
-	certPEM, err := os.ReadFile(kp.certFile)
+	certPEM, err := readPEM(kp.certFile)
 	if err != nil {
 		return false, err
 	}
-	keyPEM, err := os.ReadFile(kp.keyFile)
+	keyPEM, err := readPEM(kp.keyFile)
 	if err != nil {
 		return false, err
 	}
@@ -210,7 +236,7 @@ func (c *Config) healthClient(host, port string) (*http.Client, string, error) {
 	}
 	cfg := &tls.Config{InsecureSkipVerify: true} //nolint:gosec // local liveness probe; see above
 	if c.TLSClientCAFile != "" {
-		cert, err := tls.LoadX509KeyPair(c.TLSCertFile, c.TLSKeyFile)
+		cert, err := loadKeyPair(c.TLSCertFile, c.TLSKeyFile)
 		if err != nil {
 			return nil, "", fmt.Errorf("REDFENCE_TLS_CERT_FILE / REDFENCE_TLS_KEY_FILE: %w", err)
 		}

@@ -401,3 +401,42 @@ func TestTLS_Redis(t *testing.T) {
 		})
 	}
 }
+
+// TestTLS_KeyGivenInline: a private key pasted into a setting that names
+// its file (REDFENCE_TLS_KEY_FILE, REDFENCE_REDIS_TLS_KEY_FILE) is refused
+// without quoting it: the error of opening a file of that name would put
+// the whole key in the log.
+func TestTLS_KeyGivenInline(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	ca := newCA(t, dir, "inline")
+	certFile, keyFile := ca.issue(t, dir, "server", x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth)
+	keyPEM, err := os.ReadFile(keyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inline := string(keyPEM)
+	secret := strings.Split(inline, "\n")[1][:20] // the key's first base64 line
+	check := func(what string, err error) {
+		t.Helper()
+		if err == nil || strings.Contains(err.Error(), secret) || !strings.Contains(err.Error(), "not a file name") {
+			t.Errorf("%s with the key inline = %v; want an error saying it is not a file name, without the key", what, err)
+		}
+	}
+	c := testConfig(t, nil, "")
+	c.TLSCertFile, c.TLSKeyFile = certFile, inline
+	_, err = c.serverTLS(slog.New(slog.DiscardHandler))
+	check("serverTLS", err)
+	c.TLSClientCAFile = ca.file
+	_, _, err = c.healthClient("127.0.0.1", "8080")
+	check("healthClient", err)
+	c = testConfig(t, nil, "")
+	c.RedisTLS, c.RedisTLSCertFile, c.RedisTLSKeyFile = true, certFile, inline
+	_, err = c.redisTLS()
+	check("redisTLS", err)
+	// A missing file is still named.
+	c.RedisTLSKeyFile = filepath.Join(dir, "missing.pem")
+	if _, err := c.redisTLS(); err == nil || !strings.Contains(err.Error(), "missing.pem") {
+		t.Errorf("redisTLS with a missing key file = %v; want an error naming it", err)
+	}
+}
