@@ -183,10 +183,11 @@ Press Ctrl-C to stop.
 	return b.String()
 }
 
-// redactURL hides the password of a database URL or DSN (userinfo, a
-// password= query parameter or key=value setting).
+// redactURL hides the passwords of a database URL or DSN: the user's
+// (userinfo, a password= query parameter or key=value setting) and that of
+// an encrypted client key (sslpassword=).
 func redactURL(u string) string {
-	if cfg, err := pgconn.ParseConfig(u); err == nil && cfg.Password == "" {
+	if cfg, err := pgconn.ParseConfig(u); err == nil && cfg.Password == "" && !strings.Contains(u, "sslpassword") {
 		return u
 	}
 	if pu, err := url.Parse(u); err == nil && pu.Scheme != "" {
@@ -194,9 +195,11 @@ func redactURL(u string) string {
 			pu.User = url.UserPassword(pu.User.Username(), "xxxxx")
 		}
 		q := pu.Query()
-		if q.Has("password") {
-			q.Set("password", "xxxxx")
-			pu.RawQuery = q.Encode()
+		for _, k := range []string{"password", "sslpassword"} {
+			if q.Has(k) {
+				q.Set(k, "xxxxx")
+				pu.RawQuery = q.Encode()
+			}
 		}
 		return pu.String()
 	}

@@ -310,3 +310,24 @@ func TestDev_OrphanKeysRevoked(t *testing.T) {
 		t.Errorf("RevokeOrphanKeys for this process = %v, %v; want dev's key %s", orphans, err, own)
 	}
 }
+
+// TestRedactURL: the banner of redfence dev shows the database URL without
+// its passwords: the user's and an encrypted client key's (sslpassword).
+func TestRedactURL(t *testing.T) {
+	t.Parallel()
+	const pw = "s3cr3tPW"
+	for _, u := range []string{
+		"postgres://u:" + pw + "@db:5432/x",
+		"postgres://u@db/x?password=" + pw,
+		"postgres://u@db/x?sslmode=verify-full&sslkey=/k.pem&sslcert=/c.pem&sslpassword=" + pw,
+		"host=db user=u password=" + pw,
+		"host=db user=u sslmode=verify-full sslkey=/k.pem sslcert=/c.pem sslpassword=" + pw,
+	} {
+		if got := redactURL(u); strings.Contains(got, pw) {
+			t.Errorf("redactURL(%q) = %q; want it without the password", u, got)
+		}
+	}
+	if u := "postgres://u@db:5432/x?sslmode=disable"; redactURL(u) != u {
+		t.Errorf("redactURL(%q) = %q; want it unchanged", u, redactURL(u))
+	}
+}
