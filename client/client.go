@@ -206,7 +206,7 @@ func (c *Client) exchange(ctx context.Context, op, name string, resp *http.Respo
 			return &Error{Op: op, Name: name, Status: status, sentinel: ErrUnavailable, cause: errRequestTimeout}
 		}
 		if cerr := ctx.Err(); cerr != nil {
-			return fmt.Errorf("client: %s %q: %w", op, name, cerr)
+			return fmt.Errorf("client: %s %q: %w", op, shownName(name), cerr)
 		}
 		return &Error{Op: op, Name: name, Status: status, sentinel: ErrUnavailable, cause: err}
 	}
@@ -382,14 +382,14 @@ func (c *Client) put(ctx context.Context, name string, token fencing.Token, data
 	}
 	raw, err := json.Marshal(data)
 	if err != nil {
-		return nil, fmt.Errorf("client: put %q: encoding data: %w", name, err)
+		return nil, fmt.Errorf("client: put %q: encoding data: %w", shownName(name), err)
 	}
 	body, err := json.Marshal(struct {
 		FencingToken int64           `json:"fencing_token"`
 		Data         json.RawMessage `json:"data"`
 	}{int64(token), raw})
 	if err != nil {
-		return nil, fmt.Errorf("client: put %q: %w", name, err)
+		return nil, fmt.Errorf("client: put %q: %w", shownName(name), err)
 	}
 	ctx, cancel := c.timeout(ctx, 0)
 	defer cancel()

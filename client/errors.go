@@ -12,6 +12,7 @@ import (
 
 	"github.com/redfence/redfence/client/rest"
 	"github.com/redfence/redfence/fencing"
+	"github.com/redfence/redfence/internal/apikey"
 )
 
 // Sentinel errors. Every error the client returns for an answer of the
@@ -98,9 +99,14 @@ type NodeOutcome struct {
 // Slug returns the problem type without its urn:redfence:problem: prefix.
 func (e *Error) Slug() string { return strings.TrimPrefix(e.Type, problemPrefix) }
 
+// shownName is a lock or resource name as errors quote it: with the
+// secret of an API key pasted into it by mistake redacted (apikey.Redact),
+// as the server quotes it, since errors are logged.
+func shownName(name string) string { return apikey.Redact(name) }
+
 func (e *Error) Error() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "client: %s %q: ", e.Op, e.Name)
+	fmt.Fprintf(&b, "client: %s %q: ", e.Op, shownName(e.Name))
 	switch {
 	case e.Status == 0 && e.cause != nil:
 		fmt.Fprintf(&b, "%v: %v", e.sentinel, e.cause)

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/redfence/redfence/internal/apikey"
 )
 
 func TestProblemError(t *testing.T) {
@@ -78,5 +80,17 @@ func TestDecodeError(t *testing.T) {
 	}
 	if msg := err.Error(); !strings.Contains(msg, "HTTP 200") || !strings.Contains(msg, "decoding the answer") {
 		t.Errorf("message %q; want the status and why the answer could not be decoded", msg)
+	}
+}
+
+// TestError_NameWithAPIKey: an API key pasted into a lock name by mistake
+// (the server refuses the name, quoting it redacted) is quoted by the
+// error without its secret too: errors are logged.
+func TestError_NameWithAPIKey(t *testing.T) {
+	t.Parallel()
+	key, id := apikey.New()
+	e := &Error{Op: "acquire", Name: "jobs:" + key, Status: 400, Type: "urn:redfence:problem:invalid-request"}
+	if msg := e.Error(); strings.Contains(msg, key[len(key)-20:]) || !strings.Contains(msg, "jobs:"+apikey.Prefix+id+"_[redacted]") {
+		t.Errorf("Error() = %q; want the name with the key's secret redacted", msg)
 	}
 }

@@ -158,7 +158,7 @@ func (c *Client) Acquire(ctx context.Context, name string, opts *LockOptions) (*
 			backoff = min(2*backoff, time.Second)
 			if !sleep(ctx, d) {
 				// Only the context's error matches (see the sentinels).
-				return nil, fmt.Errorf("client: acquire %q: %w (after: %v)", name, ctx.Err(), err)
+				return nil, fmt.Errorf("client: acquire %q: %w (after: %v)", shownName(name), ctx.Err(), err)
 			}
 		default:
 			return nil, err
@@ -216,7 +216,7 @@ func (c *Client) newLease(name string, g *grant, o LockOptions) (*Lease, error) 
 	if !l.live() {
 		// Granted, but its validity ran out before the answer arrived (a
 		// pause, a slow network): never handed out as held.
-		return refuse(fmt.Errorf("client: acquire %q: %w: the grant's validity ran out before its answer arrived (it was released)", name, ErrLost))
+		return refuse(fmt.Errorf("client: acquire %q: %w: the grant's validity ran out before its answer arrived (it was released)", shownName(name), ErrLost))
 	}
 	l.life, l.end = context.WithCancelCause(context.Background())
 	l.stopped, l.stop = context.WithCancel(context.Background())
