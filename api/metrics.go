@@ -458,7 +458,7 @@ var (
 	quarantinedDesc = prometheus.NewDesc(MetricNodeQuarantined,
 		"1 while a Redis node's votes are not counted: it lost its memory (restart quarantine) or may evict keys (maxmemory-policy), else 0.", []string{"node"}, nil)
 	quarantinesDesc = prometheus.NewDesc(MetricNodeQuarantines,
-		"Restart quarantines begun, per Redis node.", []string{"node"}, nil)
+		"Quarantines begun, per Redis node: it lost its memory (a restart without its data) or may evict keys (maxmemory-policy).", []string{"node"}, nil)
 )
 
 func (s *nodeState) seen(addr string) {

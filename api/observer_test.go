@@ -37,7 +37,7 @@ func TestObserver(t *testing.T) {
 # TYPE redfence_node_quarantined gauge
 redfence_node_quarantined{node="a:1"} 0
 redfence_node_quarantined{node="b:1"} 1
-# HELP redfence_node_quarantines_total Restart quarantines begun, per Redis node.
+# HELP redfence_node_quarantines_total Quarantines begun, per Redis node: it lost its memory (a restart without its data) or may evict keys (maxmemory-policy).
 # TYPE redfence_node_quarantines_total counter
 redfence_node_quarantines_total{node="a:1"} 0
 redfence_node_quarantines_total{node="b:1"} 1
@@ -61,7 +61,7 @@ redfence_blocked_waiters 1
 # TYPE redfence_node_quarantined gauge
 redfence_node_quarantined{node="a:1"} 0
 redfence_node_quarantined{node="b:1"} 0
-# HELP redfence_node_quarantines_total Restart quarantines begun, per Redis node.
+# HELP redfence_node_quarantines_total Quarantines begun, per Redis node: it lost its memory (a restart without its data) or may evict keys (maxmemory-policy).
 # TYPE redfence_node_quarantines_total counter
 redfence_node_quarantines_total{node="a:1"} 0
 redfence_node_quarantines_total{node="b:1"} 2
