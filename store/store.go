@@ -332,7 +332,11 @@ func (db *DB) Ping(ctx context.Context) error {
 
 // Migrate applies every pending migration. It is safe to run from several
 // processes at once: a Postgres advisory lock, held on one connection,
-// serialises them, and each migration runs in its own transaction.
+// serialises them, and each migration runs in its own transaction. A
+// failure is classified as a statement's is (see classify): a Postgres that
+// went away meanwhile (restarted while this process waited for another's
+// migrations, or ran its own) matches ErrUnavailable, so a server starting
+// waits for it as it does for one down before the start.
 func (db *DB) Migrate(ctx context.Context) (applied []string, err error) {
 	sqlDB := stdlib.OpenDBFromPool(db.pool)
 	defer sqlDB.Close()
@@ -359,7 +363,7 @@ func migrate(ctx context.Context, sqlDB *sql.DB) ([]string, error) {
 	}
 	res, err := p.Up(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("store: migrate: %w", err)
+		return nil, fmt.Errorf("store: migrate: %w", classify(err))
 	}
 	var applied []string
 	for _, r := range res {

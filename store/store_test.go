@@ -298,6 +298,42 @@ SELECT count(*) FROM pg_tables
 	})
 }
 
+// TestDB_Migrate_PostgresGone: a Migrate waiting for another process's
+// migrations (the advisory lock held elsewhere) whose Postgres goes away
+// meanwhile (a restart terminates its session) fails with ErrUnavailable,
+// as every other statement of a Postgres gone does, so that a server
+// starting waits for it (cmd's OpenWaiting) instead of exiting. Before,
+// its error was goose's, unclassified, and the server exited.
+func TestDB_Migrate_PostgresGone(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := clustertest.Database(t)
+	db := open(t, url, Options{})
+	admin := connect(t, url)
+	if _, err := admin.Exec(ctx, "SELECT pg_advisory_lock($1)", int64(migrationLockID)); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := db.Migrate(ctx)
+		done <- err
+	}()
+	testutil.WaitFor(t, waitTimeout, "Migrate to wait for the advisory lock", func() (bool, error) {
+		var n int
+		err := admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND application_name = 'redfence' AND query LIKE '%pg_try_advisory_lock%'`).Scan(&n)
+		return n > 0, err
+	})
+	if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+		WHERE datname = current_database() AND application_name = 'redfence'`); err != nil {
+		t.Fatal(err)
+	}
+	err := <-done
+	if !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("Migrate whose session was terminated = %v; want an error matching ErrUnavailable", err)
+	}
+}
+
 func TestDB_Issue(t *testing.T) {
 	t.Parallel()
 	db, _ := newDB(t, Options{})
