@@ -57,7 +57,12 @@ type Registry interface {
 	// reports that addr was unknown. An address first seen while some
 	// server may hold a lease starts quarantined as QuarantineNode would
 	// (it may be a known node under another address, just restarted).
-	RegisterNode(ctx context.Context, addr, epoch string) (cur string, left time.Duration, created bool, err error)
+	// Before it records an unknown addr, it calls check (unless nil): an
+	// error leaves no record and is returned. Until check has returned, no
+	// server learns of the record: a concurrent RegisterNode of addr waits
+	// for it, then finds addr known, or unknown if check failed (and then
+	// checks it itself), so no server adopts an epoch that check refuses.
+	RegisterNode(ctx context.Context, addr, epoch string, check func(ctx context.Context) error) (cur string, left time.Duration, created bool, err error)
 	// QuarantineNode records that addr no longer holds the marker expected,
 	// or, with a runID, that its Redis process restarted as runID (durable:
 	// it fsyncs every write): if addr's epoch is still expected, or runID is
@@ -84,9 +89,6 @@ type Registry interface {
 	// quarantine plus grace. So servers configured with different MaxTTLs
 	// agree on a safe one.
 	Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error
-	// ForgetNode removes addr's record if its epoch is still epoch: it
-	// undoes a RegisterNode that created it (see ErrForeignNode).
-	ForgetNode(ctx context.Context, addr, epoch string) error
 }
 
 const (
@@ -509,14 +511,14 @@ func (l *Locker) Init(ctx context.Context) (err error) {
 		if err != nil {
 			return err
 		}
-		cur, left, created, err := l.opts.Registry.RegisterNode(ctx, m.Addr(), epoch)
+		cur, left, created, err := l.opts.Registry.RegisterNode(ctx, m.Addr(), epoch, func(ctx context.Context) error {
+			return l.checkForeign(ctx, m, epoch)
+		})
+		if errors.Is(err, ErrForeignNode) {
+			return err
+		}
 		if err != nil {
 			return fmt.Errorf("service: register node %s: %w", m.Addr(), err)
-		}
-		if created {
-			if err := l.checkForeign(ctx, m, cur); err != nil {
-				return err
-			}
 		}
 		until := l.quarantineEnd(left)
 		m.adopt(cur, until)
@@ -566,11 +568,11 @@ func (l *Locker) Init(ctx context.Context) (err error) {
 	return nil
 }
 
-// checkForeign returns an error matching ErrForeignNode if m, just
-// registered with epoch cur (the Registry did not know it), already holds
-// a marker: one that servers of another Registry wrote. The registration
-// is undone then, so the next start checks again. A node that does not
-// answer is not checked.
+// checkForeign returns an error matching ErrForeignNode if m, about to be
+// registered with epoch cur (the Registry does not know it), already holds
+// a marker: one that servers of another Registry wrote. It runs as
+// RegisterNode's check, so the registration is not made then, and the next
+// start checks again. A node that does not answer is not checked.
 func (l *Locker) checkForeign(ctx context.Context, m *member, cur string) error {
 	er, ok := m.Node.(epochReader)
 	if !ok {
@@ -581,9 +583,6 @@ func (l *Locker) checkForeign(ctx context.Context, m *member, cur string) error 
 	cancel()
 	if err != nil || got == "" || got == cur {
 		return nil
-	}
-	if ferr := l.opts.Registry.ForgetNode(ctx, m.Addr(), cur); ferr != nil {
-		l.opts.Logger.Warn("could not undo the registration of a node marked by another database's servers", slog.String("node", m.Addr()), slog.String("error", ferr.Error()))
 	}
 	return fmt.Errorf("service: node %s: %w: its epoch marker (key %s) was not written by servers of this database. "+
 		"Two deployments must not share Redis nodes, and the servers of one must share its database. "+

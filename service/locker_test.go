@@ -1098,11 +1098,16 @@ func marked(n *memNode) <-chan struct{} {
 	return ch
 }
 
-func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (string, time.Duration, bool, error) {
+func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string, check func(context.Context) error) (string, time.Duration, bool, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if cur, ok := r.epochs[addr]; ok {
 		return cur, r.left(addr), false, nil
+	}
+	if check != nil {
+		if err := check(ctx); err != nil {
+			return "", 0, false, err
+		}
 	}
 	r.epochs[addr] = epoch
 	var need time.Duration // as store: quarantined if servers may hold leases
@@ -1113,16 +1118,6 @@ func (r *memRegistry) RegisterNode(ctx context.Context, addr, epoch string) (str
 		r.until[addr] = r.clk.Now().Add(need)
 	}
 	return epoch, r.left(addr), true, nil
-}
-
-func (r *memRegistry) ForgetNode(ctx context.Context, addr, epoch string) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.epochs[addr] == epoch {
-		delete(r.epochs, addr)
-		delete(r.until, addr)
-	}
-	return nil
 }
 
 func (r *memRegistry) QuarantineNode(ctx context.Context, addr, expected, next, runID string, durable bool, d time.Duration) (string, time.Duration, error) {

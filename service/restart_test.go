@@ -323,7 +323,7 @@ func TestLocker_PersistentRestart(t *testing.T) {
 	l := e.locker(t, e.db)
 	a := e.holdOnFirstThree(t, l, "aof")
 	addr := e.nodes[0].Addr()
-	epoch, _, _, err := e.db.RegisterNode(t.Context(), addr, "unused")
+	epoch, _, _, err := e.db.RegisterNode(t.Context(), addr, "unused", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -343,7 +343,7 @@ func TestLocker_PersistentRestart(t *testing.T) {
 	testutil.WaitFor(t, 20*time.Second, "node 0's new process recorded", func() (bool, error) {
 		return l.Nodes(t.Context())[0].QuarantinedUntil.IsZero(), nil
 	})
-	if cur, left, _, err := e.db.RegisterNode(t.Context(), addr, "unused"); err != nil || cur != epoch || left != 0 {
+	if cur, left, _, err := e.db.RegisterNode(t.Context(), addr, "unused", nil); err != nil || cur != epoch || left != 0 {
 		t.Errorf("node 0's record after a restart with its data: epoch %q (was %q), quarantine left %v, %v; want unchanged, none", cur, epoch, left, err)
 	}
 	if _, err := l.Acquire(t.Context(), "other", service.Request{TTL: time.Second}); err != nil {

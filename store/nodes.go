@@ -26,36 +26,45 @@ const liveNeedSQL = `(SELECT COALESCE(max(quarantine_ms), 0) FROM redfence_serve
 // reports that it was unknown. An address first seen while some server may
 // still hold a lease is quarantined at once, as a node that lost its memory
 // would be: it may be a node those servers know under another address, just
-// restarted. Only a brand-new cluster's nodes count at once. It implements
-// service.Registry.
-func (db *DB) RegisterNode(ctx context.Context, addr, epoch string) (string, time.Duration, bool, error) {
+// restarted. Only a brand-new cluster's nodes count at once. An unknown
+// addr's record is committed only once check (if not nil) has returned
+// nil, in the transaction that inserts it: a RegisterNode of addr by another
+// server meanwhile waits for the row, and then reads it, or inserts its own
+// if check failed. So no server adopts an epoch whose record check refused
+// (a node marked by another database's servers, see
+// service.ErrForeignNode). It implements service.Registry.
+func (db *DB) RegisterNode(ctx context.Context, addr, epoch string, check func(ctx context.Context) error) (string, time.Duration, bool, error) {
+	tx, err := db.pool.Begin(ctx)
+	if err != nil {
+		return "", 0, false, fmt.Errorf("store: register node %s: %w", addr, classify(err))
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // a no-op once committed
 	var cur string
 	var left float64
-	err := db.pool.QueryRow(ctx, `
+	err = tx.QueryRow(ctx, `
 INSERT INTO redfence_nodes (addr, epoch, quarantined_until)
 SELECT $1, $2, CASE WHEN need > 0 THEN now() + make_interval(secs => need::float8 / 1000) END
   FROM (SELECT `+liveNeedSQL+` AS need) n
 ON CONFLICT (addr) DO NOTHING
 RETURNING epoch, `+leftSQL, addr, epoch).Scan(&cur, &left)
+	created := err == nil
+	switch {
+	case created && check != nil:
+		if err := check(ctx); err != nil {
+			return "", 0, false, err
+		}
+	case errors.Is(err, pgx.ErrNoRows):
+		// Known: committed by another server (an INSERT that found its
+		// row not committed yet waited for it).
+		err = tx.QueryRow(ctx, `SELECT epoch, `+leftSQL+` FROM redfence_nodes WHERE addr = $1`, addr).Scan(&cur, &left)
+	}
 	if err == nil {
-		return cur, millis(left), true, nil
+		err = tx.Commit(ctx)
 	}
-	if !errors.Is(err, pgx.ErrNoRows) {
+	if err != nil {
 		return "", 0, false, fmt.Errorf("store: register node %s: %w", addr, classify(err))
 	}
-	if err := db.pool.QueryRow(ctx, `SELECT epoch, `+leftSQL+` FROM redfence_nodes WHERE addr = $1`, addr).Scan(&cur, &left); err != nil {
-		return "", 0, false, fmt.Errorf("store: register node %s: %w", addr, classify(err))
-	}
-	return cur, millis(left), false, nil
-}
-
-// ForgetNode removes addr's record if its epoch is still epoch. It
-// implements service.Registry.
-func (db *DB) ForgetNode(ctx context.Context, addr, epoch string) error {
-	if _, err := db.pool.Exec(ctx, `DELETE FROM redfence_nodes WHERE addr = $1 AND epoch = $2`, addr, epoch); err != nil {
-		return fmt.Errorf("store: forget node %s: %w", addr, classify(err))
-	}
-	return nil
+	return cur, millis(left), created, nil
 }
 
 // QuarantineNode records that addr lost the marker expected, or, with a

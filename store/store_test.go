@@ -1141,11 +1141,11 @@ func TestDB_Nodes(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db, _ := newDB(t, Options{})
-	epoch, left, created, err := db.RegisterNode(ctx, "n1:6379", "e1")
+	epoch, left, created, err := db.RegisterNode(ctx, "n1:6379", "e1", nil)
 	if err != nil || epoch != "e1" || left != 0 || !created {
 		t.Fatalf("RegisterNode(new) = %q, %v, %v, %v; want e1, 0, created", epoch, left, created, err)
 	}
-	epoch, _, created, err = db.RegisterNode(ctx, "n1:6379", "e2")
+	epoch, _, created, err = db.RegisterNode(ctx, "n1:6379", "e2", nil)
 	if err != nil || epoch != "e1" || created {
 		t.Fatalf("RegisterNode(known) = %q, %v, %v; want e1 kept, not created", epoch, created, err)
 	}
@@ -1171,7 +1171,7 @@ func TestDB_Nodes(t *testing.T) {
 		t.Fatalf("QuarantineNode(behind) = %q, %v, %v; want e5 unchanged", epoch, l, err)
 	}
 	// A restarted server sees the running quarantine.
-	_, left3, _, err := db.RegisterNode(ctx, "n1:6379", "e9")
+	_, left3, _, err := db.RegisterNode(ctx, "n1:6379", "e9", nil)
 	if err != nil || left3 <= 0 || left3 > left2 {
 		t.Fatalf("RegisterNode after quarantine = %v, %v; want the same end (at most %v left)", left3, err, left2)
 	}
@@ -1180,7 +1180,7 @@ func TestDB_Nodes(t *testing.T) {
 	if _, err := db.pool.Exec(ctx, `UPDATE redfence_nodes SET quarantined_until = now() - interval '1 second' WHERE addr = 'n1:6379'`); err != nil {
 		t.Fatal(err)
 	}
-	if _, left4, _, err := db.RegisterNode(ctx, "n1:6379", "e9"); err != nil || left4 != 0 {
+	if _, left4, _, err := db.RegisterNode(ctx, "n1:6379", "e9", nil); err != nil || left4 != 0 {
 		t.Fatalf("RegisterNode after the quarantine ended = %v, %v; want 0 left", left4, err)
 	}
 }
@@ -1193,7 +1193,7 @@ func TestDB_Heartbeat(t *testing.T) {
 	db, _ := newDB(t, Options{})
 	quarantine := func(addr string) time.Duration {
 		t.Helper()
-		if _, _, _, err := db.RegisterNode(ctx, addr, "e1"); err != nil {
+		if _, _, _, err := db.RegisterNode(ctx, addr, "e1", nil); err != nil {
 			t.Fatal(err)
 		}
 		_, left, err := db.QuarantineNode(ctx, addr, "e1", "e2", "", false, 10*time.Second)
@@ -1230,7 +1230,7 @@ func TestDB_Heartbeat(t *testing.T) {
 	}
 	// An address first seen while servers may hold leases is quarantined
 	// at once: it may be a known node under another name, just restarted.
-	if _, left, created, err := db.RegisterNode(ctx, "alias-of-n1:6379", "e7"); err != nil || !created || left <= time.Minute || left > 5*time.Minute {
+	if _, left, created, err := db.RegisterNode(ctx, "alias-of-n1:6379", "e7", nil); err != nil || !created || left <= time.Minute || left > 5*time.Minute {
 		t.Errorf("RegisterNode(new address, servers live) = %v, %v, %v; want created, quarantined up to 5m", left, created, err)
 	}
 }
@@ -1247,7 +1247,7 @@ func TestDB_NodeRunID(t *testing.T) {
 	ctx := context.Background()
 	db, _ := newDB(t, Options{})
 	const addr = "run:6379"
-	if _, _, _, err := db.RegisterNode(ctx, addr, "e1"); err != nil {
+	if _, _, _, err := db.RegisterNode(ctx, addr, "e1", nil); err != nil {
 		t.Fatal(err)
 	}
 	// Nothing on record yet: the first process is recorded, no quarantine.
@@ -1327,7 +1327,7 @@ func TestDB_QuarantineNodeRace(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db, _ := newDB(t, Options{})
-	if _, _, _, err := db.RegisterNode(ctx, "race:6379", "E"); err != nil {
+	if _, _, _, err := db.RegisterNode(ctx, "race:6379", "E", nil); err != nil {
 		t.Fatal(err)
 	}
 	tx, err := db.pool.Begin(ctx)
