@@ -87,8 +87,11 @@ type Registry interface {
 	// for at least the longest quarantine of the servers that may still
 	// hold a lease: those whose last heartbeat is younger than their
 	// quarantine plus grace. So servers configured with different MaxTTLs
-	// agree on a safe one.
-	Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error
+	// agree on a safe one. It records nodes too, the addresses of the
+	// server's nodes, sorted, and fails when a server that may still hold
+	// a lease lists other nodes (majorities of the two lists need not
+	// overlap), recording nothing: the first heartbeat fails Init then.
+	Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration, nodes []string) error
 }
 
 const (
@@ -754,9 +757,14 @@ func (l *Locker) startHeartbeat(ctx context.Context) error {
 		return err
 	}
 	q := l.quarantineFor()
+	addrs := make([]string, len(l.members))
+	for i, m := range l.members {
+		addrs[i] = m.Addr()
+	}
+	slices.Sort(addrs)
 	beat := func(ctx context.Context) error {
 		sent := time.Now() // real time: the registry counts on Postgres' clock
-		if err := l.opts.Registry.Heartbeat(ctx, id, q, heartbeatGrace); err != nil {
+		if err := l.opts.Registry.Heartbeat(ctx, id, q, heartbeatGrace, addrs); err != nil {
 			return err
 		}
 		l.beatMu.Lock()

@@ -1161,7 +1161,7 @@ func (r *memRegistry) quarantine(addr, next string, d time.Duration) {
 	}
 }
 
-func (r *memRegistry) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
+func (r *memRegistry) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration, _ []string) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.servers == nil {
@@ -1397,11 +1397,11 @@ type flakyBeats struct {
 	fail  func(n int32) bool
 }
 
-func (r *flakyBeats) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
+func (r *flakyBeats) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration, nodes []string) error {
 	if r.fail(r.beats.Add(1)) {
 		return errors.New("postgres is down")
 	}
-	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace)
+	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace, nodes)
 }
 
 // TestLocker_StaleHeartbeat: a Locker whose last successful heartbeat is

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -167,27 +168,92 @@ func millis(ms float64) time.Duration {
 	return time.Duration(math.Ceil(ms * float64(time.Millisecond)))
 }
 
-// Heartbeat records that the server id runs and that a node that lost its
-// memory must be quarantined for at least quarantine for its leases. A
+// Heartbeat records that the server id runs, that a node that lost its
+// memory must be quarantined for at least quarantine for its leases, and
+// which Redis nodes it lists (their addresses, sorted; nil records none). A
 // server whose heartbeats stopped counts until its quarantine plus grace has
-// passed since the last one; a day after that its row is deleted. It
+// passed since the last one; a day after that its row is deleted.
+//
+// Majorities of two different node lists need not overlap: servers listing
+// them could both grant one name at once. So when another server that may
+// still hold a lease lists other nodes, Heartbeat records nothing and fails
+// with an error matching ErrNodeListDiffers, which says until when that
+// server's leases may last. Heartbeats are serialised for that check, so
+// two servers with different lists starting together cannot both pass it.
+// Servers that recorded no list (older versions) are not compared. It
 // implements service.Registry.
-func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration) error {
+func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration, nodes []string) error {
+	var other otherServer
 	err := retryPooled(db.pool, func() error {
-		_, err := db.pool.Exec(ctx, heartbeatSQL, id, ceilMillis(quarantine), ceilMillis(grace))
-		return err
+		other = otherServer{}
+		return pgx.BeginFunc(ctx, db.pool, func(tx pgx.Tx) error {
+			// Each statement below sees what the heartbeats before
+			// this lock committed (READ COMMITTED).
+			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
+				return err
+			}
+			err := tx.QueryRow(ctx, otherNodesSQL, id, nodes).Scan(&other.id, &other.nodes, &other.sinceMS, &other.leftMS)
+			switch {
+			case err == nil:
+				other.found = true
+				return nil
+			case !errors.Is(err, pgx.ErrNoRows):
+				return err
+			}
+			_, err = tx.Exec(ctx, heartbeatSQL, id, ceilMillis(quarantine), ceilMillis(grace), nodes)
+			return err
+		})
 	})
 	if err != nil {
 		return fmt.Errorf("store: heartbeat of server %s: %w", id, classify(err))
 	}
+	if other.found {
+		return fmt.Errorf("store: heartbeat of server %s: %w: server %s (last heartbeat %v ago; its leases may last %v more) lists %s, this one %s. "+
+			"Majorities of different lists need not overlap, so both could grant one lock at once. "+
+			"Change the list of nodes with every server stopped, then start them when the old servers' leases have ended",
+			id, ErrNodeListDiffers, other.id, millis(other.sinceMS).Round(time.Millisecond), millis(other.leftMS).Round(time.Millisecond),
+			strings.Join(other.nodes, ","), strings.Join(nodes, ","))
+	}
 	return nil
 }
 
-// heartbeatSQL records server $1's heartbeat, with its quarantine ($2 ms)
-// and grace ($3 ms), and forgets servers silent for a day past theirs.
+// otherServer is a server found by otherNodesSQL.
+type otherServer struct {
+	found           bool
+	id              string
+	nodes           []string
+	sinceMS, leftMS float64
+}
+
+// otherNodesSQL finds a server other than $1 that may still hold a lease
+// (see liveNeedSQL) and lists other nodes than $2 (none when $2 is NULL),
+// the one whose leases may last longest: its id, its nodes, the time since
+// its last heartbeat and the time its leases may last, in milliseconds.
+// Lists whose addresses differ but whose Redis processes are the same (each
+// address's run_id on record, see NodeProcess: one node's address spelt
+// another way) are the same nodes; an address without a run_id on record is
+// compared as itself.
+const otherNodesSQL = `
+SELECT id, nodes,
+       (EXTRACT(EPOCH FROM now() - seen_at) * 1000)::float8,
+       (EXTRACT(EPOCH FROM seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) - now()) * 1000)::float8 AS left_ms
+  FROM redfence_servers
+ WHERE id <> $1 AND nodes IS NOT NULL AND nodes <> $2::text[]
+   AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > now()
+   AND (SELECT array_agg(COALESCE(n.run_id, a) ORDER BY COALESCE(n.run_id, a))
+          FROM unnest(nodes) AS a LEFT JOIN redfence_nodes n ON n.addr = a)
+       IS DISTINCT FROM
+       (SELECT array_agg(COALESCE(n.run_id, a) ORDER BY COALESCE(n.run_id, a))
+          FROM unnest($2::text[]) AS a LEFT JOIN redfence_nodes n ON n.addr = a)
+ ORDER BY left_ms DESC
+ LIMIT 1`
+
+// heartbeatSQL records server $1's heartbeat, with its quarantine ($2 ms),
+// grace ($3 ms) and nodes ($4), and forgets servers silent for a day past
+// theirs.
 const heartbeatSQL = `
 WITH gone AS (
     DELETE FROM redfence_servers
      WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) < now() - interval '1 day' AND id <> $1)
-INSERT INTO redfence_servers (id, quarantine_ms, grace_ms) VALUES ($1, $2, $3)
-ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, grace_ms = excluded.grace_ms, seen_at = now()`
+INSERT INTO redfence_servers (id, quarantine_ms, grace_ms, nodes) VALUES ($1, $2, $3, $4)
+ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, grace_ms = excluded.grace_ms, nodes = excluded.nodes, seen_at = now()`

@@ -62,6 +62,9 @@ var (
 	// next fencing token would pass 2^53-1, the most every JSON parser
 	// holds exactly: the name is granted no more.
 	ErrTokensExhausted = fencing.ErrExhausted
+	// ErrNodeListDiffers is returned by Heartbeat when another server that
+	// may still hold a lease lists other Redis nodes.
+	ErrNodeListDiffers = errors.New("a server that may still hold leases lists other Redis nodes")
 )
 
 // classify wraps a failed statement's error with ErrInvalidData for data

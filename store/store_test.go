@@ -1132,7 +1132,7 @@ func TestDB_TerminatedConnections(t *testing.T) {
 		t.Errorf("GetResource after the backends were terminated: %v", err)
 	}
 	terminate()
-	if err := db.Heartbeat(ctx, "server-1", time.Minute, time.Second); err != nil {
+	if err := db.Heartbeat(ctx, "server-1", time.Minute, time.Second, nil); err != nil {
 		t.Errorf("Heartbeat after the backends were terminated: %v", err)
 	}
 }
@@ -1206,7 +1206,7 @@ func TestDB_Heartbeat(t *testing.T) {
 		t.Errorf("no server registered: %v left; want up to the 10s asked", left)
 	}
 	for id, q := range map[string]time.Duration{"short": time.Minute, "long": 5 * time.Minute} {
-		if err := db.Heartbeat(ctx, id, q, time.Second); err != nil {
+		if err := db.Heartbeat(ctx, id, q, time.Second, nil); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -1222,7 +1222,7 @@ func TestDB_Heartbeat(t *testing.T) {
 		t.Errorf("with the long server gone: %v left; want up to 1m, more than 10s", left)
 	}
 	// Beating again brings it back.
-	if err := db.Heartbeat(ctx, "long", 5*time.Minute, time.Second); err != nil {
+	if err := db.Heartbeat(ctx, "long", 5*time.Minute, time.Second, nil); err != nil {
 		t.Fatal(err)
 	}
 	if left := quarantine("n3:6379"); left <= time.Minute {
@@ -1232,6 +1232,114 @@ func TestDB_Heartbeat(t *testing.T) {
 	// at once: it may be a known node under another name, just restarted.
 	if _, left, created, err := db.RegisterNode(ctx, "alias-of-n1:6379", "e7", nil); err != nil || !created || left <= time.Minute || left > 5*time.Minute {
 		t.Errorf("RegisterNode(new address, servers live) = %v, %v, %v; want created, quarantined up to 5m", left, created, err)
+	}
+}
+
+// TestDB_Heartbeat_NodeList: a server whose node list differs from that of
+// a server that may still hold a lease is refused (ErrNodeListDiffers) and
+// recorded nowhere; the same list in another order is the same list;
+// servers that recorded no list are not compared; once the other server's
+// leases have ended, the new list is taken. Of servers with different lists
+// starting together, exactly one list is taken.
+func TestDB_Heartbeat_NodeList(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _ := newDB(t, Options{})
+	five := []string{"a:1", "b:1", "c:1", "d:1", "e:1"}
+	three := []string{"a:1", "b:1", "c:1"}
+	if err := db.Heartbeat(ctx, "old-version", time.Minute, time.Second, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Heartbeat(ctx, "s5", time.Minute, time.Second, five); err != nil {
+		t.Fatalf("first list, beside a server that recorded none: %v", err)
+	}
+	if err := db.Heartbeat(ctx, "s5", time.Minute, time.Second, five); err != nil {
+		t.Fatalf("a second beat: %v", err)
+	}
+	if err := db.Heartbeat(ctx, "same", time.Minute, time.Second, five); err != nil {
+		t.Fatalf("the same list: %v", err)
+	}
+	err := db.Heartbeat(ctx, "s3", time.Minute, time.Second, three)
+	if !errors.Is(err, ErrNodeListDiffers) {
+		t.Fatalf("another list while servers of the first may hold leases: %v; want ErrNodeListDiffers", err)
+	}
+	for _, want := range []string{"a:1,b:1,c:1,d:1,e:1", "a:1,b:1,c:1"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not name the list %s", err, want)
+		}
+	}
+	var n int
+	if err := db.pool.QueryRow(ctx, `SELECT count(*) FROM redfence_servers WHERE id = 's3'`).Scan(&n); err != nil || n != 0 {
+		t.Errorf("refused server's rows = %d, %v; want none", n, err)
+	}
+	// Both servers of the first list stopped long enough ago for their
+	// leases to have ended: the new list is taken, and the old one refused.
+	if _, err := db.pool.Exec(ctx, `UPDATE redfence_servers SET seen_at = now() - interval '10 minutes' WHERE id IN ('s5', 'same')`); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Heartbeat(ctx, "s3", time.Minute, time.Second, three); err != nil {
+		t.Fatalf("another list once the first list's leases have ended: %v", err)
+	}
+	if err := db.Heartbeat(ctx, "s5-again", time.Minute, time.Second, five); !errors.Is(err, ErrNodeListDiffers) {
+		t.Errorf("the first list again beside the new one: %v; want ErrNodeListDiffers", err)
+	}
+
+	// One node's address spelt another way: the same process on record
+	// behind both addresses is the same node; another process is not.
+	db3, _ := newDB(t, Options{})
+	for addr, run := range map[string]string{"a:1": "R-a", "b:1": "R-b", "c:1": "R-c", "alias-of-c:1": "R-c", "d:1": "R-d"} {
+		if _, _, _, err := db3.RegisterNode(ctx, addr, "e1", nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := db3.NodeProcess(ctx, addr, run, "e2", false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := db3.Heartbeat(ctx, "spelt", time.Minute, time.Second, []string{"a:1", "b:1", "c:1"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := db3.Heartbeat(ctx, "respelt", time.Minute, time.Second, []string{"a:1", "alias-of-c:1", "b:1"}); err != nil {
+		t.Errorf("the same processes under another address: %v; want the same list", err)
+	}
+	if err := db3.Heartbeat(ctx, "replaced", time.Minute, time.Second, []string{"a:1", "b:1", "d:1"}); !errors.Is(err, ErrNodeListDiffers) {
+		t.Errorf("another process: %v; want ErrNodeListDiffers", err)
+	}
+	if err := db3.Heartbeat(ctx, "unknown", time.Minute, time.Second, []string{"a:1", "b:1", "new:1"}); !errors.Is(err, ErrNodeListDiffers) {
+		t.Errorf("an address without a process on record: %v; want ErrNodeListDiffers", err)
+	}
+
+	// Servers with different lists starting together: a heartbeat waits
+	// for one under way (here: a transaction recording a list, holding the
+	// heartbeats' lock) and then sees its list.
+	db2, _ := newDB(t, Options{})
+	tx, err := db2.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, heartbeatSQL, "first", 60000, 1000, five); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- db2.Heartbeat(ctx, "second", time.Minute, time.Second, three) }()
+	for waiting := 0; waiting == 0; {
+		select {
+		case err := <-done:
+			t.Fatalf("a heartbeat beside one under way returned at once (%v); want it to wait for it", err)
+		default:
+		}
+		if err := db2.pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; !errors.Is(err, ErrNodeListDiffers) {
+		t.Errorf("a heartbeat with another list, after one under way committed: %v; want ErrNodeListDiffers", err)
 	}
 }
 
@@ -1258,7 +1366,7 @@ func TestDB_NodeRunID(t *testing.T) {
 	if epoch, left, err := db.NodeProcess(ctx, addr, "R2", "x", false); err != nil || epoch != "e1" || left != 0 {
 		t.Fatalf("NodeProcess(restart, no live server) = %q, %v, %v; want e1, no quarantine", epoch, left, err)
 	}
-	if err := db.Heartbeat(ctx, "s", time.Minute, time.Second); err != nil {
+	if err := db.Heartbeat(ctx, "s", time.Minute, time.Second, nil); err != nil {
 		t.Fatal(err)
 	}
 	// The same process again: no quarantine.
