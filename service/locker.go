@@ -88,9 +88,10 @@ type Registry interface {
 	// hold a lease: those whose last heartbeat is younger than their
 	// quarantine plus grace. So servers configured with different MaxTTLs
 	// agree on a safe one. It records nodes too, the addresses of the
-	// server's nodes, sorted, and fails when a server that may still hold
-	// a lease lists other nodes (majorities of the two lists need not
-	// overlap), recording nothing: the first heartbeat fails Init then.
+	// server's nodes, sorted; the first heartbeat (and one after the server
+	// stopped counting) fails, recording nothing, when a server that may
+	// still hold a lease lists other nodes, as majorities of the two lists
+	// need not overlap. Init fails then.
 	Heartbeat(ctx context.Context, id string, quarantine, grace time.Duration, nodes []string) error
 }
 

@@ -178,7 +178,11 @@ func millis(ms float64) time.Duration {
 // them could both grant one name at once. So when another server that may
 // still hold a lease lists other nodes, Heartbeat records nothing and fails
 // with an error matching ErrNodeListDiffers, which says until when that
-// server's leases may last. Heartbeats are serialised for that check, so
+// server's leases may last. A server's first heartbeat is checked, and one
+// that comes after the server stopped counting (a long Postgres outage);
+// not the beats of a server that counts, which a record changing under it
+// (a node's run_id, see otherNodesSQL) must not stop. Heartbeats are
+// serialised for that check, so
 // two servers with different lists starting together cannot both pass it.
 // Servers that recorded no list (older versions) are not compared. It
 // implements service.Registry.
@@ -225,7 +229,9 @@ type otherServer struct {
 	sinceMS, leftMS float64
 }
 
-// otherNodesSQL finds a server other than $1 that may still hold a lease
+// otherNodesSQL finds, unless server $1 still counts (its heartbeat
+// passed this check, and is recent enough that it may hold leases), a
+// server other than $1 that may still hold a lease
 // (see liveNeedSQL) and lists other nodes than $2 (none when $2 is NULL),
 // the one whose leases may last longest: its id, its nodes, the time since
 // its last heartbeat and the time its leases may last, in milliseconds.
@@ -239,6 +245,8 @@ SELECT id, nodes,
        (EXTRACT(EPOCH FROM seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) - now()) * 1000)::float8 AS left_ms
   FROM redfence_servers
  WHERE id <> $1 AND nodes IS NOT NULL AND nodes <> $2::text[]
+   AND NOT EXISTS (SELECT 1 FROM redfence_servers WHERE id = $1
+                      AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > now())
    AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > now()
    AND (SELECT array_agg(COALESCE(n.run_id, a) ORDER BY COALESCE(n.run_id, a))
           FROM unnest(nodes) AS a LEFT JOIN redfence_nodes n ON n.addr = a)

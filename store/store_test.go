@@ -1283,6 +1283,18 @@ func TestDB_Heartbeat_NodeList(t *testing.T) {
 	if err := db.Heartbeat(ctx, "s5-again", time.Minute, time.Second, five); !errors.Is(err, ErrNodeListDiffers) {
 		t.Errorf("the first list again beside the new one: %v; want ErrNodeListDiffers", err)
 	}
+	// A server of the first list that beats again after it stopped
+	// counting (a long Postgres outage) is checked as a new one; one that
+	// counts is not checked again.
+	if err := db.Heartbeat(ctx, "s5", time.Minute, time.Second, five); !errors.Is(err, ErrNodeListDiffers) {
+		t.Errorf("a server of the first list beating again after its leases ended: %v; want ErrNodeListDiffers", err)
+	}
+	if _, err := db.pool.Exec(ctx, `UPDATE redfence_servers SET seen_at = now() WHERE id = 's5'`); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Heartbeat(ctx, "s5", time.Minute, time.Second, five); err != nil {
+		t.Errorf("a beat of a server that counts, beside another list (not checked again): %v", err)
+	}
 
 	// One node's address spelt another way: the same process on record
 	// behind both addresses is the same node; another process is not.
