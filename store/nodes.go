@@ -238,16 +238,20 @@ type otherServer struct {
 // Lists whose addresses differ but whose Redis processes are the same (each
 // address's run_id on record, see NodeProcess: one node's address spelt
 // another way) are the same nodes; an address without a run_id on record is
-// compared as itself.
+// compared as itself. Whether a server counts is judged as the statement
+// starts (statement_timestamp), after the heartbeats' lock was taken, not
+// as its transaction began (now()): a beat that waited for the lock past
+// the end of its server's count, while a server with another list started,
+// must be checked.
 const otherNodesSQL = `
 SELECT id, nodes,
-       (EXTRACT(EPOCH FROM now() - seen_at) * 1000)::float8,
-       (EXTRACT(EPOCH FROM seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) - now()) * 1000)::float8 AS left_ms
+       (EXTRACT(EPOCH FROM statement_timestamp() - seen_at) * 1000)::float8,
+       (EXTRACT(EPOCH FROM seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) - statement_timestamp()) * 1000)::float8 AS left_ms
   FROM redfence_servers
  WHERE id <> $1 AND nodes IS NOT NULL AND nodes <> $2::text[]
    AND NOT EXISTS (SELECT 1 FROM redfence_servers WHERE id = $1
-                      AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > now())
-   AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > now()
+                      AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > statement_timestamp())
+   AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > statement_timestamp()
    AND (SELECT array_agg(COALESCE(n.run_id, a) ORDER BY COALESCE(n.run_id, a))
           FROM unnest(nodes) AS a LEFT JOIN redfence_nodes n ON n.addr = a)
        IS DISTINCT FROM

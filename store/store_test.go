@@ -1481,3 +1481,62 @@ func TestDB_QuarantineNodeRace(t *testing.T) {
 		t.Errorf("QuarantineNode after a concurrent move = %q, %v, %v; want NA and its quarantine", a.epoch, a.left, a.err)
 	}
 }
+
+// TestDB_Heartbeat_StoppedCountingWhileWaiting: a server's beat that began
+// while the server still counted, but got the heartbeats' lock only after
+// its count ended and a server with another list had started (a slow link
+// to Postgres: the beats that failed before were as slow), is checked as a
+// new server's is: it is refused, and the server grants nothing. Whether it
+// counts is judged when it is checked, not when its transaction began
+// (now()), or it would take up granting on its list beside the other one.
+func TestDB_Heartbeat_StoppedCountingWhileWaiting(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	db, url := newDB(t, Options{})
+	five := []string{"a:1", "b:1", "c:1", "d:1", "e:1"}
+	three := []string{"a:1", "b:1", "c:1"}
+	if err := db.Heartbeat(ctx, "old", time.Minute, time.Second, five); err != nil {
+		t.Fatal(err)
+	}
+	// The heartbeats' lock, held as by another server's beat under way.
+	obs := connect(t, url)
+	tx, err := obs.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- db.Heartbeat(ctx, "old", time.Minute, time.Second, five) }()
+	var began time.Time
+	testutil.WaitFor(t, waitTimeout, "the old server's beat to wait for the heartbeats' lock", func() (bool, error) {
+		err := obs.QueryRow(ctx, `SELECT a.xact_start FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE l.locktype = 'advisory' AND NOT l.granted`).Scan(&began)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return false, nil
+		}
+		return err == nil, err
+	})
+	// Its count ends just after its beat began (1 ms), and ended before now.
+	if _, err := tx.Exec(ctx, `UPDATE redfence_servers SET seen_at = $1::timestamptz + interval '1 millisecond' - interval '61 seconds' WHERE id = 'old'`, began); err != nil {
+		t.Fatal(err)
+	}
+	testutil.WaitFor(t, waitTimeout, "Postgres' clock to pass the old server's count", func() (bool, error) {
+		var past bool
+		err := tx.QueryRow(ctx, `SELECT clock_timestamp() > $1::timestamptz + interval '1 millisecond'`, began).Scan(&past)
+		return past, err
+	})
+	// A server with another list started meanwhile: the old one no longer
+	// counted when it was checked.
+	if _, err := tx.Exec(ctx, heartbeatSQL, "new", 60000, 1000, three); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; !errors.Is(err, ErrNodeListDiffers) {
+		t.Errorf("a beat that waited past the end of its server's count, beside a server with another list: %v; want ErrNodeListDiffers", err)
+	}
+}
