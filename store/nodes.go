@@ -190,23 +190,22 @@ func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.D
 	var other otherServer
 	err := retryPooled(db.pool, func() error {
 		other = otherServer{}
-		return pgx.BeginFunc(ctx, db.pool, func(tx pgx.Tx) error {
-			// Each statement below sees what the heartbeats before
-			// this lock committed (READ COMMITTED).
-			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
-				return err
-			}
-			err := tx.QueryRow(ctx, otherNodesSQL, id, nodes).Scan(&other.id, &other.nodes, &other.sinceMS, &other.leftMS)
-			switch {
-			case err == nil:
-				other.found = true
+		// One batch, in one implicit transaction: Postgres holds the
+		// lock only while it runs the batch, never while it waits for
+		// this client (a link that stalls mid-beat would hold up every
+		// server's beat). The second statement sees what the beats
+		// before the lock committed (READ COMMITTED).
+		b := &pgx.Batch{}
+		b.Queue(`SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`)
+		b.Queue(beatSQL, id, ceilMillis(quarantine), ceilMillis(grace), nodes).QueryRow(func(row pgx.Row) error {
+			err := row.Scan(&other.id, &other.nodes, &other.sinceMS, &other.leftMS)
+			if errors.Is(err, pgx.ErrNoRows) {
 				return nil
-			case !errors.Is(err, pgx.ErrNoRows):
-				return err
 			}
-			_, err = tx.Exec(ctx, heartbeatSQL, id, ceilMillis(quarantine), ceilMillis(grace), nodes)
+			other.found = err == nil
 			return err
 		})
+		return db.pool.SendBatch(ctx, b).Close()
 	})
 	if err != nil {
 		return fmt.Errorf("store: heartbeat of server %s: %w", id, classify(err))
@@ -232,40 +231,46 @@ type otherServer struct {
 // otherNodesSQL finds, unless server $1 still counts (its heartbeat
 // passed this check, and is recent enough that it may hold leases), a
 // server other than $1 that may still hold a lease
-// (see liveNeedSQL) and lists other nodes than $2 (none when $2 is NULL),
+// (see liveNeedSQL) and lists other nodes than $4 (none when $4 is NULL),
 // the one whose leases may last longest: its id, its nodes, the time since
 // its last heartbeat and the time its leases may last, in milliseconds.
 // Lists whose addresses differ but whose Redis processes are the same (each
 // address's run_id on record, see NodeProcess: one node's address spelt
 // another way) are the same nodes; an address without a run_id on record is
-// compared as itself. Whether a server counts is judged as the statement
-// starts (statement_timestamp), after the heartbeats' lock was taken, not
-// as its transaction began (now()): a beat that waited for the lock past
-// the end of its server's count, while a server with another list started,
-// must be checked.
+// compared as itself. Whether a server counts is judged at clock.now, the
+// time the statement holding it runs (after the heartbeats' lock was
+// taken), not as its transaction began (now()): a beat that waited for the
+// lock past the end of its server's count, while a server with another
+// list started, must be checked. It is a part of beatSQL.
 const otherNodesSQL = `
 SELECT id, nodes,
-       (EXTRACT(EPOCH FROM statement_timestamp() - seen_at) * 1000)::float8,
-       (EXTRACT(EPOCH FROM seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) - statement_timestamp()) * 1000)::float8 AS left_ms
-  FROM redfence_servers
- WHERE id <> $1 AND nodes IS NOT NULL AND nodes <> $2::text[]
+       (EXTRACT(EPOCH FROM clock.now - seen_at) * 1000)::float8 AS since_ms,
+       (EXTRACT(EPOCH FROM seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) - clock.now) * 1000)::float8 AS left_ms
+  FROM redfence_servers, clock
+ WHERE id <> $1 AND nodes IS NOT NULL AND nodes <> $4::text[]
    AND NOT EXISTS (SELECT 1 FROM redfence_servers WHERE id = $1
-                      AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > statement_timestamp())
-   AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > statement_timestamp()
+                      AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > clock.now)
+   AND seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) > clock.now
    AND (SELECT array_agg(COALESCE(n.run_id, a) ORDER BY COALESCE(n.run_id, a))
           FROM unnest(nodes) AS a LEFT JOIN redfence_nodes n ON n.addr = a)
        IS DISTINCT FROM
        (SELECT array_agg(COALESCE(n.run_id, a) ORDER BY COALESCE(n.run_id, a))
-          FROM unnest($2::text[]) AS a LEFT JOIN redfence_nodes n ON n.addr = a)
+          FROM unnest($4::text[]) AS a LEFT JOIN redfence_nodes n ON n.addr = a)
  ORDER BY left_ms DESC
  LIMIT 1`
 
-// heartbeatSQL records server $1's heartbeat, with its quarantine ($2 ms),
-// grace ($3 ms) and nodes ($4), and forgets servers silent for a day past
-// theirs.
-const heartbeatSQL = `
-WITH gone AS (
+// beatSQL returns the server otherNodesSQL finds; unless it finds one, it
+// records server $1's heartbeat, with its quarantine ($2 ms), grace ($3 ms)
+// and nodes ($4), and forgets servers silent for a day past theirs.
+const beatSQL = `
+WITH clock AS MATERIALIZED (SELECT clock_timestamp() AS now),
+other AS MATERIALIZED (` + otherNodesSQL + `),
+gone AS (
     DELETE FROM redfence_servers
-     WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) < now() - interval '1 day' AND id <> $1)
-INSERT INTO redfence_servers (id, quarantine_ms, grace_ms, nodes) VALUES ($1, $2, $3, $4)
-ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, grace_ms = excluded.grace_ms, nodes = excluded.nodes, seen_at = now()`
+     WHERE seen_at + make_interval(secs => (quarantine_ms + grace_ms)::float8 / 1000) < now() - interval '1 day' AND id <> $1
+       AND NOT EXISTS (SELECT 1 FROM other)),
+beat AS (
+    INSERT INTO redfence_servers (id, quarantine_ms, grace_ms, nodes)
+    SELECT $1, $2, $3, $4 WHERE NOT EXISTS (SELECT 1 FROM other)
+    ON CONFLICT (id) DO UPDATE SET quarantine_ms = excluded.quarantine_ms, grace_ms = excluded.grace_ms, nodes = excluded.nodes, seen_at = now())
+SELECT id, nodes, since_ms, left_ms FROM other`

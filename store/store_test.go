@@ -1332,7 +1332,7 @@ func TestDB_Heartbeat_NodeList(t *testing.T) {
 	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := tx.Exec(ctx, heartbeatSQL, "first", 60000, 1000, five); err != nil {
+	if _, err := tx.Exec(ctx, beatSQL, "first", 60000, 1000, five); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
@@ -1530,7 +1530,7 @@ func TestDB_Heartbeat_StoppedCountingWhileWaiting(t *testing.T) {
 	})
 	// A server with another list started meanwhile: the old one no longer
 	// counted when it was checked.
-	if _, err := tx.Exec(ctx, heartbeatSQL, "new", 60000, 1000, three); err != nil {
+	if _, err := tx.Exec(ctx, beatSQL, "new", 60000, 1000, three); err != nil {
 		t.Fatal(err)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -1538,5 +1538,54 @@ func TestDB_Heartbeat_StoppedCountingWhileWaiting(t *testing.T) {
 	}
 	if err := <-done; !errors.Is(err, ErrNodeListDiffers) {
 		t.Errorf("a beat that waited past the end of its server's count, beside a server with another list: %v; want ErrNodeListDiffers", err)
+	}
+}
+
+// TestDB_Heartbeat_LockNotHeldForClient: the heartbeats' lock is never
+// held while Postgres waits for the client: a server whose link to Postgres
+// stalls in the middle of its beat (a network partition, a paused VM) does
+// not hold up the beats of every other server (which then grant nothing once
+// theirs are stale), for as long as its session lasts in Postgres (up to
+// its idle_in_transaction_session_timeout, REDFENCE_STATEMENT_TIMEOUT, or
+// until TCP gives up on it). Here the stalled server's beat gets the lock
+// once the network to Postgres already keeps back what it sends.
+func TestDB_Heartbeat_LockNotHeldForClient(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	db, url := newDB(t, Options{})
+	_, hostPort, _ := strings.Cut(strings.TrimPrefix(url, "postgres://"), "@")
+	hostPort, _, _ = strings.Cut(hostPort, "/")
+	proxy := newHeldProxy(t, hostPort)
+	stalled := open(t, strings.Replace(url, hostPort, proxy.ln.Addr().String(), 1), Options{StatementTimeout: time.Hour})
+	five := []string{"a:1", "b:1", "c:1", "d:1", "e:1"}
+	if err := stalled.Heartbeat(ctx, "stalled", time.Minute, time.Second, five); err != nil {
+		t.Fatal(err)
+	}
+	obs := connect(t, url)
+	tx, err := obs.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
+		t.Fatal(err)
+	}
+	sctx, scancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- stalled.Heartbeat(sctx, "stalled", time.Minute, time.Second, five) }()
+	defer func() { scancel(); proxy.release(); <-done }()
+	testutil.WaitFor(t, waitTimeout, "the stalled server's beat to wait for the heartbeats' lock", func() (bool, error) {
+		var n int
+		err := obs.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted`).Scan(&n)
+		return n == 1, err
+	})
+	proxy.hold()
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	bctx, bcancel := context.WithTimeout(ctx, waitTimeout)
+	defer bcancel()
+	if err := db.Heartbeat(bctx, "other", time.Minute, time.Second, five); err != nil {
+		t.Errorf("another server's beat while a server's link stalled in the middle of its own: %v; want it recorded", err)
 	}
 }
