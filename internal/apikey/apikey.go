@@ -187,7 +187,7 @@ func redactBare(s string) string {
 	done := 0 // s[:done] is in b
 	for i := 0; i+idLen+1+secretLen <= len(s); i++ {
 		head := i + idLen + 1 // past "<id>_"
-		if s[head-1] != '_' || !ValidID(s[i:head-1]) || secretRun(s[head:]) < secretLen {
+		if s[head-1] != '_' || !ValidID(s[i:head-1]) || !secretLike(s[head:]) {
 			continue
 		}
 		b.WriteString(s[done:head])
@@ -217,11 +217,23 @@ func HoldsBare(s string) bool {
 		return true
 	}
 	for i := 0; i+idLen+1+secretLen <= len(s); i++ {
-		if s[i+idLen] == '_' && ValidID(s[i:i+idLen]) && secretRun(s[i+idLen+1:]) >= secretLen {
+		if s[i+idLen] == '_' && ValidID(s[i:i+idLen]) && secretLike(s[i+idLen+1:]) {
 			return true
 		}
 	}
 	return false
+}
+
+// secretLike reports whether s starts with what a whole secret may be:
+// secretLen characters a secret may hold, of which one at least is an
+// upper-case letter. A real secret lacks one with odds of about 2e-10,
+// while a lock name or owner such as "5f2b8c9d1e3a4b6c_invoice-job-..."
+// (a hex id, "_" and a long lower-case run) is no key.
+func secretLike(s string) bool {
+	if secretRun(s) < secretLen {
+		return false
+	}
+	return strings.ContainsFunc(s[:secretLen], func(r rune) bool { return r >= 'A' && r <= 'Z' })
 }
 
 // secretRun is the number of characters a secret may hold at the start of

@@ -160,6 +160,9 @@ func TestRedact(t *testing.T) {
 		{key[len(Prefix):], id + "_[redacted]"},
 		{"/v1/locks/x" + key[len(Prefix):] + "/y", "/v1/locks/x" + id + "_[redacted]/y"},
 		{key[len(Prefix) : Len-1], key[len(Prefix) : Len-1]}, // cut short, without the prefix: not told apart
+		// A hex id, "_" and a long run without an upper-case letter: a
+		// lock name, not a key (nearly every secret holds one).
+		{"orders:5f2b8c9d1e3a4b6c_customer-invoice-processing-job-2024-06-01-batch", "orders:5f2b8c9d1e3a4b6c_customer-invoice-processing-job-2024-06-01-batch"},
 	} {
 		if got := Redact(tc.in); got != tc.want {
 			t.Errorf("Redact(%q) = %q; want %q", tc.in, got, tc.want)
@@ -184,6 +187,24 @@ func TestFindID(t *testing.T) {
 		got, ok := FindID(tc.in)
 		if got != tc.want || ok != (tc.want != "") {
 			t.Errorf("FindID(%q) = %q, %v; want %q", tc.in, got, ok, tc.want)
+		}
+	}
+}
+
+// TestHoldsBare: a key without its prefix is found anywhere in s; a hex id,
+// "_" and a long run without an upper-case letter (a lock name or a
+// request ID of some other system) is not a key.
+func TestHoldsBare(t *testing.T) {
+	key, _ := New()
+	bare := key[len(Prefix):]
+	for _, s := range []string{bare, "req-" + bare + "-1", bare[len(bare)-secretLen:]} {
+		if !HoldsBare(s) {
+			t.Errorf("HoldsBare(%q) = false; want true", s)
+		}
+	}
+	for _, s := range []string{"5f2b8c9d1e3a4b6c_customer-invoice-processing-job-2024-06-01-batch", bare[:len(bare)-1], "short"} {
+		if HoldsBare(s) {
+			t.Errorf("HoldsBare(%q) = true; want false", s)
 		}
 	}
 }
