@@ -196,7 +196,7 @@ func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.D
 		// server's beat). The second statement sees what the beats
 		// before the lock committed (READ COMMITTED).
 		b := &pgx.Batch{}
-		b.Queue(`SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`)
+		b.Queue(heartbeatLockSQL)
 		b.Queue(beatSQL, id, ceilMillis(quarantine), ceilMillis(grace), nodes).QueryRow(func(row pgx.Row) error {
 			err := row.Scan(&other.id, &other.nodes, &other.sinceMS, &other.leftMS)
 			if errors.Is(err, pgx.ErrNoRows) {
@@ -219,6 +219,10 @@ func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.D
 	}
 	return nil
 }
+
+// heartbeatLockSQL takes the lock that serialises heartbeats' checks of the
+// node lists, until the end of the transaction.
+const heartbeatLockSQL = `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`
 
 // otherServer is a server found by otherNodesSQL.
 type otherServer struct {

@@ -1324,14 +1324,7 @@ func TestDB_Heartbeat_NodeList(t *testing.T) {
 	// for one under way (here: a transaction recording a list, holding the
 	// heartbeats' lock) and then sees its list.
 	db2, _ := newDB(t, Options{})
-	tx, err := db2.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
-		t.Fatal(err)
-	}
+	tx := holdHeartbeatLock(t, db2.pool)
 	if _, err := tx.Exec(ctx, beatSQL, "first", 60000, 1000, five); err != nil {
 		t.Fatal(err)
 	}
@@ -1353,6 +1346,24 @@ func TestDB_Heartbeat_NodeList(t *testing.T) {
 	if err := <-done; !errors.Is(err, ErrNodeListDiffers) {
 		t.Errorf("a heartbeat with another list, after one under way committed: %v; want ErrNodeListDiffers", err)
 	}
+}
+
+// holdHeartbeatLock begins a transaction on db that holds the heartbeats'
+// lock, as another server's beat under way would; it is rolled back when
+// the test ends unless committed first.
+func holdHeartbeatLock(t *testing.T, db interface {
+	Begin(context.Context) (pgx.Tx, error)
+}) pgx.Tx {
+	t.Helper()
+	tx, err := db.Begin(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if _, err := tx.Exec(t.Context(), heartbeatLockSQL); err != nil {
+		t.Fatal(err)
+	}
+	return tx
 }
 
 // TestDB_NodeRunID: the Redis process on record. A restart seen as a new
@@ -1500,14 +1511,7 @@ func TestDB_Heartbeat_StoppedCountingWhileWaiting(t *testing.T) {
 	}
 	// The heartbeats' lock, held as by another server's beat under way.
 	obs := connect(t, url)
-	tx, err := obs.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(context.Background()) }()
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
-		t.Fatal(err)
-	}
+	tx := holdHeartbeatLock(t, obs)
 	done := make(chan error, 1)
 	go func() { done <- db.Heartbeat(ctx, "old", time.Minute, time.Second, five) }()
 	var began time.Time
@@ -1562,14 +1566,7 @@ func TestDB_Heartbeat_LockNotHeldForClient(t *testing.T) {
 		t.Fatal(err)
 	}
 	obs := connect(t, url)
-	tx, err := obs.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(context.Background()) }()
-	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended('redfence_servers.nodes', 0))`); err != nil {
-		t.Fatal(err)
-	}
+	tx := holdHeartbeatLock(t, obs)
 	sctx, scancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- stalled.Heartbeat(sctx, "stalled", time.Minute, time.Second, five) }()
