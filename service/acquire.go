@@ -418,11 +418,16 @@ func signal(w *waiter) {
 func (l *Locker) try(ctx context.Context, key, token string, req Request) (*Grant, *Error) {
 	l.tries.Add(1)
 	defer l.tries.Add(-1)
+	// The lease runs from start, so the heartbeat is checked after it is
+	// read: checked first, a pause of this server in between (a stopped
+	// process, a stalled VM) could start a lease long after the check,
+	// when the registry may no longer count this server (and a server of
+	// another node list may grant beside it).
+	start := l.opts.Now()
 	if err := l.heartbeatStale(); err != nil {
 		return nil, &Error{Op: "acquire", Key: key, Err: ErrFencing, Cause: err}
 	}
 	rkey := keyspace.RedisKey(key)
-	start := l.opts.Now()
 	expires := start.Add(req.TTL - l.drift(req.TTL))
 	claim := fencing.Claim{Key: key, Owner: req.Owner, Holder: HolderID(token)}
 	// Sent first: the commit takes longer than the round.

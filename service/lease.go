@@ -55,12 +55,13 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	// answers ErrLost.) A renewal also never
 	// shortens a lease (see extendScript), so a failed or partial round
 	// leaves every node's lease at least as long as the client believes.
-	// Checked after the read, which may take IssueTimeout: the lease runs
-	// from here.
+	// Checked after the read, which may take IssueTimeout, and after start
+	// is read: the lease runs from start, and a pause between a check and
+	// start could begin it when the registry no longer counts this server.
+	start := l.opts.Now()
 	if err := l.heartbeatStale(); err != nil {
 		return nil, &Error{Op: "extend", Key: key, Err: ErrFencing, Cause: err}
 	}
-	start := l.opts.Now()
 	// prev[i]: the lease node i had before it renewed (when it did).
 	prev := make([]time.Duration, len(l.nodes))
 	votes, _ := l.round(context.WithoutCancel(ctx), "extend", nodeOp{sync: func(ctx context.Context, i int, n Node) (bool, time.Duration, error) {

@@ -1440,6 +1440,55 @@ func TestLocker_StaleHeartbeat(t *testing.T) {
 	}
 }
 
+// TestLocker_StaleHeartbeatAtStart: a lease runs from the time its round
+// starts, so the heartbeat must be fresh then, not only at an earlier check:
+// a server paused between the two (a stopped process, a stalled VM) could
+// otherwise grant or extend long after the registry stopped counting it,
+// beside a server of another node list. The pause is played by the clock:
+// the Now call that reads a round's start makes the heartbeat stale first.
+func TestLocker_StaleHeartbeatAtStart(t *testing.T) {
+	ctx := context.Background()
+	clk := &clock{t: time.Unix(1000, 0)}
+	var l *Locker
+	var calls, pauseAt atomic.Int32 // pause at the pauseAt-th Now call (0: never)
+	now := func() time.Time {
+		if n := calls.Add(1); n == pauseAt.Load() {
+			l.beatMu.Lock()
+			l.lastBeat = time.Now().Add(-heartbeatGrace)
+			l.beatMu.Unlock()
+		}
+		return clk.Now()
+	}
+	ns, _ := nodes(5)
+	l = newLocker(t, ns, &memIssuer{}, Options{Registry: &flakyBeats{memRegistry: newRegistry(clk), fail: func(n int32) bool { return n > 1 }}, Now: now})
+	if err := l.Init(ctx); err != nil {
+		t.Fatal(err)
+	}
+	g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.beatMu.Lock()
+	fresh := l.lastBeat
+	l.beatMu.Unlock()
+
+	// Extend reads its start first (Now call 1); Acquire reads its
+	// deadline, then its start (call 2).
+	calls.Store(0)
+	pauseAt.Store(1)
+	if _, err := l.Extend(ctx, key, g.Token, time.Minute); !errors.Is(err, ErrFencing) {
+		t.Errorf("extend paused before its start until the heartbeat was stale = %v; want ErrFencing", err)
+	}
+	l.beatMu.Lock()
+	l.lastBeat = fresh
+	l.beatMu.Unlock()
+	calls.Store(0)
+	pauseAt.Store(2)
+	if _, err := l.Acquire(ctx, "other", Request{TTL: time.Second}); !errors.Is(err, ErrFencing) {
+		t.Errorf("acquire paused before its start until the heartbeat was stale = %v; want ErrFencing", err)
+	}
+}
+
 // TestLocker_InitRetried: an Init that failed on its heartbeat can be
 // retried, and the retry starts the heartbeat (a Locker must not serve
 // unrecorded in the registry).
