@@ -211,13 +211,36 @@ func (db *DB) Heartbeat(ctx context.Context, id string, quarantine, grace time.D
 		return fmt.Errorf("store: heartbeat of server %s: %w", id, classify(err))
 	}
 	if other.found {
+		advice := "Change the list of nodes with every server stopped, then start them when the old servers' leases have ended"
+		if unknown := db.unknownProcesses(ctx, nodes); len(unknown) > 0 {
+			advice = fmt.Sprintf("This list has addresses compared as themselves, with no Redis process on record for %s: "+
+				"if they only spell listed nodes another way (their nodes did not answer there yet), start this server again once they answer; "+
+				"otherwise change the list of nodes with every server stopped, then start them when the old servers' leases have ended",
+				strings.Join(unknown, ","))
+		}
 		return fmt.Errorf("store: heartbeat of server %s: %w: server %s (last heartbeat %v ago; its leases may last %v more) lists %s, this one %s. "+
-			"Majorities of different lists need not overlap, so both could grant one lock at once. "+
-			"Change the list of nodes with every server stopped, then start them when the old servers' leases have ended",
+			"Majorities of different lists need not overlap, so both could grant one lock at once. %s",
 			id, ErrNodeListDiffers, other.id, millis(other.sinceMS).Round(time.Millisecond), millis(other.leftMS).Round(time.Millisecond),
-			strings.Join(other.nodes, ","), strings.Join(nodes, ","))
+			strings.Join(other.nodes, ","), strings.Join(nodes, ","), advice)
 	}
 	return nil
+}
+
+// unknownProcesses returns the addresses of nodes (sorted) that have no
+// Redis process on record (see NodeProcess), which otherNodesSQL compares as
+// themselves: a refused list holding one may be a respelling of the other
+// server's whose node has not answered under the new address yet. Best
+// effort, for a refusal's message: none if Postgres does not answer.
+func (db *DB) unknownProcesses(ctx context.Context, nodes []string) []string {
+	var unknown []string
+	err := db.pool.QueryRow(ctx, `
+SELECT COALESCE(array_agg(a ORDER BY a), '{}')
+  FROM unnest($1::text[]) AS a LEFT JOIN redfence_nodes n ON n.addr = a
+ WHERE n.run_id IS NULL`, nodes).Scan(&unknown)
+	if err != nil {
+		return nil
+	}
+	return unknown
 }
 
 // heartbeatLockSQL takes the lock that serialises heartbeats' checks of the

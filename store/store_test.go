@@ -1235,6 +1235,41 @@ func TestDB_Heartbeat(t *testing.T) {
 	}
 }
 
+// TestDB_Heartbeat_NodeListNoProcess: a refusal names the addresses of the
+// refused list that have no Redis process on record, and says to start again
+// once they answer: such a start may respell a listed node whose process is
+// not known under the new spelling yet (its node was down), which the
+// advice to stop every server does not fit. A refusal without such an
+// address says nothing of it.
+func TestDB_Heartbeat_NodeListNoProcess(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _ := newDB(t, Options{})
+	for addr, run := range map[string]string{"a:1": "R-a", "b:1": "R-b", "c:1": "R-c", "d:1": "R-d"} {
+		if _, _, _, err := db.RegisterNode(ctx, addr, "e1", nil); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := db.NodeProcess(ctx, addr, run, "e2", false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Registered while its node was down: no process on record.
+	if _, _, _, err := db.RegisterNode(ctx, "alias-of-c:1", "e1", nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Heartbeat(ctx, "running", time.Minute, time.Second, []string{"a:1", "b:1", "c:1"}); err != nil {
+		t.Fatal(err)
+	}
+	err := db.Heartbeat(ctx, "respelt", time.Minute, time.Second, []string{"a:1", "alias-of-c:1", "b:1"})
+	if !errors.Is(err, ErrNodeListDiffers) || !strings.Contains(err.Error(), "no Redis process on record for alias-of-c:1:") {
+		t.Errorf("a respelt address without a process on record: %v; want ErrNodeListDiffers naming it as without a process on record", err)
+	}
+	err = db.Heartbeat(ctx, "replaced", time.Minute, time.Second, []string{"a:1", "b:1", "d:1"})
+	if !errors.Is(err, ErrNodeListDiffers) || strings.Contains(err.Error(), "no Redis process on record") {
+		t.Errorf("another node, on record: %v; want ErrNodeListDiffers saying nothing of addresses without a process", err)
+	}
+}
+
 // TestDB_Heartbeat_NodeList: a server whose node list differs from that of
 // a server that may still hold a lease is refused (ErrNodeListDiffers) and
 // recorded nowhere; the same list in another order is the same list;
