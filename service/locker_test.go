@@ -1404,21 +1404,30 @@ func (r *flakyBeats) Heartbeat(ctx context.Context, id string, quarantine, grace
 	return r.memRegistry.Heartbeat(ctx, id, quarantine, grace, nodes)
 }
 
+// beatOnceLocker is an initialised Locker on 5 nodes, reading the time from
+// now, whose heartbeats fail after the first, and its grant of key (TTL a
+// minute).
+func beatOnceLocker(t *testing.T, clk *clock, now func() time.Time) (*Locker, *Grant) {
+	t.Helper()
+	ns, _ := nodes(5)
+	l := newLocker(t, ns, &memIssuer{}, Options{Registry: &flakyBeats{memRegistry: newRegistry(clk), fail: func(n int32) bool { return n > 1 }}, Now: now})
+	if err := l.Init(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	g, err := l.Acquire(context.Background(), key, Request{TTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l, g
+}
+
 // TestLocker_StaleHeartbeat: a Locker whose last successful heartbeat is
 // half the grace old grants and extends nothing (the registry could stop
 // counting it before such a lease ended), and resumes once one succeeds.
 func TestLocker_StaleHeartbeat(t *testing.T) {
 	ctx := context.Background()
 	clk := &clock{t: time.Unix(1000, 0)}
-	ns, _ := nodes(5)
-	l := newLocker(t, ns, &memIssuer{}, Options{Registry: &flakyBeats{memRegistry: newRegistry(clk), fail: func(n int32) bool { return n > 1 }}, Now: clk.Now})
-	if err := l.Init(ctx); err != nil {
-		t.Fatal(err)
-	}
-	g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
+	l, g := beatOnceLocker(t, clk, clk.Now)
 	l.beatMu.Lock()
 	fresh := l.lastBeat
 	l.lastBeat = time.Now().Add(-heartbeatGrace / 2)
@@ -1459,15 +1468,7 @@ func TestLocker_StaleHeartbeatAtStart(t *testing.T) {
 		}
 		return clk.Now()
 	}
-	ns, _ := nodes(5)
-	l = newLocker(t, ns, &memIssuer{}, Options{Registry: &flakyBeats{memRegistry: newRegistry(clk), fail: func(n int32) bool { return n > 1 }}, Now: now})
-	if err := l.Init(ctx); err != nil {
-		t.Fatal(err)
-	}
-	g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
+	l, g := beatOnceLocker(t, clk, now)
 	l.beatMu.Lock()
 	fresh := l.lastBeat
 	l.beatMu.Unlock()
