@@ -229,6 +229,12 @@ func TestLocker_Speculation(t *testing.T) {
 		if err := l.Release(ctx, key, g.Token); err != nil {
 			t.Fatal(err)
 		}
+		// Node 4's failure is noted when its answer arrives, which may be
+		// after the grant and the release: wait for it, or the next
+		// acquire may still speculate.
+		testutil.WaitFor(t, 10*time.Second, "node 4 noted as not answering", func() (bool, error) {
+			return !l.allAnswering(), nil
+		})
 		if g, err = l.Acquire(ctx, key, req); err != nil || g.Fencing != 2 {
 			t.Fatalf("Acquire with node 4 down = %+v, %v; want token 2", g, err)
 		}
