@@ -82,8 +82,12 @@ func (l *Locker) Extend(ctx context.Context, key, token string, ttl time.Duratio
 	}
 	// The lease a majority keeps: at least ttl, more where a node kept a
 	// longer one. Each node measured its lease after start, so it lasts
-	// at least that long from start.
-	lease := l.majorityLease(t)
+	// at least that long from start. It is reported as MaxTTL at most: a
+	// node's quarantine after a memory loss lasts MaxTTL (plus drift), so
+	// no deadline given may be longer. Only a node whose clock stepped back
+	// (its keys outlive their TTL by the step) or a key of a server with a
+	// longer MaxTTL holds more, and a lower bound of the lease stays true.
+	lease := min(l.majorityLease(t), l.opts.MaxTTL)
 	expires := start.Add(lease - l.drift(lease))
 	if !l.opts.Now().Before(expires) {
 		// The renewed keys run out about now (within the drift allowance):

@@ -817,9 +817,10 @@ func TestLocker_Extend(t *testing.T) {
 	})
 	t.Run("ReportsTheLeaseKept", func(t *testing.T) {
 		// A renewal shorter than the lease keeps the lease, and the grant
-		// says so: its deadline is the majority's, not the one asked for.
+		// says so: its deadline is the majority's, not the one asked for
+		// (up to MaxTTL: see TestLocker_ExtendClockSteppedBack).
 		ns, ms := nodes(5)
-		l := newLocker(t, ns, &memIssuer{}, Options{})
+		l := newLocker(t, ns, &memIssuer{}, Options{MaxTTL: 10 * time.Minute})
 		g, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
 		if err != nil {
 			t.Fatal(err)

@@ -703,6 +703,45 @@ func TestLocker_ExtendQuarantinedNode(t *testing.T) {
 	}
 }
 
+// TestLocker_ExtendClockSteppedBack: A holds a lock on nodes 0-2, whose
+// clocks then step back by an hour (Redis expires keys by its wall clock, so
+// A's keys there outlive their TTL by the step: PEXPIRE stands in for it).
+// An extend reports the lease a majority kept, but never more than MaxTTL:
+// node 0 then restarts empty and is quarantined for MaxTTL (plus drift), and
+// B, granted by nodes 0, 3 and 4 once that is over, must find A's deadline
+// passed. Reporting the hour (as the extend did) gave A a deadline an hour
+// past B's grant: two holders, each within its lease.
+func TestLocker_ExtendClockSteppedBack(t *testing.T) {
+	t.Parallel()
+	e := newRestartEnv(t, false)
+	l := e.locker(t, e.db)
+	ctx := t.Context()
+	const key = "stepped"
+	a := e.holdOnFirstThree(t, l, key)
+	for _, c := range e.raw[:3] {
+		if ok, err := c.PExpire(ctx, "redfence:lock:"+key, time.Hour).Result(); err != nil || !ok {
+			t.Fatalf("PEXPIRE = %v, %v", ok, err)
+		}
+	}
+	ext, err := l.Extend(ctx, key, a.Token, time.Second)
+	if err != nil {
+		t.Fatalf("Extend = %v", err)
+	}
+	if lease, maxTTL := ext.Expires.Sub(ext.Start), 3*time.Second; lease > maxTTL {
+		t.Errorf("Extend reports a lease of %v; want at most MaxTTL (%v)", lease, maxTTL)
+	}
+	e.restartEmpty(t, 0)
+	waitQuarantined(t, l, 0)
+	waitQuarantineOver(t, l)
+	b, err := l.Acquire(ctx, key, service.Request{TTL: time.Second})
+	if err != nil {
+		t.Fatalf("B after node 0's quarantine: %v", err)
+	}
+	if now := time.Now(); now.Before(ext.Expires) {
+		t.Errorf("B granted token %d while A (token %d) holds the lock for %v more: two holders", b.Fencing, a.Fencing, ext.Expires.Sub(now))
+	}
+}
+
 // gatedRegistry holds every QuarantineNode until gate is closed.
 type gatedRegistry struct {
 	*store.DB
