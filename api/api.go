@@ -493,6 +493,34 @@ func tokenInPath(r *http.Request) (string, bool) {
 	return name, true
 }
 
+// tokensPastName returns the segments of a path under /v1/locks/ that
+// have the shape of a lock token and that no route reads as a lock's name:
+// those past the name (a lock token put in the path as a sub-resource,
+// DELETE /v1/locks/NAME/TOKEN, by a client that sent no Lock-Token header),
+// and the name's own segment too when what follows it is not "extend" (no
+// route takes such a path: nothing is done with the name). Being secrets,
+// they are redacted from the path the access log and problems show (see
+// instance).
+func tokensPastName(path string) []string {
+	if len(path) <= len(lockPrefix) || path[:len(lockPrefix)] != lockPrefix {
+		return nil
+	}
+	name, rest, ok := strings.Cut(path[len(lockPrefix):], "/")
+	if !ok {
+		return nil
+	}
+	var toks []string
+	if rest != "extend" && len(name) == lockTokenLen && base64URL(name) {
+		toks = append(toks, name)
+	}
+	for seg := range strings.SplitSeq(rest, "/") {
+		if len(seg) == lockTokenLen && base64URL(seg) {
+			toks = append(toks, seg)
+		}
+	}
+	return toks
+}
+
 // base64URL reports whether s is made of the base64url alphabet only.
 func base64URL(s string) bool {
 	for i := 0; i < len(s); i++ {

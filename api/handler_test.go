@@ -300,6 +300,51 @@ func TestOwnLockTokenNotQuoted(t *testing.T) {
 	}
 }
 
+// TestLockTokenPastName: a client that put the lock token in the path past
+// the lock's name, as a sub-resource, or in the name's place of a path no
+// route takes, and sent no Lock-Token header, gets a 404 that acts on
+// nothing; the token is in neither the problem nor the log. A name shaped
+// like a token on a route is still shown.
+func TestLockTokenPastName(t *testing.T) {
+	t.Parallel()
+	e := newFakeEnv(t, false)
+	g := e.acquire(t, e.h, "orders", `{"ttl_ms":30000}`)
+	tok := g.LockToken
+	for _, tc := range []struct{ method, target, body string }{
+		{http.MethodDelete, "/v1/locks/orders/" + tok, ""},
+		{http.MethodPost, "/v1/locks/orders/" + tok + "/extend", `{"ttl_ms":5000}`},
+		{http.MethodPost, "/v1/locks/orders/extend/" + tok, `{"ttl_ms":5000}`},
+		{http.MethodGet, "/v1/locks/orders/" + tok, ""},
+		{http.MethodDelete, "/v1/locks/orders/%" + fmt.Sprintf("%X", tok[0]) + tok[1:], ""},
+		// In the name's place, on a path no route takes.
+		{http.MethodDelete, "/v1/locks/" + tok + "/", ""},
+		{http.MethodPost, "/v1/locks/" + tok + "/extend/", `{}`},
+	} {
+		w := e.do(e.h, tc.method, tc.target, tc.body)
+		if w.Code != http.StatusNotFound {
+			t.Errorf("%s %s: %d %s; want 404", tc.method, tc.target, w.Code, w.Body)
+		}
+		if strings.Contains(w.Body.String(), tok) || !strings.Contains(w.Body.String(), "[redacted]") {
+			t.Errorf("%s %s: the problem shows the lock token, or not where it was: %s", tc.method, tc.target, w.Body)
+		}
+	}
+	if strings.Contains(e.logs.String(), tok) {
+		t.Errorf("the log contains the lock token:\n%s", e.logs.String())
+	}
+	// Nothing was released or extended: the holder still releases it.
+	if w := e.do(e.h, http.MethodDelete, "/v1/locks/orders", "", LockTokenHeader, tok); w.Code != http.StatusNoContent {
+		t.Errorf("release by the holder = %d %s; want 204", w.Code, w.Body)
+	}
+	other := strings.Repeat("n", 27)
+	g2 := e.acquire(t, e.h, other, `{}`)
+	if w := e.do(e.h, http.MethodPost, "/v1/locks/"+other+"/extend", `{}`, LockTokenHeader, g2.LockToken); w.Code != http.StatusOK {
+		t.Errorf("extend of a 27-character name = %d %s; want 200", w.Code, w.Body)
+	}
+	if !strings.Contains(e.logs.String(), `"path":"/v1/locks/`+other+`/extend"`) {
+		t.Errorf("the 27-character name was redacted from the access line of its extend")
+	}
+}
+
 // TestReleaseAnswersBeforeAudit checks that a release, or a refused release
 // or extend, whose audit line waits for Postgres (another server's grant)
 // answers the client first, and that the next request on the connection

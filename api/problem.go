@@ -635,9 +635,9 @@ func redactedPath(r *http.Request) string {
 		}
 		return strings.Replace(p, secret, "[redacted]", 1)
 	}
-	for _, t := range r.Header[LockTokenHeader] {
-		// The request's own lock token, wherever the path has it (a
-		// client that put it in the wrong place).
+	for _, t := range append(tokensPastName(r.URL.Path), r.Header[LockTokenHeader]...) {
+		// The request's own lock token, wherever the path has it, or one
+		// past a lock's name (a client that put it in the wrong place).
 		if len(t) != lockTokenLen || !base64URL(t) || !strings.Contains(r.URL.Path, t) {
 			continue
 		}
