@@ -265,6 +265,7 @@ func TestOwnLockTokenNotQuoted(t *testing.T) {
 	g := e.acquire(t, e.h, "orders", `{"ttl_ms":30000}`)
 	tok := g.LockToken
 	hdr := []string{LockTokenHeader, tok}
+	key, _ := apikey.New()
 	for _, tc := range []struct{ method, target, body string }{
 		{http.MethodPost, "/v1/locks/orders/extend", `{"` + tok + `":1}`},
 		{http.MethodPost, "/v1/locks/orders", `{"` + tok + `":1}`},
@@ -273,6 +274,7 @@ func TestOwnLockTokenNotQuoted(t *testing.T) {
 		{http.MethodGet, "/v1/locks/" + tok + "/extend", ""},
 		{http.MethodDelete, "/v1/locks/" + tok + "/", ""},
 		{http.MethodDelete, "/v1/locks/orders/" + tok, ""},
+		{http.MethodDelete, "/v1/locks/orders/" + tok + "/" + key, ""}, // and an API key
 		{http.MethodGet, "/v1/nope/%" + fmt.Sprintf("%X", tok[0]) + tok[1:], ""},
 		{tok, "/v1/locks/orders", ""},
 		// Names that hold it are names, refused as not held: their
@@ -310,6 +312,8 @@ func TestLockTokenPastName(t *testing.T) {
 	e := newFakeEnv(t, false)
 	g := e.acquire(t, e.h, "orders", `{"ttl_ms":30000}`)
 	tok := g.LockToken
+	tok2 := e.acquire(t, e.h, "other", `{"ttl_ms":30000}`).LockToken
+	key, _ := apikey.New()
 	for _, tc := range []struct{ method, target, body string }{
 		{http.MethodDelete, "/v1/locks/orders/" + tok, ""},
 		{http.MethodPost, "/v1/locks/orders/" + tok + "/extend", `{"ttl_ms":5000}`},
@@ -319,17 +323,24 @@ func TestLockTokenPastName(t *testing.T) {
 		// In the name's place, on a path no route takes.
 		{http.MethodDelete, "/v1/locks/" + tok + "/", ""},
 		{http.MethodPost, "/v1/locks/" + tok + "/extend/", `{}`},
+		// With another token spelt partly percent-encoded, or an API key.
+		{http.MethodDelete, "/v1/locks/orders/" + tok + "/%" + fmt.Sprintf("%X", tok2[0]) + tok2[1:], ""},
+		{http.MethodDelete, "/v1/locks/orders/" + tok + "/" + key[:20] + "%" + fmt.Sprintf("%X", key[20]) + key[21:], ""},
+		{http.MethodDelete, "/v1/locks/orders/" + tok + "/" + key, ""},
 	} {
 		w := e.do(e.h, tc.method, tc.target, tc.body)
 		if w.Code != http.StatusNotFound {
 			t.Errorf("%s %s: %d %s; want 404", tc.method, tc.target, w.Code, w.Body)
 		}
-		if strings.Contains(w.Body.String(), tok) || !strings.Contains(w.Body.String(), "[redacted]") {
-			t.Errorf("%s %s: the problem shows the lock token, or not where it was: %s", tc.method, tc.target, w.Body)
+		if strings.Contains(w.Body.String(), tok) || strings.Contains(w.Body.String(), tok2) ||
+			strings.Contains(w.Body.String(), key[20:]) || !strings.Contains(w.Body.String(), "[redacted]") {
+			t.Errorf("%s %s: the problem shows a lock token or the key, or not where it was: %s", tc.method, tc.target, w.Body)
 		}
 	}
-	if strings.Contains(e.logs.String(), tok) {
-		t.Errorf("the log contains the lock token:\n%s", e.logs.String())
+	for _, secret := range []string{tok, tok2, key[20:]} {
+		if strings.Contains(e.logs.String(), secret) {
+			t.Errorf("the log contains %q:\n%s", secret, e.logs.String())
+		}
 	}
 	// Nothing was released or extended: the holder still releases it.
 	if w := e.do(e.h, http.MethodDelete, "/v1/locks/orders", "", LockTokenHeader, tok); w.Code != http.StatusNoContent {

@@ -635,27 +635,34 @@ func redactedPath(r *http.Request) string {
 		}
 		return strings.Replace(p, secret, "[redacted]", 1)
 	}
+	// The request's own lock token, wherever the path has it, and those
+	// past a lock's name (see tokensPastName): a client that put one in
+	// the wrong place. They are redacted last, from whichever spelling the
+	// API keys leave.
+	var toks []string
 	for _, t := range append(tokensPastName(r.URL.Path), r.Header[LockTokenHeader]...) {
-		// The request's own lock token, wherever the path has it, or one
-		// past a lock's name (a client that put it in the wrong place).
 		if len(t) != lockTokenLen || !base64URL(t) || !strings.Contains(r.URL.Path, t) {
 			continue
 		}
+		toks = append(toks, t)
 		if !strings.Contains(p, t) {
 			p = (&url.URL{Path: r.URL.Path}).EscapedPath()
 		}
+	}
+	if apikey.Redact(r.URL.Path) != r.URL.Path { // the decoded path holds any key the sent one does
+		red := apikey.Redact(p)
+		if u, err := url.PathUnescape(red); err != nil || u != apikey.Redact(r.URL.Path) {
+			// A key spelt partly percent-encoded: the decoded path,
+			// redacted, in the canonical spelling, with the mark as
+			// Redact writes it elsewhere.
+			red = strings.ReplaceAll((&url.URL{Path: apikey.Redact(r.URL.Path)}).EscapedPath(), "%5Bredacted%5D", "[redacted]")
+		}
+		p = red // otherwise no key spelt partly percent-encoded: redacted as sent
+	}
+	for _, t := range toks {
 		p = strings.ReplaceAll(p, t, "[redacted]")
 	}
-	if apikey.Redact(r.URL.Path) == r.URL.Path { // the decoded path holds any key the sent one does
-		return p
-	}
-	red := apikey.Redact(p)
-	if u, err := url.PathUnescape(red); err == nil && u == apikey.Redact(r.URL.Path) {
-		return red // no key spelt partly percent-encoded: redacted as sent
-	}
-	// A key spelt partly percent-encoded: the decoded path, redacted, in
-	// the canonical spelling, with the mark as Redact writes it elsewhere.
-	return strings.ReplaceAll((&url.URL{Path: apikey.Redact(r.URL.Path)}).EscapedPath(), "%5Bredacted%5D", "[redacted]")
+	return p
 }
 
 // quorumDetail says why no majority was reached, from the nodes' outcomes.
