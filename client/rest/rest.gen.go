@@ -1020,7 +1020,7 @@ type ClientInterface interface {
 	// stays the same (it is the same grant). The new lease is valid for
 	// `validity_ms` from **your send time** of this request: the lease a
 	// majority of nodes kept, which is longer than `ttl_ms` where more was
-	// left.
+	// left, but never more than the server's maximum TTL.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer token exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -1048,7 +1048,7 @@ type ClientInterface interface {
 	// stays the same (it is the same grant). The new lease is valid for
 	// `validity_ms` from **your send time** of this request: the lease a
 	// majority of nodes kept, which is longer than `ttl_ms` where more was
-	// left.
+	// left, but never more than the server's maximum TTL.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer token exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -1339,7 +1339,7 @@ func (c *Client) AcquireLock(ctx context.Context, name Name, params *AcquireLock
 // stays the same (it is the same grant). The new lease is valid for
 // `validity_ms` from **your send time** of this request: the lease a
 // majority of nodes kept, which is longer than `ttl_ms` where more was
-// left.
+// left, but never more than the server's maximum TTL.
 //
 // A 409 `lock-lost` means the lease expired or a newer token exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -1377,7 +1377,7 @@ func (c *Client) ExtendLockWithBody(ctx context.Context, name Name, params *Exte
 // stays the same (it is the same grant). The new lease is valid for
 // `validity_ms` from **your send time** of this request: the lease a
 // majority of nodes kept, which is longer than `ttl_ms` where more was
-// left.
+// left, but never more than the server's maximum TTL.
 //
 // A 409 `lock-lost` means the lease expired or a newer token exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -2298,7 +2298,7 @@ type ClientWithResponsesInterface interface {
 	// stays the same (it is the same grant). The new lease is valid for
 	// `validity_ms` from **your send time** of this request: the lease a
 	// majority of nodes kept, which is longer than `ttl_ms` where more was
-	// left.
+	// left, but never more than the server's maximum TTL.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer token exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -2326,7 +2326,7 @@ type ClientWithResponsesInterface interface {
 	// stays the same (it is the same grant). The new lease is valid for
 	// `validity_ms` from **your send time** of this request: the lease a
 	// majority of nodes kept, which is longer than `ttl_ms` where more was
-	// left.
+	// left, but never more than the server's maximum TTL.
 	//
 	// A 409 `lock-lost` means the lease expired or a newer token exists: the
 	// lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -4167,7 +4167,7 @@ func (c *ClientWithResponses) AcquireLockWithResponse(ctx context.Context, name 
 // stays the same (it is the same grant). The new lease is valid for
 // `validity_ms` from **your send time** of this request: the lease a
 // majority of nodes kept, which is longer than `ttl_ms` where more was
-// left.
+// left, but never more than the server's maximum TTL.
 //
 // A 409 `lock-lost` means the lease expired or a newer token exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.
@@ -4201,7 +4201,7 @@ func (c *ClientWithResponses) ExtendLockWithBodyWithResponse(ctx context.Context
 // stays the same (it is the same grant). The new lease is valid for
 // `validity_ms` from **your send time** of this request: the lease a
 // majority of nodes kept, which is longer than `ttl_ms` where more was
-// left.
+// left, but never more than the server's maximum TTL.
 //
 // A 409 `lock-lost` means the lease expired or a newer token exists: the
 // lock is gone, stop writing, and acquire again to get a new fencing token.

@@ -121,7 +121,7 @@ export interface paths {
          *     stays the same (it is the same grant). The new lease is valid for
          *     `validity_ms` from **your send time** of this request: the lease a
          *     majority of nodes kept, which is longer than `ttl_ms` where more was
-         *     left.
+         *     left, but never more than the server's maximum TTL.
          *
          *     A 409 `lock-lost` means the lease expired or a newer token exists: the
          *     lock is gone, stop writing, and acquire again to get a new fencing token.
