@@ -88,7 +88,7 @@ func parseLockArgs(args []string, stdout, stderr io.Writer) (*lockFlags, string,
 	// The environment's values are applied after parsing, not as flag
 	// defaults: the usage text prints defaults, and the API key is a secret.
 	fs.StringVar(&f.server, "server", "", "Redfence base URL (default $REDFENCE_SERVER, else http://127.0.0.1:8080)")
-	fs.StringVar(&f.apiKey, "api-key", "", "API key sent as a bearer token (default $REDFENCE_API_KEY)")
+	fs.StringVar(&f.apiKey, "api-key", "", "API key sent as a bearer token (default $REDFENCE_API_KEY; prefer it: other local users can read a command line)")
 	fs.DurationVar(&f.ttl, "ttl", 10*time.Second, "lease length; renewed every ttl/3 while COMMAND runs")
 	fs.DurationVar(&f.wait, "wait", 0, "how long to wait for the lock when it is held (0: try once)")
 	fs.DurationVar(&f.grace, "grace", 2*time.Second, "time between SIGTERM and SIGKILL when the lease is lost, or for what is left of COMMAND's process group when it exits")
