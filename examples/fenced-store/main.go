@@ -55,6 +55,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	dbURL := fs.String("database-url", os.Getenv("DATABASE_URL"),
 		"Postgres URL (default $DATABASE_URL; if empty, a throwaway local Postgres is started)")
 	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil // -h asked for the usage, which Parse printed
+		}
 		return err
 	}
 	log := slog.New(slog.NewTextHandler(stderr, nil))

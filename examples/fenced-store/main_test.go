@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -281,5 +282,19 @@ func TestIfMatchOnMissingDocument(t *testing.T) {
 	}
 	if code, v := d.put("fresh", 5, `"1"`, `{"a":2}`); code != http.StatusOK || v["version"] != float64(2) {
 		t.Fatalf("conditional write at the current version = %d %v; want 200 at version 2", code, v)
+	}
+}
+
+// TestRun_Help: -h prints the usage and succeeds, as README's "Try it"
+// reader expects; it used to end with "fenced-store: flag: help requested"
+// and exit status 1. It starts nothing (no Postgres).
+func TestRun_Help(t *testing.T) {
+	t.Parallel()
+	var stderr bytes.Buffer
+	if err := run(t.Context(), []string{"-h"}, io.Discard, &stderr); err != nil {
+		t.Fatalf("run -h = %v; want nil", err)
+	}
+	if !strings.Contains(stderr.String(), "-database-url") {
+		t.Errorf("run -h printed %q; want the usage", stderr.String())
 	}
 }
