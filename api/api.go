@@ -176,6 +176,15 @@ func (h *Handler) Drain() {
 	h.drainOnce.Do(func() { close(h.drain) })
 }
 
+// ErrCutShort is the cause with which a server cancels the contexts of the
+// requests still running when its shutdown's grace period ends
+// (context.WithCancelCause). Such a request is cut short: it gets no answer
+// (its HTTP/1 connection is closed, its HTTP/2 stream reset), as its client
+// did not leave and must not be told it did (499 cancelled), nor that
+// nothing was done when a write's commit may already have been sent. It is
+// logged and counted as cancelled.
+var ErrCutShort = errors.New("api: the server's shutdown cut the request short")
+
 // Wait waits for the audit lines still to be written after their requests
 // were answered (each waits 1 s at most for Postgres); from then on such
 // lines are written before their handler returns. A server calls it once it

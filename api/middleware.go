@@ -95,6 +95,9 @@ type respWriter struct {
 	code        int
 	bytes       int
 	wroteHeader bool
+	// aborted is set instead of an answer for a request the server cut
+	// short (ErrCutShort): serve aborts it once it is logged.
+	aborted bool
 }
 
 func (w *respWriter) WriteHeader(code int) {
@@ -272,6 +275,13 @@ func (h *Handler) serve(w http.ResponseWriter, r *http.Request, name, route stri
 		r.Pattern = route // as the router sets it
 	}
 	defer h.recoverPanic(w, r)
+	defer func() {
+		if st.rw.aborted {
+			// After the access line: net/http closes the connection
+			// (HTTP/1) or resets the stream (HTTP/2) without an answer.
+			panic(http.ErrAbortHandler)
+		}
+	}()
 
 	start := time.Now()
 	if n := headerBytes(r); n > h.opts.MaxHeaderBytes {

@@ -540,6 +540,13 @@ func (h *Handler) writeErrorTree(w http.ResponseWriter, r *http.Request, err err
 		h.logRecord(ctx, time.Now(), PrincipalFrom(ctx), level, "request failed", slog.String("request_id", p.RequestID),
 			slog.String("problem", k.slug), slog.String("error", redact(r, err.Error())))
 	}
+	if k == kCancelled && errors.Is(context.Cause(r.Context()), ErrCutShort) {
+		if st := stateFrom(r.Context()); st != nil {
+			st.rw.code, st.rw.aborted = k.status, true // logged as cancelled, not answered
+			return
+		}
+		panic(http.ErrAbortHandler)
+	}
 	writeProblem(w, r, p)
 }
 

@@ -34,8 +34,9 @@ type Server struct {
 	tls *tls.Config
 	// keys watches API key changes (nil with REDFENCE_AUTH=false).
 	keys *store.KeyWatcher
-	// stop cancels the context of in-flight requests (blocking acquires) once
-	// the shutdown grace period has begun.
+	// stop cancels the context of the requests still in flight once the
+	// shutdown's grace period is over, with the cause api.ErrCutShort: they
+	// are cut short, without an answer.
 	stop context.CancelFunc
 	// handlers counts the requests being handled: Close waits for those it
 	// cut short. (A WaitGroup would not do: net/http may still start a
@@ -168,8 +169,8 @@ func Open(ctx context.Context, cfg *Config, log *slog.Logger, opts ServerOptions
 	if err != nil {
 		return nil, fmt.Errorf("listen %s: %w", cfg.ListenAddr, err)
 	}
-	base, stop := context.WithCancel(context.Background())
-	s.stop = stop
+	base, stop := context.WithCancelCause(context.Background())
+	s.stop = func() { stop(api.ErrCutShort) }
 	s.http = &http.Server{
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			s.handlers.Add()
