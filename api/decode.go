@@ -5,6 +5,7 @@ package api
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -70,7 +71,7 @@ func (h *Handler) readJSON(r *http.Request, buf *[]byte, optional bool) ([]byte,
 	body, err := readBody((*buf)[:0], r.Body, h.opts.MaxBodyBytes)
 	*buf = body
 	if err != nil {
-		return nil, bodyReadError(err)
+		return nil, bodyReadError(r.Context(), err)
 	}
 	if len(body) == 0 {
 		// Only an empty body takes the defaults: whitespace is not a
@@ -153,10 +154,11 @@ func jsonMediaType(mt string) bool {
 
 // bodyReadError is the answer to a body that could not be read: 413 past
 // the limit, 408 when the server's read timeout ran out first, 503
-// shutting-down when the server closed the connection, else 400.
-// Neither says why in Go's words, which name the connection's addresses;
-// the cause is logged.
-func bodyReadError(err error) error {
+// shutting-down when the server closed the connection, 499 cancelled when
+// the client left (ctx, the request's, ended: an HTTP/2 stream it reset
+// while sending the body), else 400. Neither says why in Go's words, which
+// name the connection's addresses; the cause is logged.
+func bodyReadError(ctx context.Context, err error) error {
 	var mbe *http.MaxBytesError
 	var ne net.Error
 	switch {
@@ -171,6 +173,8 @@ func bodyReadError(err error) error {
 		// This server closed the connection under the read: its shutdown's
 		// grace period ran out. Not the client's fault.
 		return &requestError{kind: kShutdown, detail: "the server shut down while the body was arriving; nothing was done", cause: err}
+	case ctx.Err() != nil:
+		return fmt.Errorf("the body could not be read: %w: %w", ctx.Err(), err)
 	}
 	return unreadableBody("the body could not be read", "could not be read", err)
 }
