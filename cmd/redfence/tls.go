@@ -140,8 +140,8 @@ func clientTLS(caName, caFile, certName, certFile, keyFile string) (*tls.Config,
 // keyPair is a certificate and key loaded from files, reloaded when either
 // file's content changes (checked at most every keyPairCheck, on a
 // handshake). A reload that fails (a half-written file, a key that does not
-// match) keeps the previous pair, logs why and is tried again at the next
-// check.
+// match, a certificate expired or not valid yet) keeps the previous pair,
+// logs why and is tried again at the next check.
 type keyPair struct {
 	certFile, keyFile string
 	log               *slog.Logger
@@ -160,7 +160,24 @@ func newKeyPair(certFile, keyFile string, log *slog.Logger) (*keyPair, error) {
 		return nil, fmt.Errorf("REDFENCE_TLS_CERT_FILE / REDFENCE_TLS_KEY_FILE: %w", err)
 	}
 	kp.checked = time.Now()
+	if err := validNow(kp.cert, kp.checked); err != nil {
+		log.Warn("TLS certificate "+err.Error()+"; serving it until its files are replaced", slog.String("cert_file", certFile))
+	}
 	return kp, nil
+}
+
+// validNow returns an error saying why the leaf of cert is not valid at
+// now (expired, or not valid yet), or nil.
+func validNow(cert *tls.Certificate, now time.Time) error {
+	leaf := cert.Leaf
+	if leaf == nil {
+		return nil
+	}
+	if now.Before(leaf.NotBefore) || now.After(leaf.NotAfter) {
+		return fmt.Errorf("is not valid now (only from %s to %s): clients that verify it refuse it",
+			leaf.NotBefore.UTC().Format(time.RFC3339), leaf.NotAfter.UTC().Format(time.RFC3339))
+	}
+	return nil
 }
 
 // reload reads both files and, if they changed, loads the pair from them.
@@ -185,6 +202,13 @@ func (kp *keyPair) reload() (changed bool, err error) {
 	cert, err := tls.X509KeyPair(certPEM, keyPEM)
 	if err != nil {
 		return false, err
+	}
+	if kp.cert != nil {
+		// A replacement no client accepts (an old certificate copied back,
+		// a new one dated ahead) is broken as much as a half-written one.
+		if err := validNow(&cert, time.Now()); err != nil {
+			return false, fmt.Errorf("the new certificate %w", err)
+		}
 	}
 	kp.cert, kp.sum = &cert, sum
 	return true, nil

@@ -77,6 +77,12 @@ func writePEM(t testing.TB, file, typ string, der []byte) {
 // file names.
 func (ca *testCA) issue(t testing.TB, dir, name string, usage ...x509.ExtKeyUsage) (certFile, keyFile string) {
 	t.Helper()
+	return ca.issueValid(t, dir, name, time.Now().Add(-time.Hour), time.Now().Add(time.Hour), usage...)
+}
+
+// issueValid is issue for a certificate valid from notBefore to notAfter.
+func (ca *testCA) issueValid(t testing.TB, dir, name string, notBefore, notAfter time.Time, usage ...x509.ExtKeyUsage) (certFile, keyFile string) {
+	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		t.Fatal(err)
@@ -88,8 +94,8 @@ func (ca *testCA) issue(t testing.TB, dir, name string, usage ...x509.ExtKeyUsag
 	tmpl := &x509.Certificate{
 		SerialNumber: sn,
 		Subject:      pkix.Name{CommonName: name},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
+		NotBefore:    notBefore,
+		NotAfter:     notAfter,
 		KeyUsage:     x509.KeyUsageDigitalSignature,
 		ExtKeyUsage:  usage,
 		IPAddresses:  []net.IP{net.ParseIP("127.0.0.1")},
@@ -314,6 +320,57 @@ func TestTLS_Reload(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "not reloaded") {
 		t.Errorf("no warning about the failed reload; logs:\n%s", logs.String())
+	}
+}
+
+// TestTLS_ReloadRefusesExpired: a replacement certificate that has
+// expired, or is not valid yet, is refused as a broken one is: the
+// previous certificate is kept and the reason logged. It was served (and
+// "TLS certificate reloaded" logged), so an old certificate copied back by
+// mistake failed every new client's handshake until the files were fixed.
+// A certificate not valid at start is served, with a warning.
+func TestTLS_ReloadRefusesExpired(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	ca := newCA(t, dir, "ca")
+	certFile, keyFile := ca.issue(t, dir, "current", serverAuth)
+	var logs testutil.Buffer
+	kp, err := newKeyPair(certFile, keyFile, slog.New(slog.NewTextHandler(&logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	current := kp.get().Certificate[0]
+	for _, tc := range []struct {
+		name                string
+		notBefore, notAfter time.Time
+	}{
+		{"expired", time.Now().Add(-2 * time.Hour), time.Now().Add(-time.Hour)},
+		{"not-yet-valid", time.Now().Add(time.Hour), time.Now().Add(2 * time.Hour)},
+	} {
+		c, k := ca.issueValid(t, dir, tc.name, tc.notBefore, tc.notAfter, serverAuth)
+		for _, f := range [][2]string{{c, certFile}, {k, keyFile}} {
+			if err := os.Rename(f[0], f[1]); err != nil {
+				t.Fatal(err)
+			}
+		}
+		kp.mu.Lock()
+		kp.checked = time.Time{} // as if keyPairCheck had passed
+		kp.mu.Unlock()
+		if got := kp.get().Certificate[0]; !bytes.Equal(got, current) {
+			t.Errorf("%s replacement: served; want the previous certificate kept", tc.name)
+		}
+	}
+	if n := strings.Count(logs.String(), "is not valid now"); n != 2 || strings.Contains(logs.String(), "TLS certificate reloaded") {
+		t.Errorf("want two warnings naming the validity and no reload; logs:\n%s", logs.String())
+	}
+
+	c, k := ca.issueValid(t, dir, "expired-at-start", time.Now().Add(-2*time.Hour), time.Now().Add(-time.Hour), serverAuth)
+	logs = testutil.Buffer{}
+	if _, err := newKeyPair(c, k, slog.New(slog.NewTextHandler(&logs, nil))); err != nil {
+		t.Fatalf("newKeyPair with an expired certificate: %v; want it served, with a warning", err)
+	}
+	if !strings.Contains(logs.String(), "is not valid now") {
+		t.Errorf("no warning about an expired certificate at start; logs:\n%s", logs.String())
 	}
 }
 
