@@ -149,7 +149,7 @@ func (l *Locker) noteCounting() {
 	}
 	switch {
 	case lost:
-		l.opts.Logger.Error("fewer Redis nodes count than a majority (the others are quarantined): acquires, extends and lock reads fail (503 quorum-unavailable) until the quarantines end",
+		l.opts.Logger.Error("fewer Redis nodes count than a majority (the others are quarantined, or counted out until Postgres has answered for a Redis process just seen): acquires, extends and lock reads fail (503 quorum-unavailable) until that ends",
 			slog.Int("counting", counting), slog.Int("answering", answering), slog.Int("nodes", len(l.nodes)), slog.Int("quorum", l.quorum))
 	case back:
 		l.opts.Logger.Info("a majority of Redis nodes counts again", slog.Int("counting", counting), slog.Int("nodes", len(l.nodes)), slog.Int("quorum", l.quorum))

@@ -225,6 +225,65 @@ func TestLocker_RestartUnseenFirstSight(t *testing.T) {
 	}
 }
 
+// gatedProcessRegistry holds every NodeProcess for addr until gate is
+// closed, telling asked when one is waiting.
+type gatedProcessRegistry struct {
+	*memRegistry
+	addr  string
+	gate  chan struct{}
+	asked chan struct{}
+}
+
+func (r *gatedProcessRegistry) NodeProcess(ctx context.Context, addr, runID, next string, durable bool) (string, time.Duration, error) {
+	if addr != r.addr {
+		return r.memRegistry.NodeProcess(ctx, addr, runID, next, durable)
+	}
+	r.asked <- struct{}{}
+	select {
+	case <-r.gate:
+	case <-ctx.Done():
+		return "", 0, ctx.Err()
+	}
+	return r.memRegistry.NodeProcess(ctx, addr, runID, next, durable)
+}
+
+// TestLocker_NodesWaitsForFirstSight: a node first seen after Init (down
+// when the server started) is counted out until the Registry has answered
+// for its process. Nodes, asked meanwhile (serve's report at start,
+// /v1/nodes), waits for that answer rather than report the node quarantined
+// for a quarantine's length: its process is the one on record, and it
+// counts as soon as the answer comes (found by two fault hunts: "node
+// quarantined ... quarantined_until" a minute ahead, at start under load).
+func TestLocker_NodesWaitsForFirstSight(t *testing.T) {
+	clk := &clock{t: time.Unix(1000, 0)}
+	reg := newRegistry(clk)
+	c := newProcCluster()
+	c.locker(t, reg, clk) // records every node's process
+	c.setDown(1, true)
+	g := &gatedProcessRegistry{memRegistry: reg, addr: c.ms[1].Addr(), gate: make(chan struct{}), asked: make(chan struct{}, 16)}
+	d, dv := c.locker(t, g, clk)
+	c.setDown(1, false)
+	dv[1].connect(t)
+	<-g.asked // node 1's recovery waits for the Registry
+	if d.counts(1, clk.Now()) {
+		t.Fatal("D counts node 1 before the Registry has answered for its first process")
+	}
+	// The answer comes once Nodes has asked node 1.
+	var once sync.Once
+	c.ms[1].hook = func(context.Context, string) error {
+		once.Do(func() { close(g.gate) })
+		return nil
+	}
+	for _, st := range d.Nodes(t.Context()) {
+		if !st.Up || !st.QuarantinedUntil.IsZero() {
+			t.Errorf("node %s: up %v, quarantined until %v (%s), error %v; want up and counting", st.Addr, st.Up, st.QuarantinedUntil, st.QuarantineReason, st.Err)
+		}
+	}
+	if !d.counts(1, clk.Now()) {
+		t.Error("D does not count node 1, whose process is the one on record")
+	}
+}
+
 // TestLocker_DurableRestart: a node that restarts with appendfsync always
 // kept every lease it acknowledged only if the process before it fsynced
 // every write too. Started on the data of one that did not (its AOF lost the

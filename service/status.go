@@ -173,6 +173,17 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	}}, nil, nil)
 	t := &tally{results: make([]NodeResult, len(l.nodes))}
 	l.drain(t, votes)
+	// Recoveries already under way count too: a node counted out only
+	// until the Registry answers for a process it has just seen (a first
+	// sight after Init, often at start) would otherwise be reported as
+	// quarantined for a quarantine's length, which it may never be.
+	for i, m := range l.members {
+		m.mu.Lock()
+		if done := m.recovery; done != nil {
+			recovering.LoadOrStore(i, done)
+		}
+		m.mu.Unlock()
+	}
 	// A recovery that cannot be recorded is retried in the background:
 	// wait for it no longer than one recording may take.
 	wait := time.NewTimer(l.opts.IssueTimeout)
