@@ -148,7 +148,9 @@ func (p *pipeliner) doAsync(ctx context.Context, cmd *redis.Cmd, s *luaScript, c
 }
 
 // enqueue queues c for the writer, or answers it with errNodeClosed once the
-// pipeliner is closed. Unless wait, it gives up (false) on a full queue.
+// pipeliner is closed. Unless wait, it gives up (false) on a full queue;
+// with wait, it waits for room until c's context ends (then answers c with
+// the context's error).
 func (p *pipeliner) enqueue(c *call, wait bool) bool {
 	p.mu.RLock()
 	if p.shut {
@@ -168,6 +170,15 @@ func (p *pipeliner) enqueue(c *call, wait bool) bool {
 			// here for room the writer no longer makes would hang it.
 			p.mu.RUnlock()
 			c.cmd.SetErr(errNodeClosed)
+			c.answer()
+			return true
+		case <-c.ctx.Done():
+			// Its caller is gone: the writer would drop it unsent
+			// anyway. Waiting for room regardless kept a goroutine
+			// per overflowing call alive for as long as the node was
+			// overloaded, long after every caller had given up.
+			p.mu.RUnlock()
+			c.cmd.SetErr(c.ctx.Err())
 			c.answer()
 			return true
 		}

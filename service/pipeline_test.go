@@ -477,6 +477,53 @@ func TestPipeline_CloseWithFullQueue(t *testing.T) {
 	}
 }
 
+// TestPipeline_OverflowCallerGone: an asynchronous call that found the
+// queue full waits for room on a goroutine of its own only while its caller
+// waits: once its context ends it is answered with the context's error and
+// its goroutine returns, even while the writer makes no room. (Found under
+// load: 3,000 blocking acquires on distinct names overloaded the nodes, and
+// 1.2 million such goroutines, their callers long gone, held 7 GiB.)
+func TestPipeline_OverflowCallerGone(t *testing.T) {
+	n, h, _ := realNode(t, RedisOptions{})
+	bg := context.Background()
+	first := holdFirst(n, h) // the writer is stuck on the wire
+	var blocked atomic.Int64
+	n.pipe.blocking = func() { blocked.Add(1) }
+	// The writer holds one call and the queue takes cap more.
+	for i := range 1 + cap(n.pipe.queue) {
+		n.releaseAsync(bg, releaseArgs(fmt.Sprint("k", i), "t"), func(bool, error) {})
+	}
+	ctx, cancel := context.WithCancel(bg)
+	const overflow = 8
+	errs := make(chan error, overflow)
+	for i := range overflow {
+		n.releaseAsync(ctx, releaseArgs(fmt.Sprint("o", i), "t"), func(_ bool, err error) { errs <- err })
+	}
+	testutil.WaitFor(t, time.Minute, "the enqueues waiting for room", func() (bool, error) {
+		return blocked.Load() == overflow, nil
+	})
+	cancel()
+	for range overflow {
+		select {
+		case err := <-errs:
+			if !errors.Is(err, context.Canceled) {
+				t.Errorf("overflowing call of a caller gone: %v; want context.Canceled", err)
+			}
+		case <-time.After(time.Minute):
+			// Its goroutine still waits for room that the stuck writer
+			// does not make.
+			t.Fatal("an overflowing call of a caller gone was not answered")
+		}
+	}
+	if q := len(n.pipe.queue); q != cap(n.pipe.queue) {
+		t.Errorf("queue holds %d calls; want %d: a call of a caller gone was queued", q, cap(n.pipe.queue))
+	}
+	close(h.hold)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestPipeline_StoppedNode: calls to a node that stopped answering end at
 // their own deadline, blocking or asynchronous (each answered once), and the
 // node serves again once it resumes.
