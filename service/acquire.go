@@ -131,6 +131,7 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 		}
 	}()
 	for first := true; ; first = false {
+		behind := false
 		if w == nil && req.Wait > 0 {
 			// Queued before the first try, so a release during it wakes us.
 			w = l.enqueue(key)
@@ -146,6 +147,7 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			// it. A try of ours could take it first. Until then we report
 			// what its last try found.
 			aerr = l.lastRefusal(key)
+			behind = true
 		} else {
 			// A caller gone already (before the first try, or during the
 			// wait) gets no round: its SETs would hold the name, for
@@ -196,7 +198,19 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			}
 			return nil, &Error{Op: "acquire", Key: key, Err: ErrWaitTimeout, Nodes: aerr.Nodes, RetryAfter: aerr.RetryAfter, Cause: aerr}
 		}
-		delay := min(l.jitter(aerr), left)
+		delay := l.jitter(aerr)
+		if behind && (aerr.RetryAfter <= 0 || !errors.Is(aerr, ErrHeld)) {
+			// Not the first waiter's retry delay: a waiter behind it
+			// makes no try, and is woken when it becomes first (see
+			// leave, wake). Meanwhile it only checks its caller
+			// (Continue) and its deadline, so thousands of waiters on
+			// one name cost no wake-ups per retry of the first while too
+			// few nodes answer. As while the lock is held, it looks once
+			// a second at most, which bounds a turn that came unwoken
+			// (the first waiter granted, its lock then freed unannounced).
+			delay = max(heldRetryMax, l.opts.RetryDelayMax)
+		}
+		delay = min(delay, left)
 		var wake <-chan struct{}
 		if w != nil {
 			wake = w.wake
