@@ -125,6 +125,9 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 	deadline := l.opts.Now().Add(req.Wait)
 	var w *waiter
 	granted, refreshed := false, false
+	// heldUntil is when the lease a try of this acquire last found held
+	// ends (zero: none found held).
+	var heldUntil time.Time
 	defer func() {
 		if w != nil {
 			l.leave(key, w, granted)
@@ -190,6 +193,9 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			if w != nil {
 				l.noteRefusal(key, aerr)
 			}
+			if errors.Is(aerr, ErrHeld) && aerr.RetryAfter > 0 {
+				heldUntil = l.opts.Now().Add(aerr.RetryAfter)
+			}
 		}
 		left := deadline.Sub(l.opts.Now())
 		if left <= 0 {
@@ -209,6 +215,15 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			// a second at most, which bounds a turn that came unwoken
 			// (the first waiter granted, its lock then freed unannounced).
 			delay = max(heldRetryMax, l.opts.RetryDelayMax)
+		} else if held := heldUntil.Sub(l.opts.Now()); held > 0 && errors.Is(aerr, ErrQuorum) {
+			// Too few nodes answered, but a try of ours found the lock
+			// held until then: that news is not stale (a release wakes
+			// us), so it waits as while the lock is held rather than
+			// the short retry delay. Otherwise, when the nodes fall
+			// behind for a moment, every waiter for a held name would
+			// retry 10-100 times a second, keep them behind, and never
+			// let them catch up.
+			delay = l.jitter(&Error{Op: "acquire", Key: key, Err: ErrHeld, RetryAfter: held})
 		}
 		delay = min(delay, left)
 		var wake <-chan struct{}
