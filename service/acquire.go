@@ -225,12 +225,26 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			// let them catch up.
 			delay = l.jitter(&Error{Op: "acquire", Key: key, Err: ErrHeld, RetryAfter: held})
 		}
+		var back <-chan struct{}
+		if !behind && errors.Is(aerr, ErrQuorum) {
+			if back = l.majorityBack(); back != nil {
+				// Fewer nodes than a majority answer: a try now can
+				// only time out on them, and thousands of waiting names
+				// trying 10-100 times a second each would bury the
+				// server in tries and their clean-ups. It waits for a
+				// majority to answer again (which a request's answer or a
+				// background check tells), trying once in about a
+				// second meanwhile, spread, as the one that finds them
+				// back.
+				delay = max(delay, l.outageDelay())
+			}
+		}
 		delay = min(delay, left)
 		var wake <-chan struct{}
 		if w != nil {
 			wake = w.wake
 		}
-		stopped, err := l.pause(ctx, delay, wake, req.Stop)
+		stopped, err := l.pause(ctx, delay, wake, back, req.Stop)
 		if err != nil {
 			return nil, fmt.Errorf("acquire %q: %w", key, err)
 		}
@@ -240,9 +254,19 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 	}
 }
 
-// pause waits for d, a wake-up, stop or the end of ctx, counted as waiting.
-// It reports whether stop ended it.
-func (l *Locker) pause(ctx context.Context, d time.Duration, wake, stop <-chan struct{}) (bool, error) {
+// outageDelay is how long a try waits while fewer nodes than a majority
+// answer (unless they answer again sooner): a random delay in
+// [heldRetryMax/2, heldRetryMax), or RetryDelayMax if that is longer.
+func (l *Locker) outageDelay() time.Duration {
+	l.randMu.Lock()
+	d := heldRetryMax/2 + time.Duration(l.rand.Int64N(int64(heldRetryMax/2)))
+	l.randMu.Unlock()
+	return max(d, l.opts.RetryDelayMax)
+}
+
+// pause waits for d, a wake-up (wake or back), stop or the end of ctx,
+// counted as waiting. It reports whether stop ended it.
+func (l *Locker) pause(ctx context.Context, d time.Duration, wake, back, stop <-chan struct{}) (bool, error) {
 	select {
 	case <-stop: // closed before the wait: no timer, no waiting counted
 		return true, nil
@@ -258,6 +282,7 @@ func (l *Locker) pause(ctx context.Context, d time.Duration, wake, stop <-chan s
 	case <-stop:
 		return true, nil
 	case <-wake:
+	case <-back:
 	case <-timer.C:
 	}
 	return false, nil

@@ -30,6 +30,10 @@ type reach struct {
 	// when the last one was.
 	quorumLogged bool
 	quorumLast   time.Time
+	// back, while fewer nodes than a majority answer, is closed when a
+	// majority answers again (nil while one answers): acquires waiting
+	// out the outage wake then (see majorityBack).
+	back chan struct{}
 	// countMu serialises noteCounting (before mu, and any member's mu);
 	// countLogged, under it: a loss of the counting majority (nodes that
 	// answer and whose votes count: not quarantined) was logged, and its
@@ -40,6 +44,16 @@ type reach struct {
 	// a count now would mix nodes recorded with nodes not yet; Init counts
 	// once when it is done.
 	initing bool
+}
+
+// majorityBack returns, while fewer nodes than a majority answer (as far as
+// this Locker has seen: see noteReach), a channel closed when a majority
+// answers again; nil while a majority answers.
+func (l *Locker) majorityBack() <-chan struct{} {
+	r := l.reach
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.back
 }
 
 // allAnswering reports whether no node is failing, as far as this Locker
@@ -80,14 +94,19 @@ func (l *Locker) noteReach(i int, o Outcome, err error) {
 		if now.Sub(r.last[i]) >= reachLogEvery {
 			logNode, r.logged[i], r.last[i] = true, true, now
 		}
-		if n-r.down == l.quorum-1 && now.Sub(r.quorumLast) >= reachLogEvery {
-			logQuorum, r.quorumLogged, r.quorumLast = true, true, now
+		if n-r.down == l.quorum-1 {
+			r.back = make(chan struct{})
+			if now.Sub(r.quorumLast) >= reachLogEvery {
+				logQuorum, r.quorumLogged, r.quorumLast = true, true, now
+			}
 		}
 	} else {
 		r.down--
 		logBack, r.logged[i] = r.logged[i], false
 		if n-r.down == l.quorum {
 			logQuorumBack, r.quorumLogged = r.quorumLogged, false
+			close(r.back)
+			r.back = nil
 		}
 	}
 	answering := n - r.down

@@ -40,7 +40,7 @@ func TestLocker_WaitersFIFO(t *testing.T) {
 		return nil
 	}
 	obs := &waitObserver{started: make(chan struct{}, 8)}
-	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, Observer: obs})
+	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, MaxWait: 2 * time.Hour, Observer: obs})
 	g, err := l.Acquire(ctx, key, Request{TTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
@@ -243,14 +243,16 @@ func TestLocker_WaiterBehindSleepsThroughOutage(t *testing.T) {
 	for _, m := range ms {
 		m.acquired = nil // hundreds of tries, nobody waiting for them
 	}
-	for _, m := range ms[1:] {
-		m.hook = func(_ context.Context, op string) error {
-			if op == "acquire" {
-				return errors.New("down")
-			}
-			return nil
+	// No quorum, though a majority answers (so the first waiter keeps the
+	// short retry delay: see TestLocker_NoMajorityWaitsForIt): node 1
+	// fails, node 2 holds a stray key of the name.
+	ms[1].hook = func(_ context.Context, op string) error {
+		if op == "acquire" {
+			return errors.New("down")
 		}
+		return nil
 	}
+	ms[2].vals[rkey], ms[2].ttl[rkey] = "stray", time.Hour
 	obs := &waitObserver{started: make(chan struct{}, 1<<16)}
 	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Millisecond, RetryDelayMax: 2 * time.Millisecond, Observer: obs})
 	var aWakes, bWakes atomic.Int64
@@ -320,7 +322,7 @@ func TestLocker_WaiterHeldThroughOutage(t *testing.T) {
 	for i, m := range ms {
 		m.acquired = nil // hundreds of tries, nobody waiting for them
 		ns[i] = announcingNode{m}
-		if i > 0 {
+		if i == 1 {
 			m.hook = func(_ context.Context, op string) error {
 				if op == "acquire" && failing.Load() {
 					return errors.New("down")
@@ -348,8 +350,18 @@ func TestLocker_WaiterHeldThroughOutage(t *testing.T) {
 		a <- err
 	}()
 	<-obs.started // A found the lock held, and waits
+	// No quorum, though a majority answers (a majority not answering
+	// slows every waiter: see TestLocker_NoMajorityWaitsForIt): node 1
+	// fails, node 0 lost the holder's key early, and node 2 holds a stray
+	// key of C's name.
 	failing.Store(true)
-	l.wake(key, "r1", l.quorum) // A tries again: too few nodes answer
+	ms[0].mu.Lock()
+	delete(ms[0].vals, rkey)
+	ms[0].mu.Unlock()
+	ms[2].mu.Lock()
+	ms[2].vals["redfence:lock:other"], ms[2].ttl["redfence:lock:other"] = "stray", time.Hour
+	ms[2].mu.Unlock()
+	l.wake(key, "r1", l.quorum) // A tries again: no quorum
 	// C, on a name never found held, retries after the retry delay: it
 	// keeps the time.
 	go func() {
@@ -384,7 +396,7 @@ func TestLocker_WaiterBehindTimesOut(t *testing.T) {
 		return nil
 	}
 	obs := &waitObserver{started: make(chan struct{}, 1024)}
-	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, Observer: obs})
+	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, MaxWait: 2 * time.Hour, Observer: obs})
 	if _, err := l.Acquire(ctx, key, Request{TTL: time.Minute}); err != nil {
 		t.Fatal(err)
 	}
@@ -430,7 +442,7 @@ func TestLocker_WaiterBehindReportsNews(t *testing.T) {
 		}
 	}
 	obs := &waitObserver{started: make(chan struct{}, 1024)}
-	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, Observer: obs})
+	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, MaxWait: 2 * time.Hour, Observer: obs})
 	failing.Store(true)
 	bctx, cancelB := context.WithCancel(ctx)
 	defer cancelB()
@@ -498,4 +510,92 @@ func TestLocker_WakeAgainAtMajority(t *testing.T) {
 			t.Errorf("announcement %d of a release of this process woke the waiter again", i+1)
 		}
 	}
+}
+
+// TestLocker_NoMajorityWaitsForIt: while fewer nodes than a majority answer,
+// a waiting acquire does not try at the short retry delay (its tries could
+// only time out on them, and thousands of waiting names each trying 10-100
+// times a second buried the server in tries and clean-ups: a scale hunt saw
+// 166,000 goroutines and 1 GB within seconds of 3,000 waiters arriving
+// during an outage). It tries about once a second, and is woken as soon as
+// a majority answers again.
+func TestLocker_NoMajorityWaitsForIt(t *testing.T) {
+	faulty := func(ms []*memNode) *atomic.Bool {
+		var failing atomic.Bool
+		failing.Store(true)
+		for _, m := range ms {
+			m.acquired = nil
+		}
+		for _, m := range ms[1:] {
+			m.hook = func(_ context.Context, op string) error {
+				if op == "acquire" && failing.Load() {
+					return errors.New("down")
+				}
+				return nil
+			}
+		}
+		return &failing
+	}
+	t.Run("Paced", func(t *testing.T) {
+		ns, ms := nodes(3)
+		faulty(ms)
+		l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Millisecond, RetryDelayMax: 2 * time.Millisecond})
+		var tries atomic.Int64
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() {
+			_, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: func(context.Context) error { tries.Add(1); return nil }})
+			done <- err
+		}()
+		// A clock of 400 ticks of 1 ms (at least 400 ms): at the retry
+		// delay the waiter would have tried 200-400 times; about once a
+		// second, once or twice (a few on a very slow host).
+		const ticks = 400
+		tk := time.NewTicker(time.Millisecond)
+		for range ticks {
+			<-tk.C
+		}
+		tk.Stop()
+		if n := tries.Load(); n > ticks/20 {
+			t.Errorf("the waiter tried %d times in %d ticks of 1 ms with no majority answering; want at most %d", n, ticks, ticks/20)
+		}
+		cancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Fatalf("waiter = %v; want context.Canceled", err)
+		}
+	})
+	t.Run("WokenWhenBack", func(t *testing.T) {
+		ns, ms := nodes(3)
+		failing := faulty(ms)
+		obs := &waitObserver{started: make(chan struct{}, 16)}
+		// An hour between tries: only a wake-up makes the second one.
+		l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Hour, RetryDelayMax: time.Hour, MaxWait: 2 * time.Hour, Observer: obs})
+		done := make(chan error, 1)
+		go func() {
+			_, err := l.Acquire(t.Context(), key, Request{TTL: time.Second, Wait: 2 * time.Hour})
+			done <- err
+		}()
+		select {
+		case <-obs.started: // its try found no majority, and it waits
+		case err := <-done:
+			t.Fatalf("waiter = %v; want it to wait", err)
+		}
+		if l.majorityBack() == nil {
+			t.Fatal("no majority answers, yet majorityBack is nil")
+		}
+		failing.Store(false)
+		// Another request's answers tell the Locker that a majority
+		// answers again.
+		if _, err := l.Acquire(t.Context(), "other", Request{TTL: time.Second}); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Fatalf("waiter = %v; want granted", err)
+			}
+		case <-time.After(time.Minute):
+			t.Fatal("the waiter was not woken when a majority answered again")
+		}
+	})
 }
