@@ -45,9 +45,12 @@ type AcquireRequest struct {
 	// Example: 10000
 	TtlMs *int64 `json:"ttl_ms,omitempty"`
 
-	// WaitMs How long to keep retrying while the lock is held or too few nodes
-	// answer. Default 0: try once. At most the server's max wait (60000
-	// unless configured), or the answer is 400.
+	// WaitMs How long to keep retrying while the lock is held, too few nodes
+	// answer, or a fencing token cannot be issued (`fencing-unavailable`).
+	// A try under way when the wait ends finishes first, so the answer
+	// can come up to the server's issue timeout after `wait_ms`.
+	// Default 0: try once. At most the server's max wait (60000 unless
+	// configured), or the answer is 400.
 	//
 	//
 	// Example: 5000
