@@ -128,6 +128,8 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 	// heldUntil is when the lease a try of this acquire last found held
 	// ends (zero: none found held).
 	var heldUntil time.Time
+	// backWoken: the last pause ended because a majority answered again.
+	backWoken := false
 	defer func() {
 		if w != nil {
 			l.leave(key, w, granted)
@@ -205,17 +207,26 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			return nil, &Error{Op: "acquire", Key: key, Err: ErrWaitTimeout, Nodes: aerr.Nodes, RetryAfter: aerr.RetryAfter, Cause: aerr}
 		}
 		delay := l.jitter(aerr)
-		if behind && (aerr.RetryAfter <= 0 || !errors.Is(aerr, ErrHeld)) {
+		var back <-chan struct{}
+		switch held := heldUntil.Sub(l.opts.Now()); {
+		case behind:
 			// Not the first waiter's retry delay: a waiter behind it
 			// makes no try, and is woken when it becomes first (see
 			// leave, wake). Meanwhile it only checks its caller
 			// (Continue) and its deadline, so thousands of waiters on
 			// one name cost no wake-ups per retry of the first while too
-			// few nodes answer. As while the lock is held, it looks once
-			// a second at most, which bounds a turn that came unwoken
-			// (the first waiter granted, its lock then freed unannounced).
-			delay = max(heldRetryMax, l.opts.RetryDelayMax)
-		} else if held := heldUntil.Sub(l.opts.Now()); held > 0 && errors.Is(aerr, ErrQuorum) {
+			// few nodes answer, nor while the first's try runs once the
+			// lease it found has ended. As while the lock is held, it
+			// looks once a second at most, which bounds a turn that came
+			// unwoken (the first waiter granted, its lock then freed
+			// unannounced); sooner only at the end of a lease the first
+			// waiter found still running.
+			d := max(heldRetryMax, l.opts.RetryDelayMax)
+			if errors.Is(aerr, ErrHeld) && aerr.RetryAfter > l.opts.RetryDelayMin {
+				d = min(d, delay)
+			}
+			delay = d
+		case errors.Is(aerr, ErrQuorum) && held > 0:
 			// Too few nodes answered, but a try of ours found the lock
 			// held until then: that news is not stale (a release wakes
 			// us), so it waits as while the lock is held rather than
@@ -224,30 +235,46 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			// retry 10-100 times a second, keep them behind, and never
 			// let them catch up.
 			delay = l.jitter(&Error{Op: "acquire", Key: key, Err: ErrHeld, RetryAfter: held})
-		}
-		var back <-chan struct{}
-		if !behind && errors.Is(aerr, ErrQuorum) {
-			if back = l.majorityBack(); back != nil {
-				// Fewer nodes than a majority answer: a try now can
-				// only time out on them, and thousands of waiting names
-				// trying 10-100 times a second each would bury the
-				// server in tries and their clean-ups. It waits for a
-				// majority to answer again (which a request's answer or a
-				// background check tells), trying once in about a
-				// second meanwhile, spread, as the one that finds them
-				// back.
-				delay = max(delay, l.outageDelay())
+		case errors.Is(aerr, ErrQuorum) && l.majorityBack() != nil:
+			// Fewer nodes than a majority answer: a try now can only
+			// time out on them, and thousands of waiting names trying
+			// 10-100 times a second each would bury the server in tries
+			// and their clean-ups. It tries about once a second, spread,
+			// and sooner once the answers of a request (any round on this
+			// server) show a majority back (unless it was woken so last
+			// time: a majority that comes and goes at the request rate
+			// must not wake it each time).
+			delay = max(delay, l.outageDelay())
+			if !backWoken {
+				back = l.majorityBack()
 			}
+		case errors.Is(aerr, ErrQuorum) && aerr.RetryAfter > 0, errors.Is(aerr, ErrFencing):
+			// Nodes quarantined (until RetryAfter), or no token could be
+			// issued (Postgres down or slow): each try would take the
+			// name on the nodes and clean up after itself for nothing, so
+			// it tries about once a second (at the quarantine's end if
+			// sooner).
+			d := l.outageDelay()
+			if aerr.RetryAfter > 0 {
+				d = min(d, aerr.RetryAfter+l.opts.RetryDelayMin)
+			}
+			delay = max(delay, d)
 		}
 		delay = min(delay, left)
 		var wake <-chan struct{}
 		if w != nil {
 			wake = w.wake
 		}
-		stopped, err := l.pause(ctx, delay, wake, back, req.Stop)
+		why, err := l.pause(ctx, delay, wake, back, req.Stop)
 		if err != nil {
 			return nil, fmt.Errorf("acquire %q: %w", key, err)
 		}
+		backWoken = why == pausedBack
+		if why == pausedWake {
+			// A release (or our turn): the lease a try found is over.
+			heldUntil = time.Time{}
+		}
+		stopped := why == pausedStop
 		if stopped {
 			return nil, &Error{Op: "acquire", Key: key, Err: ErrWaitStopped, Nodes: aerr.Nodes, RetryAfter: aerr.RetryAfter, Cause: aerr}
 		}
@@ -264,28 +291,55 @@ func (l *Locker) outageDelay() time.Duration {
 	return max(d, l.opts.RetryDelayMax)
 }
 
+// pauseEnd says what ended a pause.
+type pauseEnd int
+
+const (
+	pausedTimer pauseEnd = iota // the delay passed
+	pausedWake                  // wake: a release, or the waiter's turn
+	pausedBack                  // back: a majority of nodes answers again
+	pausedStop                  // stop
+)
+
+// backSpread is the window over which the waiters woken by a majority
+// answering again (see pause) make their tries.
+const backSpread = 100 * time.Millisecond
+
 // pause waits for d, a wake-up (wake or back), stop or the end of ctx,
-// counted as waiting. It reports whether stop ended it.
-func (l *Locker) pause(ctx context.Context, d time.Duration, wake, back, stop <-chan struct{}) (bool, error) {
+// counted as waiting, and says which ended it. A wake-up by back is spread
+// over backSpread (every waiter of the outage gets it at once), during which
+// a wake, stop or ctx still ends the pause.
+func (l *Locker) pause(ctx context.Context, d time.Duration, wake, back, stop <-chan struct{}) (pauseEnd, error) {
 	select {
 	case <-stop: // closed before the wait: no timer, no waiting counted
-		return true, nil
+		return pausedStop, nil
 	default:
 	}
 	l.opts.Observer.Waiting(1)
 	defer l.opts.Observer.Waiting(-1)
+	until := time.Now().Add(d)
 	timer := time.NewTimer(d)
 	defer timer.Stop()
-	select {
-	case <-ctx.Done():
-		return false, ctx.Err()
-	case <-stop:
-		return true, nil
-	case <-wake:
-	case <-back:
-	case <-timer.C:
+	end := pausedTimer
+	for {
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-stop:
+			return pausedStop, nil
+		case <-wake:
+			return pausedWake, nil
+		case <-back:
+			back, end = nil, pausedBack
+			l.randMu.Lock()
+			spread := time.Duration(l.rand.Int64N(int64(backSpread)))
+			l.randMu.Unlock()
+			timer.Reset(min(time.Until(until), spread))
+			continue
+		case <-timer.C:
+		}
+		return end, nil
 	}
-	return false, nil
 }
 
 // jitter returns a random delay in [RetryDelayMin, RetryDelayMax), shortened

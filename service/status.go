@@ -176,10 +176,12 @@ func (l *Locker) Nodes(ctx context.Context) []NodeStatus {
 	// Recoveries already under way count too: a node counted out only
 	// until the Registry answers for a process it has just seen (a first
 	// sight after Init, often at start) would otherwise be reported as
-	// quarantined for a quarantine's length, which it may never be.
+	// quarantined for a quarantine's length, which it may never be. Not
+	// one whose recording failed already: it is retried every second, and
+	// waiting for it would hold up every /readyz and /v1/nodes meanwhile.
 	for i, m := range l.members {
 		m.mu.Lock()
-		if done := m.recovery; done != nil {
+		if done := m.recovery; done != nil && m.recordErr == nil {
 			recovering.LoadOrStore(i, done)
 		}
 		m.mu.Unlock()

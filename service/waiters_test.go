@@ -361,7 +361,8 @@ func TestLocker_WaiterHeldThroughOutage(t *testing.T) {
 	ms[2].mu.Lock()
 	ms[2].vals["redfence:lock:other"], ms[2].ttl["redfence:lock:other"] = "stray", time.Hour
 	ms[2].mu.Unlock()
-	l.wake(key, "r1", l.quorum) // A tries again: no quorum
+	// A tries again within a second (the lease it found runs for a
+	// minute; no release comes): no quorum.
 	// C, on a name never found held, retries after the retry delay: it
 	// keeps the time.
 	go func() {
