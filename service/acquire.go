@@ -274,8 +274,7 @@ func (l *Locker) Acquire(ctx context.Context, key string, req Request) (*Grant, 
 			// A release (or our turn): the lease a try found is over.
 			heldUntil = time.Time{}
 		}
-		stopped := why == pausedStop
-		if stopped {
+		if why == pausedStop {
 			return nil, &Error{Op: "acquire", Key: key, Err: ErrWaitStopped, Nodes: aerr.Nodes, RetryAfter: aerr.RetryAfter, Cause: aerr}
 		}
 	}

@@ -25,6 +25,11 @@ func (o *waitObserver) Waiting(delta int) {
 	}
 }
 
+// countWakes is a Request.Continue that counts the waiter's wake-ups in n.
+func countWakes(n *atomic.Int64) func(context.Context) error {
+	return func(context.Context) error { n.Add(1); return nil }
+}
+
 // TestLocker_WaitersFIFO: waiters for one key are granted in arrival order,
 // and a release wakes only the first of them (no thundering herd); the one
 // behind it does not even try until it is first: with an hour between
@@ -256,21 +261,18 @@ func TestLocker_WaiterBehindSleepsThroughOutage(t *testing.T) {
 	obs := &waitObserver{started: make(chan struct{}, 1<<16)}
 	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Millisecond, RetryDelayMax: 2 * time.Millisecond, Observer: obs})
 	var aWakes, bWakes atomic.Int64
-	count := func(n *atomic.Int64) func(context.Context) error {
-		return func(context.Context) error { n.Add(1); return nil }
-	}
 	actx, cancelA := context.WithCancel(ctx)
 	bctx, cancelB := context.WithCancel(ctx)
 	defer cancelA()
 	defer cancelB()
 	a, b := make(chan error, 1), make(chan error, 1)
 	go func() {
-		_, err := l.Acquire(actx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: count(&aWakes)})
+		_, err := l.Acquire(actx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: countWakes(&aWakes)})
 		a <- err
 	}()
 	<-obs.started // A tried, failed for want of a quorum, and waits
 	go func() {
-		_, err := l.Acquire(bctx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: count(&bWakes)})
+		_, err := l.Acquire(bctx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: countWakes(&bWakes)})
 		b <- err
 	}()
 	testutil.WaitFor(t, time.Minute, "B to queue behind A", func() (bool, error) {
@@ -337,16 +339,13 @@ func TestLocker_WaiterHeldThroughOutage(t *testing.T) {
 		t.Fatal(err)
 	}
 	var aWakes, cWakes atomic.Int64
-	count := func(n *atomic.Int64) func(context.Context) error {
-		return func(context.Context) error { n.Add(1); return nil }
-	}
 	actx, cancelA := context.WithCancel(ctx)
 	cctx, cancelC := context.WithCancel(ctx)
 	defer cancelA()
 	defer cancelC()
 	a, c := make(chan error, 1), make(chan error, 1)
 	go func() {
-		_, err := l.Acquire(actx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: count(&aWakes)})
+		_, err := l.Acquire(actx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: countWakes(&aWakes)})
 		a <- err
 	}()
 	<-obs.started // A found the lock held, and waits
@@ -366,7 +365,7 @@ func TestLocker_WaiterHeldThroughOutage(t *testing.T) {
 	// C, on a name never found held, retries after the retry delay: it
 	// keeps the time.
 	go func() {
-		_, err := l.Acquire(cctx, "other", Request{TTL: time.Second, Wait: time.Minute, Continue: count(&cWakes)})
+		_, err := l.Acquire(cctx, "other", Request{TTL: time.Second, Wait: time.Minute, Continue: countWakes(&cWakes)})
 		c <- err
 	}()
 	testutil.WaitFor(t, time.Minute, "A to try again", func() (bool, error) { return aWakes.Load() >= 1, nil })
@@ -545,7 +544,7 @@ func TestLocker_NoMajorityWaitsForIt(t *testing.T) {
 		ctx, cancel := context.WithCancel(t.Context())
 		done := make(chan error, 1)
 		go func() {
-			_, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: func(context.Context) error { tries.Add(1); return nil }})
+			_, err := l.Acquire(ctx, key, Request{TTL: time.Second, Wait: time.Minute, Continue: countWakes(&tries)})
 			done <- err
 		}()
 		// A clock of 400 ticks of 1 ms (at least 400 ms): at the retry
