@@ -335,9 +335,23 @@ func TestLocker_WaiterHeldThroughOutage(t *testing.T) {
 	}
 	obs := &waitObserver{started: make(chan struct{}, 1<<16)}
 	l := newLocker(t, ns, &memIssuer{}, Options{RetryDelayMin: time.Millisecond, RetryDelayMax: 2 * time.Millisecond, Observer: obs})
-	if _, err := l.Acquire(ctx, key, Request{TTL: time.Minute}); err != nil {
+	hold, err := l.Acquire(ctx, key, Request{TTL: time.Minute})
+	if err != nil {
 		t.Fatal(err)
 	}
+	// A grant answers once a majority said yes: wait for the third
+	// node's SET, or A's first try could take that node and leave it free.
+	testutil.WaitFor(t, time.Minute, "every node to hold the lock", func() (bool, error) {
+		for _, m := range ms {
+			m.mu.Lock()
+			v := m.vals[rkey]
+			m.mu.Unlock()
+			if v != hold.Token {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
 	var aWakes, cWakes atomic.Int64
 	actx, cancelA := context.WithCancel(ctx)
 	cctx, cancelC := context.WithCancel(ctx)
